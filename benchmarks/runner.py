@@ -1,0 +1,161 @@
+"""Shared benchmark runner: timing, environment record, JSON output.
+
+Every ``bench_<question>.py`` in this folder uses it:
+
+* :func:`measure` times a callable with CUDA events (warm-up excluded, median with p20/p80 over many
+  runs); on a machine without CUDA it falls back to ``time.perf_counter`` (CPU figures are smoke runs,
+  never speed claims).
+* :func:`environment` records GPU, library versions, git revision and time, so every JSON row says
+  where it came from.
+* :func:`write_json` writes ``{"benchmark", "environment", "config", "rows"}`` under
+  ``docs/benchmarks/`` (or ``--out``), and :func:`load_json` reads it back for plotting.
+
+Each benchmark module may define ``plot(result: dict, png_path: Path) -> None``;
+``benchmarks/make_plots.py`` calls it for every JSON file it finds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "docs" / "benchmarks"
+
+
+def git_revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("SPARROW_GIT_REVISION", "unknown")
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": git_revision(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["sm_count"] = props.multi_processor_count
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    return env
+
+
+def _quantiles(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, max(0, round(f * (len(s) - 1))))]  # noqa: E731
+    return {"median_ms": statistics.median(s), "p20_ms": q(0.2), "p80_ms": q(0.8), "n": len(s)}
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, min_time_s: float = 0.0,
+            setup: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Time ``fn()``; returns median / p20 / p80 in milliseconds.
+
+    ``setup`` (untimed) runs before every call, e.g. to rotate inputs or reset a cache. With CUDA the
+    region is bracketed by CUDA events; ``min_time_s`` keeps repeating past ``iters`` until that much
+    time has been measured.
+    """
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    samples: list[float] = []
+    total = 0.0
+    while len(samples) < iters or total < min_time_s * 1e3:
+        if setup is not None:
+            setup()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        samples.append(ms)
+        total += ms
+        if len(samples) >= 10 * max(iters, 1):
+            break
+    return _quantiles(samples)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, GB/s) measured now."""
+    if not torch.cuda.is_available():
+        nbytes = min(nbytes, 256 << 20)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * nbytes / (t["median_ms"] * 1e-3) / 1e9
+
+
+def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path | None = None,
+               extra: dict[str, Any] | None = None) -> Path:
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    doc = {"benchmark": name, "environment": environment(), "config": config, "rows": rows}
+    if extra:
+        doc.update(extra)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return path
+
+
+def load_json(path: Path | str) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON (default docs/benchmarks/)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run that checks the script works")
+    return p
+
+
+def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) if rows else len(c) for c in cols}
+    print("  ".join(c.rjust(widths[c]) for c in cols))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)

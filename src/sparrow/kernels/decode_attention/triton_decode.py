@@ -1,0 +1,206 @@
+"""Split-KV ("flash-decoding") Triton kernel for decode attention over a two-level cache.
+
+One program per (row, kv head, split): it loads the ``T * q_per_kv`` queries that share the kv head as
+one ``[BLOCK_M, D]`` tile, walks its share of the row's virtual sequence — prompt tokens read in place
+from the row's prefix slot, then generated tokens from its generation slot — with an online softmax,
+and writes a partial output and log-sum-exp; a second kernel merges the splits that ran. A row's
+sequence is cut into chunks of at least ``MIN_CHUNK`` tokens, so short rows use few splits.
+Rows of one GRPO group read the same prefix slot: no copy of the prompt's KV is ever made.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _chunk_len(total, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr):
+    chunk = tl.maximum(tl.cdiv(total, NUM_SPLITS), MIN_CHUNK)
+    return tl.cdiv(chunk, BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, visible, qk_scale):
+    k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, PK, PV, GK, GV, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    stride_qa, stride_qh, stride_qt,
+    stride_pks, stride_pkh, stride_pkl,
+    stride_gks, stride_gkh, stride_gkl,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    qk_scale,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+):
+    a = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    pslot = tl.load(PREFIX_SLOT + a)
+    rslot = tl.load(ROW_SLOT + a)
+    plen = tl.load(PREFIX_LEN + a)
+    clen = tl.load(CACHED_LEN + a)
+    total = plen + clen + T
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t_of_m = offs_m // QPK
+    g_of_m = offs_m % QPK
+    m_valid = offs_m < T * QPK
+    offs_d = tl.arange(0, D)
+    q_ptrs = Q + a * stride_qa + (h * QPK + g_of_m)[:, None] * stride_qh + t_of_m[:, None] * stride_qt + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
+    q_limit = plen + clen + t_of_m  # last visible virtual position of each query row
+
+    chunk = _chunk_len(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    start = split * chunk
+    if start >= total:  # an empty split: the merge kernel never reads it
+        return
+    end = tl.minimum(start + chunk, total)
+
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+
+    # prompt tokens, read in place from the prefix slot
+    p_end = tl.minimum(end, plen)
+    pk_base = PK + pslot * stride_pks + h * stride_pkh
+    pv_base = PV + pslot * stride_pks + h * stride_pkh
+    for j0 in range(start, p_end, BLOCK_N):
+        j = j0 + offs_n
+        kv_mask = j < p_end
+        visible = kv_mask[None, :] & m_valid[:, None]
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q,
+            pk_base + j[:, None] * stride_pkl + offs_d[None, :],
+            pv_base + j[:, None] * stride_pkl + offs_d[None, :],
+            kv_mask, visible, qk_scale,
+        )
+    # generated tokens (the new ones included), from the row's generation slot
+    g_start = tl.maximum(start, plen)
+    gk_base = GK + rslot * stride_gks + h * stride_gkh
+    gv_base = GV + rslot * stride_gks + h * stride_gkh
+    for j0 in range(g_start, end, BLOCK_N):
+        j = j0 + offs_n
+        kv_mask = j < end
+        jg = j - plen
+        visible = kv_mask[None, :] & (j[None, :] <= q_limit[:, None]) & m_valid[:, None]
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q,
+            gk_base + jg[:, None] * stride_gkl + offs_d[None, :],
+            gv_base + jg[:, None] * stride_gkl + offs_d[None, :],
+            kv_mask, visible, qk_scale,
+        )
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # log2 domain
+    o_ptrs = (O_PART + a * stride_oa + (h * QPK + g_of_m)[:, None] * stride_oh + t_of_m[:, None] * stride_ot
+              + split * stride_os + offs_d[None, :])
+    tl.store(o_ptrs, out, mask=m_valid[:, None])
+    l_ptrs = LSE_PART + a * stride_la + (h * QPK + g_of_m) * stride_lh + t_of_m * stride_lt + split
+    tl.store(l_ptrs, lse, mask=m_valid)
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE_PART, OUT, PREFIX_LEN, CACHED_LEN,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    stride_a, stride_h, stride_t,
+    T: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    a = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tl.program_id(2)
+    total = tl.load(PREFIX_LEN + a) + tl.load(CACHED_LEN + a) + T
+    n_valid = tl.cdiv(total, _chunk_len(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N))
+    offs_s = tl.arange(0, SPLITS_P2)
+    valid = offs_s < n_valid
+    lse = tl.load(LSE_PART + a * stride_la + h * stride_lh + t * stride_lt + offs_s, mask=valid,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(valid, tl.exp2(lse - m_safe), 0.0)
+    offs_d = tl.arange(0, D)
+    o = tl.load(O_PART + a * stride_oa + h * stride_oh + t * stride_ot + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=valid[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(OUT + a * stride_a + h * stride_h + t * stride_t + offs_d, out.to(OUT.dtype.element_ty))
+
+
+MIN_CHUNK = 256
+
+
+def num_splits_for(max_len: int, *, max_splits: int = 64) -> int:
+    """Splits per (row, kv head) for a cache of ``max_len`` tokens (a static choice per cache).
+
+    A row uses ``ceil(len / chunk)`` of them, chunks being at least ``MIN_CHUNK`` tokens, so short rows
+    launch few active programs and the merge reads only the splits that ran.
+    """
+    return max(1, min(max_splits, -(-max_len // MIN_CHUNK)))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    gen_k: torch.Tensor,
+    gen_v: torch.Tensor,
+    row_slot: torch.Tensor,
+    prefix_slot: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cached_len: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    min_chunk: int = MIN_CHUNK,
+) -> torch.Tensor:
+    A, Hq, T, D = q.shape
+    Hkv = prefix_k.shape[1]
+    qpk = Hq // Hkv
+    if num_splits is None:
+        num_splits = num_splits_for(prefix_k.shape[2] + gen_k.shape[2])
+    block_m = max(16, triton.next_power_of_2(T * qpk))
+    block_n = 64 if D <= 64 or block_m <= 64 else 32
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    o_part = torch.empty((A, Hq, T, num_splits, D), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((A, Hq, T, num_splits), device=q.device, dtype=torch.float32)
+    _decode_split_kernel[(A, Hkv, num_splits)](
+        q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        prefix_k.stride(0), prefix_k.stride(1), prefix_k.stride(2),
+        gen_k.stride(0), gen_k.stride(1), gen_k.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        scale * 1.4426950408889634,
+        T=T, QPK=qpk, D=D, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
+    )
+    out = torch.empty_like(q)
+    _merge_kernel[(A, Hq, T)](
+        o_part, lse_part, out, prefix_len, cached_len,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        T=T, D=D, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n,
+        SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+    )
+    return out

@@ -1,0 +1,21 @@
+"""Model builders (torchtune architectures with pluggable attention) and checkpoint loading."""
+
+from sparrow.models.attention import AttentionFactory, SparrowAttention, attention_modules, use_attention
+from sparrow.models.builders import (
+    llama3,
+    llama3_2_1b,
+    llama3_2_3b,
+    qwen2,
+    qwen2_5_0_5b,
+    qwen2_5_1_5b,
+    qwen2_5_7b,
+    tiny_llama3,
+    tiny_qwen2,
+)
+from sparrow.models.checkpoint import load_hf_checkpoint, load_model_state
+
+__all__ = [
+    "AttentionFactory", "SparrowAttention", "attention_modules", "use_attention", "llama3", "llama3_2_1b",
+    "llama3_2_3b", "qwen2", "qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "tiny_llama3", "tiny_qwen2",
+    "load_hf_checkpoint", "load_model_state",
+]

@@ -1,0 +1,30 @@
+"""Shared test helpers: tiny models, tolerances, bit-level comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from sparrow.models import tiny_llama3, tiny_qwen2
+
+
+def random_tiny(family: str = "qwen2", *, std: float = 0.3, seed: int = 0, **kw) -> torch.nn.Module:
+    """A tiny model with random (never zero) weights large enough to give peaked distributions."""
+    torch.manual_seed(seed)
+    build = {"qwen2": tiny_qwen2, "llama3": tiny_llama3}[family]
+    m = build(**kw)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return m.eval()
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two tensors of the same dtype (NaN payloads and signed zeros included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))

@@ -1,0 +1,107 @@
+import math
+
+import pytest
+import torch
+
+from sparrow.kernels.decode_attention import decode_attention
+from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+from tests.helpers import rel_err
+
+
+def _naive(q, pk, pv, gk, gv, rs, ps, pl, cl):
+    """Per-row, per-head loop in float64: the plainest statement of decode attention."""
+    A, Hq, T, D = q.shape
+    qpk = Hq // pk.shape[1]
+    out = torch.empty(A, Hq, T, D, dtype=torch.float64)
+    for a in range(A):
+        for h in range(Hq):
+            kv = h // qpk
+            for t in range(T):
+                n_gen = int(cl[a]) + t + 1
+                k = torch.cat([pk[ps[a], kv, : pl[a]], gk[rs[a], kv, :n_gen]]).double()
+                v = torch.cat([pv[ps[a], kv, : pl[a]], gv[rs[a], kv, :n_gen]]).double()
+                w = torch.softmax(k @ q[a, h, t].double() / math.sqrt(D), dim=0)
+                out[a, h, t] = w @ v
+    return out
+
+
+def _inputs(A, Hq, Hkv, T, D, P, Lp, R, Lg, dtype=torch.float32):
+    q = torch.randn(A, Hq, T, D, dtype=dtype)
+    pk, pv = torch.randn(P, Hkv, Lp, D, dtype=dtype), torch.randn(P, Hkv, Lp, D, dtype=dtype)
+    gk, gv = torch.randn(R, Hkv, Lg, D, dtype=dtype), torch.randn(R, Hkv, Lg, D, dtype=dtype)
+    ps = torch.randint(0, P, (A,))
+    rs = torch.randperm(R)[:A]
+    pl = torch.randint(1, Lp + 1, (A,))
+    cl = torch.randint(0, Lg - T + 1, (A,))
+    return q, pk, pv, gk, gv, rs, ps, pl, cl
+
+
+SHAPES = [
+    pytest.param((1, 2, 1, 1, 16, 1, 5, 1, 3), id="one-row-mha"),
+    pytest.param((3, 4, 2, 1, 16, 2, 37, 4, 20), id="gqa2-odd-lengths"),
+    pytest.param((2, 6, 2, 3, 32, 3, 70, 3, 9), id="verify-T3"),
+    pytest.param((4, 7, 1, 2, 16, 2, 63, 5, 100), id="qpk7-T2"),
+    pytest.param((2, 8, 2, 1, 64, 2, 130, 2, 17), id="d64"),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_matches_naive(shape):
+    args = _inputs(*shape)
+    out = decode_attention(*args, impl="reference")
+    assert rel_err(out, _naive(*args)) < 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("splits", [1, 3], ids=["1split", "3splits"])
+def test_triton_matches_reference(shape, splits):
+    args = _inputs(*shape)
+    ref = decode_attention(*args, impl="reference")
+    out = decode_attention_triton(*args, num_splits=splits, min_chunk=16)
+    assert rel_err(out, ref) < 1e-5
+
+
+LOW_PRECISION = [
+    torch.float16,
+    # the Triton interpreter mishandles bf16 loads on the CPU; bf16 is checked on CUDA
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+]
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_triton_low_precision_error_no_worse_than_eager(dtype):
+    args = _inputs(3, 4, 2, 1, 32, 2, 90, 3, 40)
+    f64 = _naive(*args)
+    dev = "cuda" if dtype == torch.bfloat16 else "cpu"
+    bf = [a.to(dev, dtype) if a.is_floating_point() else a.to(dev) for a in args]
+    eager = decode_attention(*bf, impl="reference")
+    tri = decode_attention_triton(*bf, num_splits=2)
+    assert rel_err(tri, f64) <= 1.5 * rel_err(eager, f64) + 1e-3
+
+
+@pytest.mark.parametrize("impl,poison", [("reference", 1e4), ("triton", 1e4), ("triton", float("nan"))],
+                         ids=["reference-big", "triton-big", "triton-nan"])
+def test_poisoned_cache_beyond_lengths_is_ignored(impl, poison):
+    q, pk, pv, gk, gv, rs, ps, pl, cl = _inputs(3, 4, 2, 2, 16, 2, 50, 3, 30)
+    out = decode_attention(q, pk, pv, gk, gv, rs, ps, pl, cl, impl="reference")
+    pk2, pv2, gk2, gv2 = pk.clone(), pv.clone(), gk.clone(), gv.clone()
+    for s in range(pk.shape[0]):  # past the longest prompt that reads this prefix slot
+        used = max([int(pl[a]) for a in range(3) if int(ps[a]) == s], default=0)
+        pk2[s, :, used:] = poison
+        pv2[s, :, used:] = poison
+    for a in range(3):  # past the row's last new token
+        gk2[rs[a], :, cl[a] + 2:] = poison
+        gv2[rs[a], :, cl[a] + 2:] = poison
+    out2 = decode_attention(q, pk2, pv2, gk2, gv2, rs, ps, pl, cl, impl=impl)
+    assert torch.isfinite(out2).all()
+    assert rel_err(out2, out) < 1e-5
+
+
+def test_validation_errors():
+    q, pk, pv, gk, gv, rs, ps, pl, cl = _inputs(2, 4, 2, 1, 16, 2, 8, 2, 8)
+    with pytest.raises(ValueError, match="row_slot"):
+        decode_attention(q, pk, pv, gk, gv, rs[:1], ps, pl, cl)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        decode_attention(q[:, :3], pk, pv, gk, gv, rs, ps, pl, cl)
+    with pytest.raises(ValueError, match="impl"):
+        decode_attention(q, pk, pv, gk, gv, rs, ps, pl, cl, impl="cuda")

@@ -1,0 +1,142 @@
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from sparrow.rollout.sampling import (
+    SamplingParams,
+    process_logits,
+    row_keys,
+    sample,
+    top_k_mask,
+    top_p_mask,
+    uniform_noise,
+)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def logit_rows(draw):
+    v = draw(st.integers(1, 40))
+    vals = draw(st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=v, max_size=v))
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+def check_top_p(logits: torch.Tensor, kept: torch.Tensor, p: float) -> None:
+    """kept must be the smallest set of most likely tokens whose mass reaches p."""
+    probs = torch.softmax(logits, -1)
+    kept_mass = probs[kept].sum().item()
+    assert kept.any()
+    # most likely first: every kept token is at least as likely as every dropped one
+    if (~kept).any():
+        assert probs[kept].min() >= probs[~kept].max()
+    assert kept_mass >= p - 1e-9  # reaches p ...
+    smallest = probs[kept].min().item()
+    assert kept_mass - smallest < p + 1e-9  # ... and dropping its least likely token would not
+
+
+def _margin_ok(logits, p):
+    probs = torch.softmax(logits, -1).sort(descending=True).values
+    c = torch.cumsum(probs, 0)
+    return bool(((c - p).abs() > 1e-6).all()) and bool((probs[1:] != probs[:-1]).all())
+
+
+@SETTINGS
+@given(logits=logit_rows(), p=st.floats(0.01, 1.0))
+def test_top_p_keeps_smallest_set_reaching_p(logits, p):
+    assume(_margin_ok(logits, p))
+    kept = torch.isfinite(top_p_mask(logits, p))
+    check_top_p(logits, kept, p)
+
+
+def _broken_top_p(logits, p):  # off by one: keeps tokens while the mass *including* them is <= p
+    sorted_logits, order = torch.sort(logits, descending=True)
+    probs = torch.softmax(sorted_logits, -1)
+    drop_sorted = torch.cumsum(probs, -1) > p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def test_top_p_property_catches_a_broken_mask():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0], dtype=torch.float64)
+    with pytest.raises(AssertionError):
+        check_top_p(logits, torch.isfinite(_broken_top_p(logits, 0.8)), 0.8)
+    check_top_p(logits, torch.isfinite(top_p_mask(logits, 0.8)), 0.8)
+
+
+def check_top_k(logits, kept, k):
+    k = min(k, logits.numel())
+    kth = logits.sort(descending=True).values[k - 1]
+    assert torch.equal(kept, logits >= kth)  # the k largest, plus ties with the k-th
+
+
+@SETTINGS
+@given(logits=logit_rows(), k=st.integers(1, 50))
+def test_top_k_keeps_k_largest(logits, k):
+    check_top_k(logits, torch.isfinite(top_k_mask(logits, k)), k)
+
+
+def test_top_k_property_catches_a_broken_mask():
+    logits = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    broken = torch.isfinite(logits.masked_fill(logits <= logits.sort(descending=True).values[1], float("-inf")))
+    with pytest.raises(AssertionError):
+        check_top_k(logits, broken, 2)
+
+
+@SETTINGS
+@given(logits=logit_rows(), t=st.floats(0.05, 3.0), p=st.floats(0.05, 1.0), k=st.integers(0, 50))
+def test_processed_distribution_is_normalised_on_its_support(logits, t, p, k):
+    lp = process_logits(logits.float()[None], SamplingParams(temperature=t, top_p=p, top_k=k))[0]
+    assert math.isclose(lp.exp().sum().item(), 1.0, rel_tol=1e-5)
+    assert torch.isfinite(lp).any()
+
+
+def test_gumbel_sampling_matches_the_distribution():
+    logits = torch.tensor([1.5, 0.2, -0.5, 0.9, -2.0])
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    n = 40000
+    keys = row_keys(torch.tensor(7), torch.arange(n), torch.zeros(n, dtype=torch.int64))
+    tokens, _ = sample(logits.expand(n, -1), params, keys)
+    expected = process_logits(logits[None], params)[0].exp()
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    tv = 0.5 * (freq - expected.double()).abs().sum().item()
+    assert tv < 0.015
+    # negative control: tokens drawn from the raw (unprocessed) distribution are far off
+    raw = torch.softmax(logits, -1).double()
+    assert 0.5 * (freq - raw).abs().sum().item() > 3 * tv
+
+
+def test_noise_is_uniform_and_counter_based():
+    keys = row_keys(torch.tensor(123), torch.arange(64), torch.arange(64))
+    u = uniform_noise(keys, 1000)
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    # the same (seed, sample, step) gives the same noise whatever else is in the batch
+    k2 = row_keys(torch.tensor(123), torch.tensor([5, 70]), torch.tensor([5, 70]))
+    assert torch.equal(uniform_noise(k2, 1000)[0], u[5])
+    other_seed = uniform_noise(row_keys(torch.tensor(124), torch.arange(64), torch.arange(64)), 1000)
+    assert not torch.equal(other_seed, u)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+    ],
+    ids=["neg-temp", "top-p-0", "top-p-1.5", "top-k-neg", "max-new-0"],
+)
+def test_sampling_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unknown_stop_token():
+    with pytest.raises(ValueError, match="unknown stop token"):
+        SamplingParams(stop_token_ids=(5, 99)).validate_vocab(64)
