@@ -1,0 +1,360 @@
+"""Triton kernels for bit-exact sparse weight sync (diff, compaction, compact packing, decode, apply).
+
+Layout and semantics are those of :mod:`sparrow.kernels.sync.reference` (the test oracle); this module
+never imports it. Scheme on the GPU (no host round trip of indices):
+
+1. ``_diff_count_kernel``: one program per ``DIFF_TILE`` elements reads old and new bit patterns once,
+   writes the tile's change count and a 1-bit-per-element change mask (1/16 of the bf16 input), and
+   optionally the two hash lanes of the new bits.
+2. exclusive scan of the tile counts on the device (``torch.cumsum``, no sync).
+3. ``_diff_collect_kernel``: one program per tile reads only the mask words, ranks the set bits with an
+   in-tile prefix sum and gathers old/new bits of the changed lanes only (masked loads touch only the
+   memory sectors that hold changes), writing ``(position, code)`` records at ``tile offset + rank``;
+   optionally it writes the new bits into the old tensor (the sender's snapshot update).
+4. ``_pack_kernel``: one program per block of ``RANK_BLOCK`` records computes the Elias-Fano parameter
+   ``L``, the value width ``W`` (exact cost minimisation), escapes, and packs the four bit regions
+   word-parallel (each output word gathers the fields it overlaps; no atomics) into a fixed-capacity slot.
+5. exclusive scan of the slot sizes on the device, ``_assemble_kernel`` copies the used part of every
+   slot behind the metadata.
+
+Decode: ``_unpack_kernel`` (one program per block) expands the high bits tile by tile, ranks them with a
+prefix sum, and reads low bits, value codes and exceptions by rank; it validates every field and flags
+bad blocks instead of writing out of range. ``_apply_kernel`` then adds the decoded deltas in place.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import FMIX_1, FMIX_2, H_ADD_I, H_MUL_I, H_MUL_X, H_XOR_B
+
+
+@triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * FMIX_1
+    h = h ^ (h >> 13)
+    h = h * FMIX_2
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _unsigned32(x, EBITS: tl.constexpr):
+    """int16/int32 bit patterns -> uint32 zero-extended value."""
+    if EBITS == 16:
+        return (x.to(tl.int32) & 0xFFFF).to(tl.uint32, bitcast=True)
+    else:
+        return x.to(tl.int32).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _hash_lanes(xu, pos, valid):
+    t = (xu * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)
+    a = _fmix32(t)
+    b = _fmix32(t ^ H_XOR_B)
+    sa = tl.sum(tl.where(valid, a.to(tl.int64), 0), axis=0)
+    sb = tl.sum(tl.where(valid, b.to(tl.int64), 0), axis=0)
+    return sa, sb
+
+
+@triton.jit
+def _hash_kernel(bits_ptr, n, start, out_ptr, EBITS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    x = tl.load(bits_ptr + offs, mask=valid, other=0)
+    pos = (offs + start).to(tl.uint32)
+    sa, sb = _hash_lanes(_unsigned32(x, EBITS), pos, valid)
+    tl.store(out_ptr + 2 * pid, sa)
+    tl.store(out_ptr + 2 * pid + 1, sb)
+
+
+@triton.jit
+def _diff_count_kernel(old_ptr, new_ptr, n, counts_ptr, maskw_ptr, start, hash_ptr,
+                       EBITS: tl.constexpr, TILE: tl.constexpr, HASH: tl.constexpr):
+    pid = tl.program_id(0)
+    lane = tl.arange(0, TILE)
+    offs = pid.to(tl.int64) * TILE + lane
+    valid = offs < n
+    old = tl.load(old_ptr + offs, mask=valid, other=0)
+    new = tl.load(new_ptr + offs, mask=valid, other=0)
+    ch = (old != new) & valid
+    tl.store(counts_ptr + pid, tl.sum(ch.to(tl.int32), axis=0))
+    bitv = tl.where(ch, 1, 0).to(tl.uint32) << (lane & 31).to(tl.uint32)
+    words = tl.sum(tl.reshape(bitv, (TILE // 32, 32)), axis=1)
+    tl.store(maskw_ptr + pid.to(tl.int64) * (TILE // 32) + tl.arange(0, TILE // 32),
+             words.to(tl.int32, bitcast=True))
+    if HASH:
+        sa, sb = _hash_lanes(_unsigned32(new, EBITS), (offs + start).to(tl.uint32), valid)
+        tl.store(hash_ptr + 2 * pid, sa)
+        tl.store(hash_ptr + 2 * pid + 1, sb)
+
+
+@triton.jit
+def _delta_code(old, new, EBITS: tl.constexpr):
+    """c = zigzag(new - old) - 1 as int64 (unsigned value < 2^EBITS)."""
+    MASK: tl.constexpr = (1 << EBITS) - 1
+    o = old.to(tl.int64) & MASK
+    x = new.to(tl.int64) & MASK
+    d = (x - o) & MASK
+    zz = tl.where((d >> (EBITS - 1)) == 1, (~(d << 1)) & MASK, (d << 1) & MASK)
+    return zz - 1
+
+
+@triton.jit
+def _diff_collect_kernel(old_ptr, new_ptr, n, offsets_ptr, maskw_ptr, pos_ptr, val_ptr,
+                         EBITS: tl.constexpr, TILE: tl.constexpr, DELTA: tl.constexpr,
+                         UPDATE_OLD: tl.constexpr):
+    pid = tl.program_id(0)
+    lane = tl.arange(0, TILE)
+    offs = pid.to(tl.int64) * TILE + lane
+    w = tl.load(maskw_ptr + pid.to(tl.int64) * (TILE // 32) + (lane >> 5))
+    ch = ((w.to(tl.uint32, bitcast=True) >> (lane & 31).to(tl.uint32)) & 1) != 0
+    ch = ch & (offs < n)
+    base = tl.load(offsets_ptr + pid)
+    rank = tl.cumsum(ch.to(tl.int32), axis=0) - 1
+    dst = base + rank
+    new = tl.load(new_ptr + offs, mask=ch, other=0)
+    if DELTA:
+        old = tl.load(old_ptr + offs, mask=ch, other=0)
+        val = _delta_code(old, new, EBITS)
+    else:
+        val = new.to(tl.int64) & ((1 << EBITS) - 1)
+    tl.store(pos_ptr + dst, offs.to(tl.int32), mask=ch)
+    tl.store(val_ptr + dst, val.to(tl.int32), mask=ch)
+    if UPDATE_OLD:
+        tl.store(old_ptr + offs, new, mask=ch)
+
+
+@triton.jit
+def _pack_fixed(dst_ptr, nwords, src_ptr, count, width, WT: tl.constexpr):
+    """Words [0, nwords) of dst = the fields src[0..count) of ``width`` bits packed back to back."""
+    wsafe = tl.maximum(width, 1).to(tl.int64)
+    fmask = (tl.full((WT,), 1, tl.int64) << wsafe) - 1
+    kmax = 32 // wsafe + 2
+    for w0 in range(0, nwords, WT):
+        wi = w0 + tl.arange(0, WT)
+        active = wi < nwords
+        bit0 = wi.to(tl.int64) * 32
+        f0 = bit0 // wsafe
+        acc = tl.zeros((WT,), tl.int64)
+        for k in range(0, kmax):
+            f = f0 + k
+            fs = f * wsafe - bit0
+            fa = active & (f < count) & (fs < 32)
+            v = tl.load(src_ptr + f, mask=fa, other=0).to(tl.int64) & fmask
+            left = v << tl.maximum(fs, 0)
+            right = v >> tl.maximum(-fs, 0)
+            acc = acc | tl.where(fa, tl.where(fs >= 0, left, right), 0)
+        tl.store(dst_ptr + wi, (acc & 0xFFFFFFFF).to(tl.int32), mask=active)
+
+
+@triton.jit
+def _pack_bitset(dst_ptr, nwords, h_ptr, count, WT: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Words [0, nwords) of dst = bitset with bits h[0..count) set (h strictly increasing)."""
+    for w0 in range(0, nwords, WT):
+        wi = w0 + tl.arange(0, WT)
+        active = wi < nwords
+        bit0 = wi * 32
+        lo = tl.zeros((WT,), tl.int32)
+        hi = tl.zeros((WT,), tl.int32) + count
+        for _ in tl.static_range(SEARCH_STEPS):
+            mid = (lo + hi) >> 1
+            go = lo < hi
+            hv = tl.load(h_ptr + mid, mask=go & (mid < count), other=0)
+            right = go & (hv < bit0)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(go & (hv >= bit0), mid, hi)
+        acc = tl.zeros((WT,), tl.int64)
+        for k in tl.static_range(32):
+            idx = lo + k
+            a = active & (idx < count)
+            hv = tl.load(h_ptr + idx, mask=a, other=0)
+            rel = hv - bit0
+            a = a & (rel < 32) & (rel >= 0)
+            acc = acc | tl.where(a, tl.full((WT,), 1, tl.int64) << tl.maximum(rel, 0).to(tl.int64), 0)
+        tl.store(dst_ptr + wi, (acc & 0xFFFFFFFF).to(tl.int32), mask=active)
+
+
+@triton.jit
+def _pack_kernel(pos_ptr, val_ptr, m, slots_ptr, sizes_ptr, meta_ptr, scratch_ptr,
+                 EBITS: tl.constexpr, R: tl.constexpr, SLOT: tl.constexpr, WT: tl.constexpr,
+                 SEARCH_STEPS: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, R)
+    g = b * R + i
+    valid = g < m
+    cnt = tl.minimum(m - b * R, R)
+    p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
+    p_first = tl.load(pos_ptr + b * R).to(tl.int64)
+    p_last = tl.load(pos_ptr + b * R + cnt - 1).to(tl.int64)
+    span = p_last - p_first
+    q = (span + 1) // cnt
+    L = (q * 0).to(tl.int64)
+    for k in tl.static_range(1, 32):
+        L += ((q >> k) > 0).to(tl.int64)
+    u = p - p_first
+    low = u & ((tl.full((R,), 1, tl.int64) << L) - 1)
+    h = (u >> L) + i
+    high_len = (span >> L) + cnt
+    MASK: tl.constexpr = (1 << EBITS) - 1
+    cu = tl.load(val_ptr + g, mask=valid, other=0).to(tl.int64) & MASK
+    zz = cu + 1
+    need = tl.zeros((R,), tl.int32)
+    for k in tl.static_range(EBITS):
+        need += ((zz >> k) > 0).to(tl.int32)
+    best = cnt * EBITS + 1
+    W = (cnt * 0 + 1).to(tl.int64)
+    for w in tl.static_range(1, EBITS + 1):
+        cost = cnt * w + EBITS * tl.sum((valid & (need > w)).to(tl.int64), axis=0)
+        better = cost < best
+        W = tl.where(better, w, W)
+        best = tl.where(better, cost, best)
+    esc_code = (tl.full((R,), 1, tl.int64) << W) - 1
+    esc = valid & (cu >= esc_code)
+    code = tl.where(esc, esc_code, cu)
+    e = tl.sum(esc.to(tl.int64), axis=0)
+    erank = tl.cumsum(esc.to(tl.int32), axis=0) - 1
+    lw = (cnt * L + 31) // 32
+    hw = (high_len + 31) // 32
+    vw = (cnt * W + 31) // 32
+    if EBITS == 32:
+        xw = e
+    else:
+        xw = (e + 1) // 2
+    scr = scratch_ptr + b * (4 * R)
+    tl.store(scr + i, low.to(tl.int32), mask=valid)
+    tl.store(scr + R + i, h.to(tl.int32), mask=valid)
+    tl.store(scr + 2 * R + i, code.to(tl.int32), mask=valid)
+    tl.store(scr + 3 * R + erank, cu.to(tl.int32), mask=esc)
+    tl.debug_barrier()
+    slot = slots_ptr + b * SLOT
+    _pack_fixed(slot, lw, scr, cnt, L, WT)
+    _pack_bitset(slot + lw, hw, scr + R, cnt, WT, SEARCH_STEPS)
+    _pack_fixed(slot + lw + hw, vw, scr + 2 * R, cnt, W, WT)
+    _pack_fixed(slot + lw + hw + vw, xw, scr + 3 * R, e, W * 0 + EBITS, WT)
+    tl.store(sizes_ptr + b, lw + hw + vw + xw)
+    tl.store(meta_ptr + 4 * b, p_first.to(tl.int32))
+    tl.store(meta_ptr + 4 * b + 2, (L | (W << 8) | (e << 16)).to(tl.int32))
+    tl.store(meta_ptr + 4 * b + 3, high_len.to(tl.int32))
+
+
+@triton.jit
+def _assemble_kernel(slots_ptr, sizes_ptr, offsets_ptr, meta_ptr, out_ptr, nb,
+                     SLOT: tl.constexpr, CT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    size = tl.load(sizes_ptr + b)
+    off = tl.load(offsets_ptr + b)
+    dst = out_ptr + 4 * nb + off
+    for w0 in range(0, size, CT):
+        wi = w0 + tl.arange(0, CT)
+        a = wi < size
+        tl.store(dst + wi, tl.load(slots_ptr + b * SLOT + wi, mask=a, other=0), mask=a)
+    k = tl.arange(0, 4)
+    meta = tl.load(meta_ptr + 4 * b + k)
+    meta = tl.where(k == 1, off.to(tl.int32), meta)
+    tl.store(out_ptr + 4 * b + k, meta)
+
+
+@triton.jit
+def _read_field(words_ptr, region, idx, width, mask):
+    """Field ``idx`` of ``width`` bits (int64 tensors) in the region starting at word ``region``."""
+    bitpos = idx * width
+    wi = region + (bitpos >> 5)
+    s = bitpos & 31
+    lo = tl.load(words_ptr + wi, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + wi + 1, mask=mask & (s + width > 32), other=0).to(tl.int64) & 0xFFFFFFFF
+    return ((lo | (hi << 32)) >> s) & ((tl.full(idx.shape, 1, tl.int64) << width) - 1)
+
+
+@triton.jit
+def _unpack_kernel(words_ptr, total, n, m, pos_ptr, val_ptr, err_ptr, sizes_ptr,
+                   EBITS: tl.constexpr, R: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, R).to(tl.int64)
+    nb = (m + R - 1) // R
+    cnt = tl.minimum(m - b * R, R)
+    p_first = tl.load(words_ptr + 4 * b).to(tl.int64) & 0xFFFFFFFF
+    body_off = tl.load(words_ptr + 4 * b + 1).to(tl.int64) & 0xFFFFFFFF
+    packed = tl.load(words_ptr + 4 * b + 2).to(tl.int64) & 0xFFFFFFFF
+    high_len = tl.load(words_ptr + 4 * b + 3).to(tl.int64) & 0xFFFFFFFF
+    L = packed & 0xFF
+    W = (packed >> 8) & 0xFF
+    e = packed >> 16
+    ok = (L <= 31) & (W >= 1) & (W <= EBITS) & (e <= cnt) & (p_first < n) & (high_len >= cnt)
+    L = tl.minimum(L, 31)
+    W = tl.maximum(tl.minimum(W, EBITS), 1)
+    ok = ok & (high_len <= cnt + (n >> L) + 1)
+    high_len = tl.where(ok, high_len, 0)
+    e = tl.where(ok, e, 0)
+    lw = (cnt * L + 31) // 32
+    hw = (high_len + 31) // 32
+    vw = (cnt * W + 31) // 32
+    if EBITS == 32:
+        xw = e
+    else:
+        xw = (e + 1) // 2
+    start = 4 * nb + body_off
+    ok = ok & (start + lw + hw + vw + xw <= total)
+    tl.store(sizes_ptr + b, tl.where(ok, lw + hw + vw + xw, -1))
+    high_len = tl.where(ok, high_len, 0)
+    e = tl.where(ok, e, 0)
+    hreg = start + lw
+    vreg = hreg + hw
+    xreg = vreg + vw
+    esc_code = (tl.full((R,), 1, tl.int64) << W) - 1
+    MAXC: tl.constexpr = (1 << EBITS) - 2
+    running = (cnt * 0).to(tl.int64)
+    erun = (cnt * 0).to(tl.int64)
+    bad = (cnt * 0).to(tl.int64)
+    for t in range(0, (high_len + R - 1) // R):
+        j = t * R + lane
+        inb = j < high_len
+        wv = tl.load(words_ptr + hreg + (j >> 5), mask=inb, other=0).to(tl.int64) & 0xFFFFFFFF
+        s = inb & (((wv >> (j & 31)) & 1) != 0)
+        r = running + tl.cumsum(s.to(tl.int64), axis=0) - 1
+        v = s & (r < cnt)
+        bad += tl.sum((s & (r >= cnt)).to(tl.int64), axis=0)
+        low = _read_field(words_ptr, start, r, L, v)
+        u = ((j - r) << L) | low
+        p = p_first + u
+        bad += tl.sum((v & ((p >= n) | ((r == 0) & (u != 0)))).to(tl.int64), axis=0)
+        code = _read_field(words_ptr, vreg, r, W, v)
+        esc = v & (code == esc_code)
+        er = erun + tl.cumsum(esc.to(tl.int64), axis=0) - 1
+        esc_ok = esc & (er < e)
+        bad += tl.sum((esc & (er >= e)).to(tl.int64), axis=0)
+        exc = _read_field(words_ptr, xreg, er, tl.full((R,), EBITS, tl.int64), esc_ok)
+        c = tl.where(esc, exc, code)
+        bad += tl.sum((v & (c > MAXC)).to(tl.int64), axis=0)
+        dst = b * R + r
+        tl.store(pos_ptr + dst, p.to(tl.int32), mask=v)
+        tl.store(val_ptr + dst, c.to(tl.int32), mask=v)
+        running += tl.sum(s.to(tl.int64), axis=0)
+        erun += tl.sum(esc.to(tl.int64), axis=0)
+    bad += (running != cnt).to(tl.int64) + (erun != e).to(tl.int64)
+    tl.store(err_ptr + b, tl.where(ok, bad, 1).to(tl.int32))
+
+
+@triton.jit
+def _apply_kernel(bits_ptr, pos_ptr, val_ptr, m, EBITS: tl.constexpr, BLOCK: tl.constexpr,
+                  DELTA: tl.constexpr, NEGATE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < m
+    p = tl.load(pos_ptr + offs, mask=valid, other=0).to(tl.int64)
+    MASK: tl.constexpr = (1 << EBITS) - 1
+    v = tl.load(val_ptr + offs, mask=valid, other=0).to(tl.int64) & MASK
+    if DELTA:
+        old = tl.load(bits_ptr + p, mask=valid, other=0).to(tl.int64) & MASK
+        zz = v + 1
+        d = tl.where((zz & 1) == 1, (~(zz >> 1)) & MASK, zz >> 1)
+        if NEGATE:
+            d = (0 - d) & MASK
+        v = (old + d) & MASK
+    if EBITS == 16:
+        out = (v - ((v >> 15) << 16)).to(tl.int16)
+    else:
+        out = (v - ((v >> 31) << 32)).to(tl.int32)
+    tl.store(bits_ptr + p, out, mask=valid)

@@ -1,0 +1,53 @@
+"""Small shared helpers: dtype names, byte hashing, alignment."""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.sync import api as _k
+from ..kernels.sync.common import combine_hash
+
+DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                       torch.float32: "float32"}
+DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"unsupported dtype {dtype}: expected bfloat16, float16 or float32") from None
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    from .errors import CorruptPayloadError
+
+    if not isinstance(name, str) or name not in DTYPES_BY_NAME:
+        raise CorruptPayloadError(f"unknown dtype {name!r} in payload header")
+    return DTYPES_BY_NAME[name]
+
+
+def align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+def hash_bytes_lanes(data: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+    """Hash lanes (int64 [2], on ``data.device``, no sync) of a uint8 tensor, zero-padded to 4 bytes."""
+    n = data.numel()
+    pad = (-n) % 4
+    if pad:
+        data = torch.cat([data, torch.zeros(pad, dtype=torch.uint8, device=data.device)])
+    words = data.view(torch.int32) if data.numel() else torch.zeros(0, dtype=torch.int32, device=data.device)
+    return _k.hash_bits(words, 0, impl=impl)
+
+
+def hash_bytes(data: torch.Tensor | bytes, impl: str | None = None) -> int:
+    """64-bit hash of a byte string (uint8 tensor or ``bytes``) as a Python int."""
+    if not isinstance(data, torch.Tensor):
+        data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.zeros(0, dtype=torch.uint8)
+    return combine_hash(hash_bytes_lanes(data, impl))
+
+
+def as_u8(t: torch.Tensor) -> torch.Tensor:
+    """Flat uint8 view of a contiguous tensor's bytes."""
+    return t.reshape(-1).view(torch.uint8)

@@ -1,0 +1,257 @@
+"""Rollout side of SparseRL-Sync: check, apply (in place, per bucket all-or-nothing) and verify."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from ..kernels.sync import api as K
+from ..kernels.sync.common import bits_view, combine_hash, element_bits
+from .bucket import BucketInfo, parse_bucket
+from .codecs import apply_decoded, decode_slice, undo_decoded
+from .errors import (
+    CorruptPayloadError,
+    HashMismatchError,
+    OutOfOrderError,
+    ReplayError,
+    ResyncRequiredError,
+    ShapeMismatchError,
+    SyncError,
+    VersionMismatchError,
+)
+from .stats import SyncStats
+from .transport import Transport
+
+
+@dataclass
+class _Pending:
+    base: int
+    target: int
+    next_index: int
+    anchor: bool
+
+
+class SyncReceiver:
+    """Applies buckets from a :class:`~sparrow.sync.SyncSender` to named tensors in place.
+
+    Args:
+        named_tensors: ``{name: tensor}`` updated in place (e.g. ``dict(model.named_parameters())`` of the
+            rollout model; contiguous, bf16 / fp16 / fp32, dtypes and shapes as on the sender).
+        run_id: accept only this sender run (None: adopt the run id of the first bucket applied).
+        version: the version the tensors hold now (0 = the sender's initial state).
+        verify: after applying a bucket, hash each written slice and compare with the sender's hash;
+            on mismatch restore the slice bits and raise :class:`HashMismatchError`.
+        keep_records: keep decoded records between validation and apply when a bucket has at most this
+            many changed elements (8 bytes each); larger buckets are decoded twice instead.
+        impl: kernel implementation (None: Triton on CUDA, reference on CPU).
+
+    Guarantees: every check (manifest, versions, checksums, shapes, index bounds and order) runs before
+    the first write of a bucket; a bucket is applied all-or-nothing. After any error the receiver asks the
+    sender for a dense resync (``resync_requested``); if a multi-bucket sync failed after some of its
+    buckets were applied, the tensors are a mix of two versions and deltas are refused
+    (``needs_resync``) until a dense anchor arrives. Extra memory: one bucket, its decoded records (or one
+    slice's when large), and copies of the dense / COO-overwritten elements for undo.
+    """
+
+    def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, run_id: str | None = None, version: int = 0,
+                 verify: bool = True, keep_records: int = 1 << 24, impl: str | None = None) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._bits: dict[str, torch.Tensor] = {}
+        for name, t in named_tensors.items():
+            element_bits(t.dtype)
+            if not t.is_contiguous():
+                raise ShapeMismatchError(f"{name}: receiver tensors must be contiguous (updated in place)")
+            self.tensors[name] = t
+            self._bits[name] = bits_view(t.detach())
+        self.run_id = run_id
+        self.version = int(version)
+        self.verify = verify
+        self.keep_records = keep_records
+        self.impl = impl
+        self.needs_resync = False
+        self.resync_requested = False
+        self._pending: _Pending | None = None
+
+    # -- version checks ------------------------------------------------------------------------------
+
+    def _check_sequence(self, info: BucketInfo) -> None:
+        if self.run_id is not None and info.run_id != self.run_id:
+            raise VersionMismatchError(f"bucket from run {info.run_id!r}, receiver follows run {self.run_id!r}")
+        p = self._pending
+        tag = f"sync {info.base_version}->{info.target_version} bucket {info.index}"
+        if p is None:
+            if info.index != 0:
+                raise OutOfOrderError(f"{tag}: expected bucket 0 of a new sync (reordered or lost buckets)")
+            if info.target_version <= self.version and (self.run_id is None or info.run_id == self.run_id):
+                raise ReplayError(f"{tag}: receiver already holds version {self.version} (replayed payload)")
+            if not info.anchor:
+                if self.needs_resync:
+                    raise ResyncRequiredError(f"{tag}: receiver needs a dense anchor after an earlier failure")
+                if info.base_version != self.version:
+                    raise VersionMismatchError(f"{tag}: base version {info.base_version} != receiver version "
+                                               f"{self.version}")
+            return
+        want = (p.base, p.target, p.anchor, p.next_index)
+        got = (info.base_version, info.target_version, info.anchor, info.index)
+        if got != want:
+            raise OutOfOrderError(f"{tag}: expected bucket {p.next_index} of sync {p.base}->{p.target} "
+                                  "(reordered, replayed or lost buckets)")
+
+    # -- one bucket ----------------------------------------------------------------------------------
+
+    def apply_bucket(self, bucket: torch.Tensor | bytes | bytearray, *, last: bool | None = None,
+                     stats: SyncStats | None = None) -> BucketInfo:
+        """Check and apply one bucket in place; returns its :class:`BucketInfo`.
+
+        Raises :class:`TruncatedPayloadError` / :class:`CorruptPayloadError` (bad bytes, checksums,
+        manifest, indices), :class:`ShapeMismatchError`, :class:`VersionMismatchError` /
+        :class:`ReplayError` / :class:`ResyncRequiredError` (versions), :class:`OutOfOrderError` or
+        :class:`HashMismatchError`; the tensors are unchanged by the failing bucket in every case.
+        """
+        try:
+            return self._apply_bucket(bucket, last, stats)
+        except SyncError:
+            self.resync_requested = True
+            if self._pending is not None and self._pending.next_index > 0:
+                self.needs_resync = True  # earlier buckets of this sync were applied
+                self._pending = None
+            raise
+
+    def _apply_bucket(self, bucket, last, stats) -> BucketInfo:
+        t0 = time.perf_counter()
+        if isinstance(bucket, torch.Tensor) and bucket.dtype == torch.uint8:
+            dev = next(iter(self._bits.values())).device if self._bits else bucket.device
+            if bucket.device != dev:
+                bucket = bucket.to(dev)
+        pb = parse_bucket(bucket)
+        info = pb.info
+        if last is not None and last != info.last:
+            raise CorruptPayloadError(f"bucket {info.index}: transport says last={last}, manifest says {info.last}")
+        self._check_sequence(info)
+        # shapes / ranges against the local tensors
+        for e in pb.entries:
+            t = self.tensors.get(e.name)
+            if t is None:
+                raise ShapeMismatchError(f"bucket entry {e.name!r}: no such tensor on the receiver")
+            if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+                raise ShapeMismatchError(f"{e.name}: payload is {e.dtype}{list(e.shape)}, receiver has "
+                                         f"{t.dtype}{list(t.shape)}")
+        body = pb.body
+        if body.device != (dev := self._device()):
+            body = body.to(dev)
+        # phase 1: decode + validate everything (one host sync for all device-side checks)
+        keep = sum(e.nchanged for e in pb.entries) <= self.keep_records
+        decs, flags = [], [pb.body_bad.to(dev)]
+        for e in pb.entries:
+            d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype, e.nchanged,
+                             defer_check=True, impl=self.impl)
+            if d.bad is not None:
+                flags.append(d.bad.to(dev))
+            decs.append(d if keep else None)
+        if bool(torch.stack(flags).any()):
+            if bool(flags[0]):
+                raise CorruptPayloadError(f"bucket {info.index}: body checksum mismatch")
+            raise CorruptPayloadError(f"bucket {info.index}: an entry failed validation (indices out of range, "
+                                      "unordered, or malformed compact body)")
+        # phase 2: apply, keeping what is needed to undo
+        done = []
+        with torch.no_grad():
+            try:
+                for e, d in zip(pb.entries, decs):
+                    if d is None:
+                        d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype,
+                                         e.nchanged, defer_check=True, impl=self.impl)
+                    sl = self._bits[e.name][e.start:e.start + e.length]
+                    undo = apply_decoded(sl, d, keep_undo=self.verify, impl=self.impl)
+                    # large compact records are dropped and decoded again if an undo is needed
+                    done.append((sl, e, d if (keep or d.codec != "compact") else None, undo))
+                # phase 3: verify target hashes (one host sync)
+                if self.verify:
+                    checks = [(k, e) for k, e in enumerate(pb.entries) if e.target_hash is not None]
+                    if checks:
+                        lanes = torch.stack([K.hash_bits(self._bits[e.name][e.start:e.start + e.length], e.start,
+                                                         impl=self.impl).to(dev) for _, e in checks]).tolist()
+                        for (k, e), ln in zip(checks, lanes):
+                            got = combine_hash(torch.tensor(ln))
+                            if got != e.target_hash:
+                                raise HashMismatchError(
+                                    f"{e.name}[{e.start}:{e.start + e.length}]: target hash mismatch after apply "
+                                    f"({got:016x} != {e.target_hash:016x}); the receiver's base differs from the "
+                                    "sender's. The bucket was undone; a dense resync is needed")
+            except BaseException:
+                for sl, e, d, undo in reversed(done):
+                    if d is None:
+                        d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype,
+                                         e.nchanged, impl=self.impl)
+                    undo_decoded(sl, d, undo, impl=self.impl)
+                raise
+        # success: advance the state
+        if info.last:
+            self.version = info.target_version
+            self._pending = None
+            if info.anchor:
+                self.needs_resync = False
+                self.resync_requested = False
+            if self.run_id is None:
+                self.run_id = info.run_id
+        else:
+            self._pending = _Pending(info.base_version, info.target_version, info.index + 1, info.anchor)
+        if stats is not None:
+            stats.run_id, stats.base_version, stats.target_version = info.run_id, info.base_version, info.target_version
+            stats.anchor = info.anchor
+            stats.buckets += 1
+            stats.wire_bytes += int(bucket.numel()) if isinstance(bucket, torch.Tensor) else len(bucket)
+            for e in pb.entries:
+                stats.entries += 1
+                stats.numel += e.length
+                stats.changed += e.nchanged
+                stats.dense_bytes += e.length * e.dtype.itemsize
+                stats.payload_bytes += e.nbytes
+                stats.count(e.codec, e.nbytes)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            stats.apply_s += time.perf_counter() - t0
+        return info
+
+    def _device(self) -> torch.device:
+        return next(iter(self._bits.values())).device if self._bits else torch.device("cpu")
+
+    # -- one sync ------------------------------------------------------------------------------------
+
+    def receive(self, transport: Transport, *, raise_on_error: bool = True) -> SyncStats:
+        """Receive and apply every bucket of the next sync from ``transport``.
+
+        On an error the remaining buckets of the sync are still received (collective transports need
+        every rank to take part) but not applied; the resync request is reported to the sender through
+        the transport, then the first error is raised (or returned in ``SyncStats.error`` when
+        ``raise_on_error`` is false).
+        """
+        stats = SyncStats()
+        t_start = time.perf_counter()
+        error: SyncError | None = None
+        while True:
+            t0 = time.perf_counter()
+            bucket, last = transport.recv_bucket()
+            stats.transfer_s += time.perf_counter() - t0
+            if error is None:
+                try:
+                    self.apply_bucket(bucket, last=last, stats=stats)
+                except SyncError as exc:
+                    error = exc
+            if last:
+                break
+        if error is not None:
+            self._pending = None
+        stats.resync_requested = self.resync_requested
+        t0 = time.perf_counter()
+        transport.end_sync_receiver(self.resync_requested)
+        stats.transfer_s += time.perf_counter() - t0
+        stats.total_s = time.perf_counter() - t_start
+        if error is not None:
+            stats.error = f"{type(error).__name__}: {error}"
+            if raise_on_error:
+                raise error
+        return stats
