@@ -9,6 +9,7 @@ from sparrow.speculative.base import (
     StepStats,
     ToggleController,
 )
+from sparrow.speculative.rejection import rejection_sample
 
 __all__ = ["AlwaysOff", "DraftContext", "Drafter", "DraftProposal", "SpecDecision", "StepStats",
-           "ToggleController"]
+           "ToggleController", "rejection_sample"]
