@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+#: Where the Triton kernels run in the tests: compiled on a GPU, interpreted on the CPU otherwise.
+TRITON_DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -8,7 +8,7 @@ import torch
 from sparrow.kernels.sync import api
 from sparrow.kernels.sync.common import SyncFormatError, bits_view
 
-from .conftest import FLOAT_DTYPES, make_pair
+from .conftest import FLOAT_DTYPES, TRITON_DEVICE, make_pair
 
 pytestmark = pytest.mark.skipif(not api.triton_available(), reason="triton not installed")
 
@@ -19,7 +19,7 @@ CASES = [(1, 1.0), (63, 0.3), (100, 0.05), (4097, 0.02), (4097, 0.6), (6000, 0.4
 @pytest.mark.parametrize("n,density", CASES)
 def test_pipeline_matches_reference(dtype, n, density):
     base, new = make_pair(dtype, n, density, seed=n)
-    ob, nb = bits_view(base), bits_view(new)
+    ob, nb = bits_view(base.to(TRITON_DEVICE)), bits_view(new.to(TRITON_DEVICE))
     ebits = 8 * ob.element_size()
     assert torch.equal(api.hash_bits(nb, 7, impl="reference"), api.hash_bits(nb, 7, impl="triton"))
     sr = api.diff_scan(ob, nb, hash_start=3, impl="reference")
@@ -55,7 +55,7 @@ def test_pipeline_matches_reference(dtype, n, density):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_decode_rejects_corruption(dtype):
     base, new = make_pair(dtype, 3000, 0.4, seed=1)
-    ob, nb = bits_view(base), bits_view(new)
+    ob, nb = bits_view(base.to(TRITON_DEVICE)), bits_view(new.to(TRITON_DEVICE))
     ebits = 8 * ob.element_size()
     pos, codes = api.diff_records(ob, nb, impl="reference")
     words, _ = api.pack_compact(pos, codes, ebits, impl="reference")

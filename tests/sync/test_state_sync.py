@@ -42,7 +42,7 @@ def _step(model, opt):
 
 
 def _same(receiver: SyncReceiver, ref: dict) -> bool:
-    return all(torch.equal(bits(receiver.tensors[n]), bits(t)) for n, t in ref.items())
+    return all(torch.equal(bits(receiver.tensors[n]).cpu(), bits(t).cpu()) for n, t in ref.items())
 
 
 def _snapshot(receiver: SyncReceiver) -> dict:
@@ -218,10 +218,12 @@ def test_triton_pipeline_interpreter():
 
     if not triton_available():
         pytest.skip("triton not installed")
+    from .conftest import TRITON_DEVICE
+
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    sender = SyncSender(_bf16(model), bucket_bytes=8192, impl="triton")
-    rx = SyncReceiver({n: t.clone() for n, t in _bf16(model).items()}, impl="triton")
+    sender = SyncSender({n: t.to(TRITON_DEVICE) for n, t in _bf16(model).items()}, bucket_bytes=8192, impl="triton")
+    rx = SyncReceiver({n: t.to(TRITON_DEVICE) for n, t in _bf16(model).items()}, impl="triton")
     tr = InProcessTransport()
     for _ in range(2):
         _step(model, opt)

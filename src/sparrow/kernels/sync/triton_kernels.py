@@ -27,7 +27,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import FMIX_1, FMIX_2, H_ADD_I, H_MUL_I, H_MUL_X, H_XOR_B
+from . import common as _c
+
+# Triton kernels may only read globals declared as constexpr.
+FMIX_1 = tl.constexpr(_c.FMIX_1)
+FMIX_2 = tl.constexpr(_c.FMIX_2)
+H_ADD_I = tl.constexpr(_c.H_ADD_I)
+H_MUL_I = tl.constexpr(_c.H_MUL_I)
+H_MUL_X = tl.constexpr(_c.H_MUL_X)
+H_XOR_B = tl.constexpr(_c.H_XOR_B)
 
 
 @triton.jit
@@ -187,8 +195,9 @@ def _pack_kernel(pos_ptr, val_ptr, m, slots_ptr, sizes_ptr, meta_ptr, scratch_pt
     valid = g < m
     cnt = tl.minimum(m - b * R, R)
     p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
-    p_first = tl.load(pos_ptr + b * R).to(tl.int64)
-    p_last = tl.load(pos_ptr + b * R + cnt - 1).to(tl.int64)
+    # scalars by reduction (positions ascend): keeps them 0-d in every Triton version's interpreter
+    p_first = tl.min(tl.where(valid, p, 2**40), axis=0)
+    p_last = tl.max(tl.where(valid, p, -1), axis=0)
     span = p_last - p_first
     q = (span + 1) // cnt
     L = (q * 0).to(tl.int64)
@@ -244,8 +253,9 @@ def _pack_kernel(pos_ptr, val_ptr, m, slots_ptr, sizes_ptr, meta_ptr, scratch_pt
 def _assemble_kernel(slots_ptr, sizes_ptr, offsets_ptr, meta_ptr, out_ptr, nb,
                      SLOT: tl.constexpr, CT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    size = tl.load(sizes_ptr + b)
-    off = tl.load(offsets_ptr + b)
+    one = tl.arange(0, 2) == 0
+    size = tl.sum(tl.load(sizes_ptr + b + tl.arange(0, 2), mask=one, other=0), axis=0)
+    off = tl.sum(tl.load(offsets_ptr + b + tl.arange(0, 2), mask=one, other=0), axis=0)
     dst = out_ptr + 4 * nb + off
     for w0 in range(0, size, CT):
         wi = w0 + tl.arange(0, CT)
@@ -275,10 +285,12 @@ def _unpack_kernel(words_ptr, total, n, m, pos_ptr, val_ptr, err_ptr, sizes_ptr,
     lane = tl.arange(0, R).to(tl.int64)
     nb = (m + R - 1) // R
     cnt = tl.minimum(m - b * R, R)
-    p_first = tl.load(words_ptr + 4 * b).to(tl.int64) & 0xFFFFFFFF
-    body_off = tl.load(words_ptr + 4 * b + 1).to(tl.int64) & 0xFFFFFFFF
-    packed = tl.load(words_ptr + 4 * b + 2).to(tl.int64) & 0xFFFFFFFF
-    high_len = tl.load(words_ptr + 4 * b + 3).to(tl.int64) & 0xFFFFFFFF
+    k4 = tl.arange(0, 4)
+    meta = tl.load(words_ptr + 4 * b + k4).to(tl.int64) & 0xFFFFFFFF
+    p_first = tl.sum(tl.where(k4 == 0, meta, 0), axis=0)
+    body_off = tl.sum(tl.where(k4 == 1, meta, 0), axis=0)
+    packed = tl.sum(tl.where(k4 == 2, meta, 0), axis=0)
+    high_len = tl.sum(tl.where(k4 == 3, meta, 0), axis=0)
     L = packed & 0xFF
     W = (packed >> 8) & 0xFF
     e = packed >> 16

@@ -1,0 +1,248 @@
+"""SparseRL-Sync payload size: bytes of every codec against the entropy bound.
+
+Part 1 (``density``): one bf16 tensor, a fraction rho (0.1 %-50 %) of elements changed by a few ULPs of
+their bit pattern (+-1 ULP 90 %, +-2 7 %, +-3 3 %, i.e. what optimizer steps on bf16 weights produce);
+bytes of dense / COO / compact / auto beside the entropy bound of the changed-position set
+(log2 C(n, m) bits) and that bound plus the order-0 entropy of the bit-pattern deltas.
+
+Part 2 (``adamw``): real AdamW updates of a >= 0.5B-parameter model (a plain stack of bias-free
+``Linear`` layers, fp32 master weights initialised N(0, 0.02^2), synthetic gradients: a persistent
+per-tensor direction plus fresh noise each step), lr 1e-6 and 1e-5; each step the fp32 masters are cast
+to bf16 and diffed against the previous bf16 cast.
+
+Usage: ``python benchmarks/bench_sync_payload.py`` (CUDA) or ``--quick`` (tiny, any device).
+Writes ``docs/benchmarks/sync_payload.json``; ``plot()`` draws ``sync_payload.png``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runner import base_parser, print_table, write_json  # noqa: E402
+
+from sparrow.kernels.sync import api as K  # noqa: E402
+from sparrow.sync import empirical_entropy_bits, position_entropy_bits  # noqa: E402
+from sparrow.sync.codecs import SliceJob, encode_slices  # noqa: E402
+
+NAME = "sync_payload"
+CODECS = ("dense", "coo", "compact", "auto")
+SLICE = 1 << 25
+
+
+def device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def sync_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def perturb(base: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """``base`` with a ``density`` fraction of bit patterns moved by +-1 (90 %), +-2 (7 %), +-3 (3 %)."""
+    b = base.reshape(-1).view(torch.int16)
+    n = b.numel()
+    u = torch.rand(n, generator=gen, device=base.device)
+    ch = u < density
+    r = torch.rand(n, generator=gen, device=base.device)
+    mag = 1 + (r > 0.90).to(torch.int32) + (r > 0.97).to(torch.int32)
+    sign = torch.where(torch.rand(n, generator=gen, device=base.device) < 0.5, -1, 1)
+    v = (b.to(torch.int32) + torch.where(ch, mag * sign, 0)) & 0xFFFF
+    return (v - ((v >> 15) << 16)).to(torch.int16).view(torch.bfloat16).view(base.shape)
+
+
+def slices(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[SliceJob]:
+    jobs = []
+    for o, x in zip(old, new):
+        ob, xb = o.reshape(-1).view(torch.int16), x.reshape(-1).view(torch.int16)
+        for s in range(0, ob.numel(), SLICE):
+            jobs.append(SliceJob(ob[s:s + SLICE], xb[s:s + SLICE], s))
+    return jobs
+
+
+def codec_bytes(old: list[torch.Tensor], new: list[torch.Tensor], *, entropy: bool = True) -> dict:
+    """Bytes of each codec for the change old -> new (lists of bf16 tensors), bounds, and counts."""
+    jobs = slices(old, new)
+    enc = encode_slices(jobs, "compact", with_hash=False)
+    out = {"n": sum(j.old.numel() for j in jobs), "m": sum(e.nchanged for e in enc)}
+    for c in ("dense", "coo", "compact"):
+        out[c] = sum(e.sizes[c] for e in enc)
+    out["auto"] = sum(min(e.sizes.values()) for e in enc)
+    if entropy:
+        pos_bits = 0.0
+        codes = []
+        for o, x in zip(old, new):
+            ob, xb = o.reshape(-1).view(torch.int16), x.reshape(-1).view(torch.int16)
+            m = int((ob != xb).sum())
+            pos_bits += position_entropy_bits(ob.numel(), m)
+            for s in range(0, ob.numel(), SLICE):
+                codes.append(K.diff_records(ob[s:s + SLICE], xb[s:s + SLICE])[1])
+        allc = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32)
+        out["bound_positions"] = pos_bits / 8
+        out["bound_positions_values"] = (pos_bits + empirical_entropy_bits(allc)) / 8
+        out["pm1_fraction"] = float((allc <= 1).float().mean()) if allc.numel() else 0.0
+    return out
+
+
+def density_sweep(n: int, densities: list[float], seed: int = 0) -> list[dict]:
+    dev = device()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    base = (torch.randn(n, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+    rows = []
+    for d in densities:
+        new = perturb(base, d, gen)
+        t0 = time.perf_counter()
+        b = codec_bytes([base], [new])
+        sync_device()
+        dt = time.perf_counter() - t0
+        for c in (*CODECS, "bound_positions", "bound_positions_values"):
+            rows.append({"part": "density", "density": d, "n": b["n"], "changed": b["m"], "codec": c,
+                         "bytes": b[c], "bits_per_element": 8 * b[c] / b["n"],
+                         "bits_per_change": 8 * b[c] / max(1, b["m"]),
+                         "ratio_vs_dense": b["dense"] / max(1e-9, b[c]), "measure_s": dt})
+        del new
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# real AdamW updates
+# ---------------------------------------------------------------------------------------------------
+
+def linear_stack(width: int, layers: int, dev: torch.device, seed: int = 0) -> torch.nn.Module:
+    """``layers`` bias-free ``Linear(width, width)`` in fp32, weights N(0, 0.02^2)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False, device=dev) for _ in range(layers)])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model
+
+
+class SyntheticGrads:
+    """g_t = 0.5 * direction + noise_t (both N(0, 1e-3^2)); the direction is fixed per tensor."""
+
+    def __init__(self, model: torch.nn.Module, seed: int = 1) -> None:
+        self.params = list(model.parameters())
+        dev = self.params[0].device
+        self.gen = torch.Generator(device=dev).manual_seed(seed)
+        self.dirs = [torch.randn(p.shape, generator=self.gen, device=dev) * 1e-3 for p in self.params]
+
+    def fill(self) -> None:
+        for p, d in zip(self.params, self.dirs):
+            p.grad = 0.5 * d + torch.randn(p.shape, generator=self.gen, device=p.device) * 1e-3
+
+
+def bf16_copies(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().to(torch.bfloat16) for p in model.parameters()]
+
+
+def adamw_updates(width: int, layers: int, lrs: list[float], steps: int, *, entropy: bool = True) -> list[dict]:
+    dev = device()
+    rows = []
+    for lr in lrs:
+        model = linear_stack(width, layers, dev)
+        params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        grads = SyntheticGrads(model)
+        prev = bf16_copies(model)
+        for step in range(1, steps + 1):
+            grads.fill()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            cur = bf16_copies(model)
+            b = codec_bytes(prev, cur, entropy=entropy)
+            base = {"part": "adamw", "lr": lr, "step": step, "params": params, "changed": b["m"],
+                    "density": b["m"] / b["n"], "pm1_fraction": b.get("pm1_fraction")}
+            for c in (*CODECS, "bound_positions", "bound_positions_values"):
+                if c in b:
+                    rows.append({**base, "codec": c, "bytes": b[c], "bits_per_element": 8 * b[c] / b["n"],
+                                 "ratio_vs_dense": b["dense"] / max(1e-9, b[c])})
+            prev = cur
+        del model, opt, grads, prev
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=None, help="elements of the density-sweep tensor")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    args = p.parse_args()
+    quick = args.quick or not torch.cuda.is_available() and args.n is None
+    n = args.n or (1 << 18 if quick else 1 << 26)
+    width = args.width or (256 if quick else 4096)
+    layers = args.layers or (4 if quick else 30)  # 30 x 4096^2 = 503M parameters
+    steps = args.steps or (2 if quick else 4)
+    densities = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5]
+    t0 = time.perf_counter()
+    rows = density_sweep(n, densities)
+    rows += adamw_updates(width, layers, [1e-6, 1e-5], steps)
+    config = {"n": n, "width": width, "layers": layers, "params": width * width * layers, "steps": steps,
+              "densities": densities, "quick": quick, "delta_distribution": "+-1: 90%, +-2: 7%, +-3: 3%",
+              "grad_model": "0.5*fixed direction + fresh noise, both N(0, 1e-3^2); weights N(0, 0.02^2)",
+              "wall_s": time.perf_counter() - t0}
+    write_json(NAME, config, rows, out_dir=args.out)
+    dens = [r for r in rows if r["part"] == "density" and r["codec"] in ("compact", "auto", "coo",
+                                                                          "bound_positions_values")]
+    print_table(dens, ["density", "codec", "bytes", "bits_per_change", "ratio_vs_dense"])
+    adam = [r for r in rows if r["part"] == "adamw" and r["codec"] in ("compact", "auto",
+                                                                       "bound_positions_values")]
+    print_table(adam, ["lr", "step", "density", "pm1_fraction", "codec", "bytes", "ratio_vs_dense"])
+
+
+def plot(result: dict, png_path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"dense": "k-", "coo": "C1-o", "compact": "C0-o", "auto": "C2--", "bound_positions": "C3:",
+              "bound_positions_values": "C3-."}
+    labels = {"bound_positions": "entropy bound (positions)",
+              "bound_positions_values": "entropy bound (positions + deltas)"}
+    for c, st in styles.items():
+        pts = sorted((r["density"], r["bits_per_element"]) for r in rows if r["part"] == "density" and r["codec"] == c)
+        if pts:
+            a1.loglog(*zip(*pts), st, label=labels.get(c, c), ms=3)
+    a1.axhline(0.16, color="grey", lw=0.5)
+    a1.text(1.1e-3, 0.17, "100x smaller than bf16", fontsize=7, color="grey")
+    a1.set_xlabel("changed fraction")
+    a1.set_ylabel("payload bits per element (bf16 dense = 16)")
+    a1.set_title("payload vs density")
+    a1.legend(fontsize=7)
+    adam = [r for r in rows if r["part"] == "adamw"]
+    lrs = sorted({r["lr"] for r in adam})
+    cods = [c for c in ("coo", "compact", "auto", "bound_positions_values") if any(r["codec"] == c for r in adam)]
+    w = 0.8 / max(1, len(cods))
+    for k, c in enumerate(cods):
+        vals = []
+        for lr in lrs:
+            rs = [r["ratio_vs_dense"] for r in adam if r["lr"] == lr and r["codec"] == c]
+            vals.append(sum(rs) / len(rs) if rs else 0)
+        a2.bar([i + k * w for i in range(len(lrs))], vals, w, label=labels.get(c, c))
+    dens = []
+    for lr in lrs:
+        ds = [r["density"] for r in adam if r["lr"] == lr and r["codec"] == "dense"]
+        dens.append(sum(ds) / max(1, len(ds)))
+    a2.set_xticks([i + 0.4 - w / 2 for i in range(len(lrs))])
+    a2.set_xticklabels([f"lr {lr:g}\n{100 * d:.1f}% changed" for lr, d in zip(lrs, dens)])
+    a2.set_yscale("log")
+    a2.set_ylabel("x smaller than dense bf16")
+    a2.set_title(f"AdamW updates, {result['config'].get('params', 0) / 1e6:.0f}M params")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=130)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
