@@ -237,7 +237,7 @@ def plot(result: dict, png_path) -> None:
     a2.set_xticklabels([f"lr {lr:g}\n{100 * d:.1f}% changed" for lr, d in zip(lrs, dens)])
     a2.set_yscale("log")
     a2.set_ylabel("x smaller than dense bf16")
-    a2.set_title(f"AdamW updates, {result['config'].get('params', 0) / 1e6:.0f}M params")
+    a2.set_title(f"AdamW updates, {result['config'].get('params', 0) / 1e6:.3g}M params")
     a2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png_path, dpi=130)
