@@ -1,0 +1,518 @@
+"""RTPurbo: sparse rollout attention — retrieval heads with a 16-dim indexer and top-p block selection,
+sink + sliding-window attention for every other head.
+
+Per layer, a :class:`HeadProfile` (from calibration, see :mod:`sparrow.calibrate`) marks some kv heads as
+*retrieval* heads (their query heads follow them). For those, the backend keeps the full KV plus 16-dim
+*indexer keys* (a low-rank projection of the pre-RoPE keys); each query (decode) or query block (prefill)
+scores the key blocks with its indexer query, keeps the smallest set of blocks holding ``top_p`` of the
+indexer's softmax mass plus the sink block and a short local window, and attends to them exactly. Every
+other kv head attends only to ``num_sinks`` sink tokens and a ``window``-token sliding window, held in
+ring buffers whose size does not grow with the context.
+
+Training stays dense (:meth:`RTPurboAttention.forward_train` is exact attention): rollouts are sparse,
+gradients are not. The indexer's parameters (``indexer_q``, ``indexer_k``) live in this module, not in
+the model's checkpoint; they are saved by :func:`sparrow.calibrate.save_rtpurbo`.
+
+Kernels: :mod:`sparrow.kernels.sparse_decode` (Triton indexer scores, top-p threshold, split-KV sparse and
+local attention), :mod:`sparrow.kernels.sparse_prefill` (Triton block scores, FlexAttention block-sparse
+and sliding-window masks), :mod:`sparrow.kernels.topp` (bisection top-p), each with a PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
+from sparrow.attention.dense import write_prefix, write_rows
+from sparrow.kernels.sparse_decode import RTPurboCache, SparseDecodeConfig, sparse_decode_attention
+from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
+
+__all__ = ["RTPurboConfig", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache",
+           "rtpurbo_attention", "rtpurbo_backends", "collect_selection_stats"]
+
+
+@dataclass(frozen=True)
+class RTPurboConfig:
+    """RTPurbo parameters (validated on construction).
+
+    Attributes:
+        retrieval_ratio: fraction of (layer, kv head) pairs that calibration marks as retrieval heads.
+        num_sinks: leading prompt tokens every head always sees (``<= decode_block, prefill_block``).
+        window: sliding window of the non-retrieval heads, in tokens (8192 for long-context models;
+            :meth:`for_context` scales it down for small ones).
+        ret_window: tokens before each query that retrieval heads always keep (rounded out to blocks).
+        indexer_dim: indexer projection size (a power of two; 16 = head_dim / 8 at head_dim 128).
+        top_p: indexer mass each query (decode) / query block (prefill) keeps; ``1.0`` keeps everything.
+        decode_block: selection granularity in decode, tokens.
+        prefill_block: query / key block of the prefill selection and of the FlexAttention masks.
+        ring_slack: extra slots of the per-row window ring: decode steps may feed up to ``ring_slack + 1``
+            tokens (speculative verification) without overwriting what their first token still sees.
+        impl: decode kernels and prefill block scoring — ``"triton"``, ``"reference"`` or ``"auto"``
+            (Triton on CUDA).
+        prefill_impl: ``"flex"`` (block-sparse FlexAttention), ``"reference"`` (dense masks) or ``"auto"``
+            (flex on CUDA).
+    """
+
+    retrieval_ratio: float = 0.15
+    num_sinks: int = 4
+    window: int = 8192
+    ret_window: int = 128
+    indexer_dim: int = 16
+    top_p: float = 0.9
+    decode_block: int = 64
+    prefill_block: int = 128
+    ring_slack: int = 64
+    impl: Literal["auto", "reference", "triton"] = "auto"
+    prefill_impl: Literal["auto", "reference", "flex"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.retrieval_ratio <= 1.0:
+            raise ValueError(f"retrieval_ratio must be in [0, 1], got {self.retrieval_ratio}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("window", "ret_window", "indexer_dim", "decode_block", "prefill_block"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RTPurboConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_sinks < 0 or self.ring_slack < 0:
+            raise ValueError("num_sinks and ring_slack must be >= 0")
+        for name in ("indexer_dim", "decode_block", "prefill_block"):
+            v = getattr(self, name)
+            if v & (v - 1):
+                raise ValueError(f"RTPurboConfig.{name} must be a power of two, got {v}")
+        if self.num_sinks > min(self.decode_block, self.prefill_block):
+            raise ValueError(f"num_sinks ({self.num_sinks}) must fit in one block "
+                             f"(decode_block {self.decode_block}, prefill_block {self.prefill_block})")
+        if self.impl not in ("auto", "reference", "triton"):
+            raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {self.impl!r}")
+        if self.prefill_impl not in ("auto", "reference", "flex"):
+            raise ValueError(f"prefill_impl must be 'auto', 'reference' or 'flex', got {self.prefill_impl!r}")
+
+    @classmethod
+    def for_context(cls, max_seq_len: int, **overrides: Any) -> "RTPurboConfig":
+        """Defaults scaled to a model's context: the window is 1/16 of it (8192 at 128K and beyond, never
+        below two decode blocks), the retrieval window and blocks shrink with it for small models."""
+        base = cls(**overrides)
+        if "window" not in overrides:
+            base = replace(base, window=max(2 * base.decode_block, min(8192, max_seq_len // 16)))
+        return base
+
+
+@dataclass
+class HeadProfile:
+    """Which kv heads of each layer are retrieval heads.
+
+    Attributes:
+        scores: [num_layers, num_kv_heads] float32 retrieval score of each (layer, kv head) — the attention
+            mass a repeated span's second copy puts on its first copy (higher: more retrieval-like).
+        retrieval: [num_layers, num_kv_heads] bool.
+        meta: free-form JSON-able facts (ratio, calibration length, ...).
+    """
+
+    scores: torch.Tensor
+    retrieval: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scores.shape != self.retrieval.shape or self.scores.dim() != 2:
+            raise ValueError(f"scores and retrieval must both be [layers, kv_heads], got "
+                             f"{tuple(self.scores.shape)} and {tuple(self.retrieval.shape)}")
+        self.scores = self.scores.detach().float().cpu()
+        self.retrieval = self.retrieval.detach().bool().cpu()
+
+    @property
+    def num_layers(self) -> int:
+        return self.scores.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.scores.shape[1]
+
+    @property
+    def ratio(self) -> float:
+        return float(self.retrieval.float().mean())
+
+    def retrieval_heads(self, layer: int) -> list[int]:
+        return [int(h) for h in torch.nonzero(self.retrieval[layer]).flatten()]
+
+    @classmethod
+    def from_scores(cls, scores: torch.Tensor, ratio: float, meta: dict | None = None) -> "HeadProfile":
+        """The ``ceil(ratio * N)`` highest-scoring (layer, kv head) pairs of the whole model."""
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"ratio must be in [0, 1], got {ratio}")
+        flat = scores.float().flatten()
+        n = min(flat.numel(), math.ceil(ratio * flat.numel() - 1e-9))
+        ret = torch.zeros_like(flat, dtype=torch.bool)
+        if n > 0:
+            ret[torch.topk(flat, n).indices] = True
+        return cls(scores.float(), ret.view(scores.shape), dict(meta or {}, ratio=ratio))
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, retrieval: bool = True) -> "HeadProfile":
+        """Every head a retrieval head (``retrieval=True``) or none."""
+        return cls(torch.zeros(num_layers, num_kv_heads), torch.full((num_layers, num_kv_heads), retrieval))
+
+    def to_dict(self) -> dict:
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "scores": self.scores.tolist(), "retrieval": self.retrieval.tolist(), "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadProfile":
+        return cls(torch.tensor(d["scores"], dtype=torch.float32), torch.tensor(d["retrieval"], dtype=torch.bool),
+                   dict(d.get("meta", {})))
+
+
+@dataclass
+class IndexerWeights:
+    """Indexer projections per layer: ``q[layer]`` [H_ret, q_per_kv * head_dim, r] (the pre-RoPE queries of a
+    kv head's query group, concatenated) and ``k[layer]`` [H_ret, head_dim, r] (its pre-RoPE keys), for the
+    layer's retrieval heads in ascending kv-head order."""
+
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def dim(self) -> int | None:
+        for t in self.k.values():
+            return int(t.shape[-1])
+        return None
+
+
+Impl = Literal["auto", "reference", "triton"]
+
+
+class RTPurboAttention(AttentionBackend):
+    """RTPurbo sparse attention for rollouts, exact attention for training.
+
+    Args:
+        shape: the layer's head layout.
+        config: :class:`RTPurboConfig`.
+        profile: a :class:`HeadProfile` (this layer's row is used), an explicit list of retrieval kv heads,
+            or None (every kv head is a retrieval head).
+        indexer: projections for this layer's retrieval heads (an :class:`IndexerWeights` or a
+            ``(q, k)`` pair); None initialises them to a truncated identity (calibrate before use).
+
+    Parameters ``indexer_q`` [H_ret, q_per_kv * D, r] and ``indexer_k`` [H_ret, D, r].
+    """
+
+    def __init__(self, shape: LayerShape, config: RTPurboConfig | None = None,
+                 profile: HeadProfile | Sequence[int] | None = None,
+                 indexer: IndexerWeights | tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__(shape)
+        self.config = config = config or RTPurboConfig()
+        hkv, d, qpk, r = shape.num_kv_heads, shape.head_dim, shape.q_per_kv, config.indexer_dim
+        if profile is None:
+            ret = list(range(hkv))
+        elif isinstance(profile, HeadProfile):
+            if profile.num_kv_heads != hkv or shape.layer_idx >= profile.num_layers:
+                raise ValueError(f"profile ({profile.num_layers} layers x {profile.num_kv_heads} kv heads) does not "
+                                 f"cover layer {shape.layer_idx} with {hkv} kv heads")
+            ret = profile.retrieval_heads(shape.layer_idx)
+        else:
+            ret = sorted(int(h) for h in profile)
+            if len(set(ret)) != len(ret) or any(not 0 <= h < hkv for h in ret):
+                raise ValueError(f"retrieval heads {ret} must be distinct kv heads in [0, {hkv})")
+        loc = [h for h in range(hkv) if h not in ret]
+        self.retrieval_heads = tuple(ret)
+        self.local_heads = tuple(loc)
+        self.register_buffer("ret_idx", torch.tensor(ret, dtype=torch.int64), persistent=False)
+        self.register_buffer("loc_idx", torch.tensor(loc, dtype=torch.int64), persistent=False)
+        is_ret = torch.zeros(hkv, dtype=torch.int32)
+        is_ret[ret] = 1
+        self.register_buffer("head_is_ret", is_ret, persistent=False)
+        hr = len(ret)
+        eye = torch.eye(d, r) if r <= d else F.pad(torch.eye(d), (0, r - d))
+        self.indexer_q = nn.Parameter(eye.repeat(qpk, 1).div(qpk * math.sqrt(d)).expand(hr, qpk * d, r).clone())
+        self.indexer_k = nn.Parameter(eye.expand(hr, d, r).clone())
+        if indexer is not None:
+            if isinstance(indexer, IndexerWeights):
+                if hr and shape.layer_idx not in indexer.q:
+                    raise ValueError(f"indexer has no weights for layer {shape.layer_idx}")
+                wq, wk = indexer.q.get(shape.layer_idx), indexer.k.get(shape.layer_idx)
+            else:
+                wq, wk = indexer
+            if hr:
+                self.load_indexer(wq, wk)
+        self._stats: dict[str, float] | None = None
+
+    # -- indexer --------------------------------------------------------------------------------------
+    @property
+    def num_retrieval(self) -> int:
+        return len(self.retrieval_heads)
+
+    def load_indexer(self, wq: torch.Tensor, wk: torch.Tensor) -> None:
+        if tuple(wq.shape) != tuple(self.indexer_q.shape) or tuple(wk.shape) != tuple(self.indexer_k.shape):
+            raise ValueError(f"indexer shapes {tuple(wq.shape)}, {tuple(wk.shape)} do not fit layer "
+                             f"{self.shape.layer_idx}: expected {tuple(self.indexer_q.shape)}, {tuple(self.indexer_k.shape)}")
+        with torch.no_grad():
+            self.indexer_q.copy_(wq)
+            self.indexer_k.copy_(wk)
+
+    def group_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
+        """[B, Hq, S, D] pre-RoPE queries -> [B, H_ret, S, q_per_kv * D] (each retrieval head's group)."""
+        B, _, S, D = q_pre.shape
+        s = self.shape
+        g = q_pre.view(B, s.num_kv_heads, s.q_per_kv, S, D)[:, self.ret_idx]
+        return g.permute(0, 1, 3, 2, 4).reshape(B, self.num_retrieval, S, s.q_per_kv * D)
+
+    def index(self, q_pre: torch.Tensor, k_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries and keys [B, H_ret, S, r] from pre-RoPE q [B, Hq, S, D] and k [B, Hkv, S, D]."""
+        dt = q_pre.dtype
+        q_idx = torch.einsum("bhsc,hcr->bhsr", self.group_queries(q_pre), self.indexer_q.to(dt))
+        k_idx = torch.einsum("bhsd,hdr->bhsr", k_pre[:, self.ret_idx], self.indexer_k.to(dt))
+        return q_idx, k_idx
+
+    # -- capabilities ---------------------------------------------------------------------------------
+    def _decode_impl(self, device: torch.device) -> str:
+        if self.config.impl != "auto":
+            return self.config.impl
+        d = self.shape.head_dim
+        return "triton" if device.type == "cuda" and d >= 16 and d & (d - 1) == 0 else "reference"
+
+    def _prefill_impl(self, device: torch.device) -> str:
+        if self.config.prefill_impl != "auto":
+            return self.config.prefill_impl
+        return "flex" if device.type == "cuda" else "reference"
+
+    def validate_configuration(self, *, dtype: torch.dtype, device: torch.device) -> list[str]:
+        reasons = []
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            reasons.append(f"dtype {dtype} is not one of float32, bfloat16, float16")
+        dev = torch.device(device)
+        interp = os.environ.get("TRITON_INTERPRET") == "1"
+        if self.config.impl == "triton":
+            if dev.type != "cuda" and not interp:
+                reasons.append("impl='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
+            d = self.shape.head_dim
+            if d < 16 or d & (d - 1):
+                reasons.append(f"the Triton kernels need a power-of-two head_dim >= 16, got {d}")
+            if self.config.indexer_dim < 16:
+                reasons.append(f"the Triton prefill scores need indexer_dim >= 16, got {self.config.indexer_dim}")
+        return reasons
+
+    # -- training (dense) -------------------------------------------------------------------------------
+    def forward_train(self, q, k, v, *, q_pre=None, k_pre=None, mask=None):
+        gqa = self.shape.num_heads != self.shape.num_kv_heads
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+
+    # -- cache ---------------------------------------------------------------------------------------
+    def ring_sizes(self, spec: CacheSpec) -> tuple[int, int]:
+        """(prompt ring ``Wp``, generation ring ``Wg``) for ``spec``."""
+        c = self.config
+        return min(c.window, spec.max_prefix_len), min(c.window + c.ring_slack, spec.max_gen_len)
+
+    def init_cache(self, spec: CacheSpec, *, dtype: torch.dtype, device: torch.device) -> RTPurboCache:
+        s, c = self.shape, self.config
+        hr, hl, d = self.num_retrieval, len(self.local_heads), s.head_dim
+        wp, wg = self.ring_sizes(spec)
+        z = lambda *shape: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        P, R = spec.num_prefixes, spec.num_rows + 1
+        return RTPurboCache(
+            z(P, hr, spec.max_prefix_len, d), z(P, hr, spec.max_prefix_len, d),
+            z(R, hr, spec.max_gen_len, d), z(R, hr, spec.max_gen_len, d),
+            z(P, hr, spec.max_prefix_len, c.indexer_dim), z(R, hr, spec.max_gen_len, c.indexer_dim),
+            z(P, hl, c.num_sinks + wp, d), z(P, hl, c.num_sinks + wp, d),
+            z(R, hl, wg, d), z(R, hl, wg, d),
+        )
+
+    # -- inference -----------------------------------------------------------------------------------
+    def _prefill_cfg(self) -> SparsePrefillConfig:
+        c = self.config
+        return SparsePrefillConfig(c.top_p, c.prefill_block, c.num_sinks, c.window, c.ret_window)
+
+    def _decode_cfg(self) -> SparseDecodeConfig:
+        c = self.config
+        return SparseDecodeConfig(c.top_p, c.decode_block, c.num_sinks, c.window, c.ret_window)
+
+    def prefill(self, q, k, v, cache: RTPurboCache, meta: PrefillMeta, *, q_pre=None, k_pre=None):
+        if self.num_retrieval and (q_pre is None or k_pre is None):
+            raise ValueError("RTPurboAttention.prefill needs the pre-RoPE q_pre and k_pre")
+        P, _, S, _ = q.shape
+        slot, plen = meta.prefix_slot, meta.prompt_len
+        q_idx = k_idx = None
+        if self.num_retrieval:
+            q_idx, k_idx = self.index(q_pre, k_pre)
+            kr, vr = k[:, self.ret_idx], v[:, self.ret_idx]
+            write_prefix(cache.prefix_k, cache.prefix_v, kr, vr, slot)
+            _write_prefix_one(cache.prefix_ik, k_idx, slot)
+        if self.local_heads:
+            self._write_local_prefix(cache, k[:, self.loc_idx], v[:, self.loc_idx], slot, plen)
+        res = sparse_prefill_attention(q, k, v, q_idx, k_idx, plen, self.ret_idx, self.loc_idx,
+                                       self._prefill_cfg(), impl=self._prefill_impl(q.device),
+                                       score_impl=self._decode_impl(q.device),
+                                       return_selection=self._stats is not None)
+        if self._stats is None:
+            return res
+        out, sel = res
+        if sel is not None:
+            self._record_prefill(sel, plen, S)
+        return out
+
+    def decode(self, q, k, v, cache: RTPurboCache, meta: DecodeMeta, *, q_pre=None, k_pre=None):
+        A, _, T, _ = q.shape
+        if T > self.config.ring_slack + 1:
+            raise ValueError(f"{T} tokens per decode step exceed ring_slack + 1 ({self.config.ring_slack + 1})")
+        if self.num_retrieval and (q_pre is None or k_pre is None):
+            raise ValueError("RTPurboAttention.decode needs the pre-RoPE q_pre and k_pre")
+        r = self.config.indexer_dim
+        q_idx = q.new_zeros((A, 0, T, r))
+        if self.num_retrieval:
+            q_idx, k_idx = self.index(q_pre, k_pre)
+            write_rows(cache.gen_k, cache.gen_v, k[:, self.ret_idx], v[:, self.ret_idx], meta.row_slot,
+                       meta.cached_len)
+            _write_rows_one(cache.gen_ik, k_idx, meta.row_slot, meta.cached_len)
+        if self.local_heads:
+            wg = cache.gen_lk.shape[2]
+            pos = (meta.cached_len[:, None] + torch.arange(T, device=q.device)[None, :]) % wg  # [A, T]
+            h = torch.arange(len(self.local_heads), device=q.device)[None, :, None]
+            idx = (meta.row_slot[:, None, None], h, pos[:, None, :])
+            cache.gen_lk.index_put_(idx, k[:, self.loc_idx].to(cache.gen_lk.dtype))
+            cache.gen_lv.index_put_(idx, v[:, self.loc_idx].to(cache.gen_lv.dtype))
+        res = sparse_decode_attention(
+            q, q_idx, cache, meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len, self.ret_idx,
+            self.loc_idx, self.head_is_ret, self._decode_cfg(), impl=self._decode_impl(q.device), validate=False,
+            return_selection=self._stats is not None,
+        )
+        if self._stats is None:
+            return res
+        out, sel = res
+        self._record_decode(sel, meta, T, cache)
+        return out
+
+    def _write_local_prefix(self, cache: RTPurboCache, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor,
+                            plen: torch.Tensor) -> None:
+        """Sinks (first ``num_sinks`` tokens) and the ring of each prompt's last ``Wp`` tokens."""
+        P, hl, S, _ = k.shape
+        ns = self.config.num_sinks
+        wp = cache.prefix_lk.shape[2] - ns
+        h = torch.arange(hl, device=k.device)[None, :, None]
+        if ns:
+            n = min(ns, S)
+            idx = (slot[:, None, None], h, torch.arange(n, device=k.device)[None, None, :])
+            cache.prefix_lk.index_put_(idx, k[:, :, :n].to(cache.prefix_lk.dtype))
+            cache.prefix_lv.index_put_(idx, v[:, :, :n].to(cache.prefix_lv.dtype))
+        j = plen[:, None] - wp + torch.arange(wp, device=k.device)[None, :]  # [P, Wp] last Wp positions
+        src = j.clamp(0, S - 1)[:, None, :, None].expand(P, hl, wp, k.shape[-1])
+        idx = (slot[:, None, None], h, (ns + j % wp)[:, None, :])
+        cache.prefix_lk.index_put_(idx, k.gather(2, src).to(cache.prefix_lk.dtype))
+        cache.prefix_lv.index_put_(idx, v.gather(2, src).to(cache.prefix_lv.dtype))
+
+    # -- selection statistics (eager diagnostics: they read device values back) ------------------------
+    def enable_stats(self, on: bool = True) -> None:
+        """Record kept / visible token counts of every prefill and decode call (forces host syncs: for
+        evaluation, not inside compiled or graphed steps)."""
+        self._stats = _empty_stats() if on else None
+
+    @property
+    def stats(self) -> dict[str, float] | None:
+        return self._stats
+
+    def _record_decode(self, sel, meta: DecodeMeta, T: int, cache: RTPurboCache) -> None:
+        st, c = self._stats, self.config
+        pos = (meta.prefix_len + meta.cached_len)[:, None] + torch.arange(T, device=meta.prefix_len.device)
+        visible = (pos + 1).double()  # [A, T]
+        hr, hl = self.num_retrieval, len(self.local_heads)
+        if hr:
+            if isinstance(sel, tuple):
+                cnt = sel[1].view(-1, hr, T).double()
+            else:
+                cnt = sel.sum(-1).double()  # [A, hr, T]
+            last_partial = (c.decode_block - 1 - pos % c.decode_block).double()[:, None]
+            kept = (cnt * c.decode_block - last_partial).clamp(max=visible[:, None])
+            st["decode_ret_kept"] += float(kept.sum())
+            st["decode_ret_visible"] += float(visible.sum()) * hr
+        if hl:
+            s_eff = meta.prefix_len.clamp(max=c.num_sinks).double()[:, None]
+            kept = torch.minimum(visible, s_eff + c.window)
+            st["decode_loc_kept"] += float(kept.sum()) * hl
+            st["decode_loc_visible"] += float(visible.sum()) * hl
+        st["decode_queries"] += float(visible.numel())
+
+    def _record_prefill(self, sel, plen: torch.Tensor, S: int) -> None:
+        st, b = self._stats, self.config.prefill_block
+        nb = -(-S // b)
+        cnt = sel[1].view(-1, self.num_retrieval, nb).double()  # [P, hr, Qb]
+        qb = torch.arange(nb, device=cnt.device)
+        real = (qb * b < plen[:, None].to(cnt.device))[:, None, :]  # query blocks holding real tokens
+        st["prefill_ret_kept_blocks"] += float((cnt * real).sum())
+        st["prefill_ret_causal_blocks"] += float(((qb + 1).double()[None, None] * real).sum())
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"{super().extra_repr()}, retrieval_kv_heads={list(self.retrieval_heads)}, top_p={c.top_p}, "
+                f"window={c.window}, sinks={c.num_sinks}, indexer_dim={c.indexer_dim}")
+
+
+def _empty_stats() -> dict[str, float]:
+    return {k: 0.0 for k in ("decode_ret_kept", "decode_ret_visible", "decode_loc_kept", "decode_loc_visible",
+                             "decode_queries", "prefill_ret_kept_blocks", "prefill_ret_causal_blocks")}
+
+
+def _write_prefix_one(cache: torch.Tensor, x: torch.Tensor, slot: torch.Tensor) -> None:
+    B, H, S, _ = x.shape
+    h = torch.arange(H, device=x.device)[None, :, None]
+    s = torch.arange(S, device=x.device)[None, None, :]
+    cache.index_put_((slot[:, None, None], h, s), x.to(cache.dtype))
+
+
+def _write_rows_one(cache: torch.Tensor, x: torch.Tensor, slot: torch.Tensor, start: torch.Tensor) -> None:
+    A, H, T, _ = x.shape
+    h = torch.arange(H, device=x.device)[None, :, None]
+    pos = start[:, None, None] + torch.arange(T, device=x.device)[None, None, :]
+    cache.index_put_((slot[:, None, None], h, pos), x.to(cache.dtype))
+
+
+def rtpurbo_attention(profile: HeadProfile | None = None, indexer: IndexerWeights | None = None,
+                      config: RTPurboConfig | None = None) -> Callable[[LayerShape], RTPurboAttention]:
+    """A factory for :func:`sparrow.models.use_attention` / the model builders' ``attention=``."""
+    config = config or RTPurboConfig()
+    if indexer is not None and indexer.dim is not None and indexer.dim != config.indexer_dim:
+        raise ValueError(f"indexer dim {indexer.dim} differs from config.indexer_dim {config.indexer_dim}")
+
+    def make(shape: LayerShape) -> RTPurboAttention:
+        return RTPurboAttention(shape, config, profile, indexer)
+
+    return make
+
+
+def rtpurbo_backends(model: nn.Module) -> list[RTPurboAttention]:
+    """The model's RTPurbo backends, layer order (ValueError if a layer has another backend)."""
+    out = []
+    for i, layer in enumerate(model.layers):
+        b = getattr(getattr(layer, "attn", None), "backend", None)
+        if not isinstance(b, RTPurboAttention):
+            raise ValueError(f"layer {i} has {type(b).__name__}, not RTPurboAttention")
+        out.append(b)
+    return out
+
+
+def collect_selection_stats(model: nn.Module, reset: bool = False) -> dict[str, float]:
+    """Sum the selection statistics of every layer (after :meth:`RTPurboAttention.enable_stats`).
+
+    Returns kept / visible totals and the derived densities: ``decode_ret_density`` (fraction of the visible
+    tokens a retrieval head reads per query), ``decode_density`` (over all heads, local ones included),
+    ``prefill_ret_density`` (kept / causal key blocks per query block, retrieval heads).
+    """
+    tot = _empty_stats()
+    for b in rtpurbo_backends(model):
+        if b.stats is None:
+            continue
+        for k, v in b.stats.items():
+            tot[k] += v
+        if reset:
+            b.enable_stats(True)
+    out: dict[str, float] = dict(tot)
+    ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
+    out["decode_ret_density"] = ratio(tot["decode_ret_kept"], tot["decode_ret_visible"])
+    out["decode_density"] = ratio(tot["decode_ret_kept"] + tot["decode_loc_kept"],
+                                  tot["decode_ret_visible"] + tot["decode_loc_visible"])
+    out["prefill_ret_density"] = ratio(tot["prefill_ret_kept_blocks"], tot["prefill_ret_causal_blocks"])
+    return out

@@ -1,0 +1,109 @@
+"""``sparrow calibrate``: head profile + indexer from a checkpoint, saved beside it, with a report.
+
+Example::
+
+    sparrow calibrate --model qwen2_5_1_5b --checkpoint /ckpt/Qwen2.5-1.5B --seq-len 8192 --steps 600
+
+loads the checkpoint, profiles retrieval heads on one repeated-span sequence (``--profile-seqs``), fits the
+indexer on ``--num-seqs`` sequences, prints per-head recall / density, and writes ``rtpurbo.json`` and
+``rtpurbo_indexer.safetensors`` into ``--out`` (default: the checkpoint directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sparrow.attention.rtpurbo import RTPurboConfig
+from sparrow.calibrate.indexer import fit_indexer
+from sparrow.calibrate.io import save_rtpurbo
+from sparrow.calibrate.profile import profile_heads, repeat_span_sequences
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparrow calibrate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a builder of sparrow.models, e.g. qwen2_5_0_5b, tiny_qwen2")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="Hugging Face model directory, or a .safetensors / .pt state dict of the Sparrow model")
+    p.add_argument("--model-type", default="QWEN2", help="torchtune ModelType of an HF checkpoint (QWEN2, LLAMA3_2)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="model context (RoPE table); default seq-len")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: beside the checkpoint)")
+    p.add_argument("--ratio", type=float, default=0.15, help="fraction of (layer, kv head) pairs kept as retrieval heads")
+    p.add_argument("--seq-len", type=int, default=4096, help="calibration sequence length")
+    p.add_argument("--span", type=int, default=None, help="repeated span length (default seq-len / 32)")
+    p.add_argument("--profile-seqs", type=int, default=1, help="sequences for head profiling")
+    p.add_argument("--num-seqs", type=int, default=8, help="sequences for indexer distillation")
+    p.add_argument("--steps", type=int, default=600, help="distillation steps")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--indexer-dim", type=int, default=16)
+    p.add_argument("--queries-per-seq", type=int, default=256)
+    p.add_argument("--top-p", type=float, default=0.9, help="selection the report measures")
+    p.add_argument("--block", type=int, default=64, help="selection block the report measures")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def load_model(name: str, checkpoint: Path, *, max_seq_len: int, model_type: str, device: str, dtype: torch.dtype):
+    import sparrow.models as models
+
+    builder = getattr(models, name, None)
+    if builder is None or not callable(builder):
+        raise SystemExit(f"unknown model builder {name!r} (see sparrow.models)")
+    model = builder(max_seq_len=max_seq_len)
+    if checkpoint.is_dir():
+        models.load_hf_checkpoint(model, checkpoint, model_type=model_type)
+    elif checkpoint.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        models.load_model_state(model, load_file(str(checkpoint)))
+    elif checkpoint.is_file():
+        models.load_model_state(model, torch.load(checkpoint, map_location="cpu", weights_only=True))
+    else:
+        raise SystemExit(f"checkpoint {checkpoint} does not exist")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+    model = load_model(args.model, args.checkpoint, max_seq_len=args.max_seq_len or args.seq_len,
+                       model_type=args.model_type, device=args.device, dtype=DTYPES[args.dtype])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    vocab = model.tok_embeddings.num_embeddings
+    prof_seqs = repeat_span_sequences(args.profile_seqs, args.seq_len, vocab, span=args.span, seed=args.seed)
+    profile = profile_heads(model, prof_seqs, args.ratio, progress=progress)
+    ret = profile.retrieval.nonzero().tolist()
+    print(f"retrieval heads ({len(ret)} of {profile.retrieval.numel()}, ratio {profile.ratio:.3f}): "
+          + ", ".join(f"L{l}/kv{h}" for l, h in ret))
+    fit_seqs = repeat_span_sequences(args.num_seqs, args.seq_len, vocab, span=args.span, seed=args.seed + 1)
+    indexer, report = fit_indexer(model, profile, fit_seqs, steps=args.steps, dim=args.indexer_dim, lr=args.lr,
+                                  queries_per_seq=args.queries_per_seq, top_p=args.top_p, block=args.block,
+                                  seed=args.seed, progress=progress)
+    print(report.table())
+    out = args.out or (args.checkpoint if args.checkpoint.is_dir() else args.checkpoint.parent)
+    config = RTPurboConfig.for_context(args.max_seq_len or args.seq_len, retrieval_ratio=args.ratio,
+                                       indexer_dim=args.indexer_dim, top_p=args.top_p)
+    summary = dict(report.summary(), seq_len=args.seq_len, num_seqs=args.num_seqs, seconds=time.perf_counter() - t0,
+                   heads=[vars(h) for h in report.heads])
+    save_rtpurbo(out, profile, indexer, config=config, report=summary)
+    print(json.dumps({k: v for k, v in summary.items() if k != "heads"}, indent=None))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

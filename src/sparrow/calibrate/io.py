@@ -1,0 +1,81 @@
+"""Save / load RTPurbo calibration artefacts beside a checkpoint.
+
+``<dir>/rtpurbo.json``: the head profile, the config used, the indexer dimension and the calibration
+report. ``<dir>/rtpurbo_indexer.safetensors``: ``layers.<l>.indexer_q`` [H_ret, q_per_kv * D, r] and
+``layers.<l>.indexer_k`` [H_ret, D, r] for every layer with retrieval heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights, RTPurboConfig
+
+PROFILE_FILE = "rtpurbo.json"
+INDEXER_FILE = "rtpurbo_indexer.safetensors"
+FORMAT_VERSION = 1
+
+
+def save_rtpurbo(directory: str | Path, profile: HeadProfile, indexer: IndexerWeights, *,
+                 config: RTPurboConfig | None = None, report: dict | None = None) -> Path:
+    """Write the profile (JSON) and indexer (safetensors) into ``directory`` (created if needed)."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for l in profile.retrieval.any(1).nonzero().flatten().tolist():
+        if l not in indexer.q or l not in indexer.k:
+            raise ValueError(f"layer {l} has retrieval heads but the indexer has no weights for it")
+        n = len(profile.retrieval_heads(l))
+        if indexer.q[l].shape[0] != n or indexer.k[l].shape[0] != n:
+            raise ValueError(f"layer {l}: indexer covers {indexer.q[l].shape[0]} heads, profile marks {n}")
+    tensors = {}
+    for l in sorted(indexer.q):
+        tensors[f"layers.{l}.indexer_q"] = indexer.q[l].detach().float().contiguous().cpu()
+        tensors[f"layers.{l}.indexer_k"] = indexer.k[l].detach().float().contiguous().cpu()
+    save_file(tensors, str(d / INDEXER_FILE), metadata={"format": "sparrow-rtpurbo", "version": str(FORMAT_VERSION)})
+    doc = {"format": "sparrow-rtpurbo", "version": FORMAT_VERSION, "indexer_dim": indexer.dim,
+           "profile": profile.to_dict(), "config": dataclasses.asdict(config) if config else None,
+           "report": report}
+    tmp = d / (PROFILE_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(d / PROFILE_FILE)
+    return d
+
+
+def load_rtpurbo(directory: str | Path, *, with_config: bool = False):
+    """Read what :func:`save_rtpurbo` wrote: ``(profile, indexer)``, or ``(profile, indexer, config)``
+    with ``with_config`` (config None when none was saved).
+
+    Raises: FileNotFoundError when either file is missing; ValueError on a foreign or inconsistent file.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    pj, st = d / PROFILE_FILE, d / INDEXER_FILE
+    for f in (pj, st):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} does not exist: run `sparrow calibrate` first")
+    doc = json.loads(pj.read_text())
+    if doc.get("format") != "sparrow-rtpurbo":
+        raise ValueError(f"{pj} is not a Sparrow RTPurbo profile")
+    profile = HeadProfile.from_dict(doc["profile"])
+    tensors = load_file(str(st))
+    indexer = IndexerWeights()
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("indexer_q", "indexer_k"):
+            raise ValueError(f"unexpected tensor {name!r} in {st}")
+        (indexer.q if parts[2] == "indexer_q" else indexer.k)[int(parts[1])] = t
+    for l in range(profile.num_layers):
+        n = len(profile.retrieval_heads(l))
+        if n and (l not in indexer.q or indexer.q[l].shape[0] != n):
+            raise ValueError(f"{st} does not match the profile at layer {l}")
+    if not with_config:
+        return profile, indexer
+    cfg = doc.get("config")
+    return profile, indexer, (RTPurboConfig(**cfg) if cfg else None)

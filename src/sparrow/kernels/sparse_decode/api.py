@@ -1,0 +1,129 @@
+"""RTPurbo decode attention over the two-level cache: the cache layout, validation and ``impl`` dispatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+Impl = Literal["auto", "reference", "triton"]
+
+
+class RTPurboCache(NamedTuple):
+    """One layer's RTPurbo cache.
+
+    Retrieval kv heads (``H_ret``) keep their full KV, in the same two-level layout as dense attention, and
+    the indexer keys beside it:
+
+    prefix_k, prefix_v: [num_prefixes, H_ret, max_prefix_len, D]   prefix_ik: [num_prefixes, H_ret, max_prefix_len, r]
+    gen_k, gen_v:       [num_rows + 1, H_ret, max_gen_len, D]      gen_ik:    [num_rows + 1, H_ret, max_gen_len, r]
+
+    Local kv heads (``H_loc``) keep sinks + a sliding window only, so their memory is O(window) per prompt
+    and per row whatever the context length:
+
+    prefix_lk, prefix_lv: [num_prefixes, H_loc, S + Wp, D] — the prompt's first ``S`` tokens, then a ring of
+        its last ``Wp = min(window, max_prefix_len)`` tokens (position ``j`` at ``S + j % Wp``).
+    gen_lk, gen_lv: [num_rows + 1, H_loc, Wg, D] — a ring of the row's generated tokens (index ``g`` at
+        ``g % Wg``), ``Wg = min(window + ring_slack, max_gen_len)``.
+    """
+
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    gen_k: torch.Tensor
+    gen_v: torch.Tensor
+    prefix_ik: torch.Tensor
+    gen_ik: torch.Tensor
+    prefix_lk: torch.Tensor
+    prefix_lv: torch.Tensor
+    gen_lk: torch.Tensor
+    gen_lv: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Static parameters of a decode call: selection (``top_p``, ``block``, ``ret_window``) and local
+    attention (``num_sinks``, ``window``)."""
+
+    top_p: float
+    block: int
+    num_sinks: int
+    window: int
+    ret_window: int
+
+
+def sparse_decode_attention(
+    q: torch.Tensor,
+    q_idx: torch.Tensor,
+    cache: RTPurboCache,
+    row_slot: torch.Tensor,
+    prefix_slot: torch.Tensor,
+    prefix_len: torch.Tensor,
+    cached_len: torch.Tensor,
+    ret_heads: torch.Tensor,
+    loc_heads: torch.Tensor,
+    head_is_ret: torch.Tensor,
+    cfg: SparseDecodeConfig,
+    *,
+    scale: float | None = None,
+    impl: Impl = "auto",
+    validate: bool = True,
+    return_selection: bool = False,
+):
+    """RTPurbo attention of ``T`` new tokens per row (their K/V, indexer keys already written).
+
+    Args:
+        q: [A, Hq, T, D] post-RoPE queries, heads grouped by kv head (``h // (Hq / Hkv)``).
+        q_idx: [A, H_ret, T, r] indexer queries of the retrieval kv heads.
+        cache: the layer's :class:`RTPurboCache`.
+        row_slot, prefix_slot, prefix_len, cached_len: [A] int64 (see :class:`sparrow.attention.DecodeMeta`).
+        ret_heads / loc_heads: [H_ret] / [H_loc] int64 kv-head ids of each kind (together a permutation of
+            ``range(Hkv)``); head_is_ret: [Hkv] int32 (1 for retrieval heads).
+        cfg: selection and window parameters (see :mod:`.reference` for the exact semantics).
+        impl: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``, ``"auto"``.
+        return_selection: also return the retrieval heads' selection — a bool block mask [A, H_ret, T, NB]
+            for the reference, ``(block ids [A*H_ret*T, NB], counts [A*H_ret*T])`` for Triton.
+
+    Returns: [A, Hq, T, D] in ``q.dtype`` (and the selection when asked).
+    """
+    if validate:
+        _check(q, q_idx, cache, row_slot, ret_heads, loc_heads, cfg)
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "reference"
+    kw = dict(top_p=cfg.top_p, block=cfg.block, num_sinks=cfg.num_sinks, window=cfg.window,
+              ret_window=cfg.ret_window, scale=scale, return_selection=return_selection)
+    if impl == "triton":
+        from .triton_sparse_decode import sparse_decode_triton
+
+        return sparse_decode_triton(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
+                                    loc_heads, head_is_ret, **kw)
+    if impl == "reference":
+        from .reference import sparse_decode_reference
+
+        return sparse_decode_reference(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
+                                       loc_heads, **kw)
+    raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+
+
+def _check(q, q_idx, cache, row_slot, ret_heads, loc_heads, cfg) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"q must be [A, Hq, T, D], got {tuple(q.shape)}")
+    A, Hq, T, D = q.shape
+    Hr, Hl = ret_heads.numel(), loc_heads.numel()
+    if Hr + Hl == 0 or Hq % (Hr + Hl):
+        raise ValueError(f"query heads ({Hq}) must be a multiple of kv heads ({Hr} + {Hl})")
+    if q_idx.shape[:3] != (A, Hr, T):
+        raise ValueError(f"q_idx must be [A, H_ret, T, r] = [{A}, {Hr}, {T}, r], got {tuple(q_idx.shape)}")
+    if cache.prefix_k.shape[1] != Hr or cache.prefix_lk.shape[1] != Hl:
+        raise ValueError("cache head counts do not match ret_heads / loc_heads")
+    if cache.prefix_ik.shape[-1] != q_idx.shape[-1]:
+        raise ValueError(f"indexer dims differ: q_idx {q_idx.shape[-1]} vs cache {cache.prefix_ik.shape[-1]}")
+    if row_slot.shape != (A,):
+        raise ValueError(f"row_slot must have shape ({A},), got {tuple(row_slot.shape)}")
+    if cfg.num_sinks > cfg.block:
+        raise ValueError(f"num_sinks ({cfg.num_sinks}) must be <= block ({cfg.block})")
+    if cfg.window < T:
+        raise ValueError(f"window ({cfg.window}) must be >= the new tokens per step ({T})")
+    Wg = cache.gen_lk.shape[2]
+    if Hl and Wg < cache.gen_k.shape[2] and Wg < cfg.window + T - 1:
+        raise ValueError(f"the local ring ({Wg}) is too short for window {cfg.window} and {T} new tokens")

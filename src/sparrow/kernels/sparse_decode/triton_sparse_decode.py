@@ -1,0 +1,348 @@
+"""Triton kernels for RTPurbo decode: indexer block scores, top-p selection, sparse + local split-KV attention.
+
+One decode call is five launches, none of which waits on the host:
+
+1. ``_score_kernel`` — program per (row, retrieval head, new token, split): indexer scores
+   ``q_idx . k_idx`` of the split's tokens (prompt tokens read in place from the prefix slot, generated
+   ones from the row's slot), reduced to one log-mass per 64-token block (logsumexp).
+2. :func:`sparrow.kernels.topp.triton_topp.topp_select_triton` — bisection threshold on the block
+   log-masses (no sort), compacted list of kept blocks (top-p + sinks + local window) per query.
+3. ``_ret_attn_kernel`` — program per (row, retrieval head, new token, split): the split's share of the
+   *kept-block list* (so work is balanced whatever the selection's layout), exact attention with an
+   online softmax for the head's ``q_per_kv`` queries as one tile.
+4. ``_local_attn_kernel`` — program per (row, local head, split): sinks + sliding window from the ring
+   buffers, like the dense split-KV kernel but over at most ``window + T - 1`` positions.
+5. ``_merge_kernel`` — per (row, query head, new token): log-sum-exp merge of the splits.
+
+Selection is block-granular (64 tokens): a block's score is the logsumexp of its tokens' indexer scores,
+i.e. its exact share of the indexer's softmax mass, so "top-p over blocks" keeps whole blocks whose mass
+reaches ``p``; reads are then contiguous 64 x D tiles that feed ``tl.dot`` directly, and the selection
+costs ``L / 64`` values per query instead of ``L``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
+
+
+@triton.jit
+def _score_kernel(
+    QI, PIK, GIK, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, BS,
+    stride_qa, stride_qh, stride_qt,
+    stride_ps, stride_ph, stride_pl,
+    stride_gs, stride_gh, stride_gl,
+    stride_bn, H_RET,
+    T: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
+):
+    a = tl.program_id(0)
+    ht = tl.program_id(1)
+    split = tl.program_id(2)
+    hr = ht // T
+    t = ht % T
+    pslot = tl.load(PREFIX_SLOT + a)
+    rslot = tl.load(ROW_SLOT + a)
+    plen = tl.load(PREFIX_LEN + a)
+    pos = plen + tl.load(CACHED_LEN + a) + t
+    nb = pos // BLOCK + 1
+    per = tl.cdiv(tl.maximum(tl.cdiv(nb, NUM_SPLITS), MIN_BLOCKS), BB) * BB
+    b_start = split * per
+    b_end = tl.minimum(b_start + per, nb)
+
+    offs_r = tl.arange(0, R)
+    qv = tl.load(QI + a * stride_qa + hr * stride_qh + t * stride_qt + offs_r).to(tl.float32)
+    offs_tok = tl.arange(0, BB * BLOCK)
+    pbase = PIK + pslot * stride_ps + hr * stride_ph
+    gbase = GIK + rslot * stride_gs + hr * stride_gh
+    out = BS + ((a * H_RET + hr) * T + t).to(tl.int64) * stride_bn
+    for b0 in range(b_start, b_end, BB):
+        j = b0 * BLOCK + offs_tok
+        vis = j <= pos
+        in_p = j < plen
+        kp = tl.load(pbase + j[:, None] * stride_pl + offs_r[None, :], mask=(vis & in_p)[:, None], other=0.0)
+        kg = tl.load(gbase + (j - plen)[:, None] * stride_gl + offs_r[None, :], mask=(vis & (j >= plen))[:, None],
+                     other=0.0)
+        s = tl.sum((kp.to(tl.float32) + kg.to(tl.float32)) * qv[None, :], 1)
+        s = tl.where(vis, s, float("-inf"))
+        s2 = tl.reshape(s, (BB, BLOCK))
+        mx = tl.max(s2, 1)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        lse = mx_safe + tl.log(tl.sum(tl.exp(s2 - mx_safe[:, None]), 1))
+        bidx = b0 + tl.arange(0, BB)
+        tl.store(out + bidx, lse, mask=bidx < b_end)
+
+
+@triton.jit
+def _attend(acc, m_i, l_i, q, k, v, visible, qk_scale):
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d):
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(O_PART + o_row[:, None] + offs_d[None, :], out, mask=m_valid[:, None])
+    tl.store(LSE_PART + l_row, lse, mask=m_valid)
+
+
+@triton.jit
+def _ret_attn_kernel(
+    Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    stride_qa, stride_qh, stride_qt,
+    stride_ps, stride_ph, stride_pl,
+    stride_gs, stride_gh, stride_gl,
+    stride_si,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    qk_scale, H_RET,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+):
+    a = tl.program_id(0)
+    ht = tl.program_id(1)
+    split = tl.program_id(2)
+    hr = ht // T
+    t = ht % T
+    hkv = tl.load(RET_HEADS + hr)
+    pslot = tl.load(PREFIX_SLOT + a)
+    rslot = tl.load(ROW_SLOT + a)
+    plen = tl.load(PREFIX_LEN + a)
+    pos = plen + tl.load(CACHED_LEN + a) + t
+    n = ((a * H_RET + hr) * T + t).to(tl.int64)
+    cnt = tl.load(SEL_CNT + n)
+    per = tl.maximum(tl.cdiv(cnt, NUM_SPLITS), MIN_BLOCKS)
+    i_start = split * per
+    i_end = tl.minimum(i_start + per, cnt)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    m_valid = offs_m < QPK
+    offs_d = tl.arange(0, D)
+    heads = hkv * QPK + offs_m
+    q = tl.load(Q + a * stride_qa + heads[:, None] * stride_qh + t * stride_qt + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK)
+    pk_base = PK + pslot * stride_ps + hr * stride_ph
+    pv_base = PV + pslot * stride_ps + hr * stride_ph
+    gk_base = GK + rslot * stride_gs + hr * stride_gh
+    gv_base = GV + rslot * stride_gs + hr * stride_gh
+    for i in range(i_start, i_end):
+        b = tl.load(SEL_IDX + n * stride_si + i).to(tl.int64)
+        j = b * BLOCK + offs_n
+        vis = j <= pos
+        mp = (vis & (j < plen))[:, None]
+        mg = (vis & (j >= plen))[:, None]
+        jp = j[:, None] * stride_pl + offs_d[None, :]
+        jg = (j - plen)[:, None] * stride_gl + offs_d[None, :]
+        k = tl.load(pk_base + jp, mask=mp, other=0.0) + tl.load(gk_base + jg, mask=mg, other=0.0)
+        v = tl.load(pv_base + jp, mask=mp, other=0.0) + tl.load(gv_base + jg, mask=mg, other=0.0)
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, vis[None, :] & m_valid[:, None], qk_scale)
+    o_row = a * stride_oa + heads * stride_oh + t * stride_ot + split * stride_os
+    l_row = a * stride_la + heads * stride_lh + t * stride_lt + split
+    _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
+
+
+@triton.jit
+def _local_attn_kernel(
+    Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    stride_qa, stride_qh, stride_qt,
+    stride_ps, stride_ph, stride_pl,
+    stride_gs, stride_gh, stride_gl,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    qk_scale,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, SINKS: tl.constexpr, SINK_P2: tl.constexpr,
+    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr,
+):
+    a = tl.program_id(0)
+    hl = tl.program_id(1)
+    split = tl.program_id(2)
+    hkv = tl.load(LOC_HEADS + hl)
+    pslot = tl.load(PREFIX_SLOT + a)
+    rslot = tl.load(ROW_SLOT + a)
+    plen = tl.load(PREFIX_LEN + a)
+    pos0 = plen + tl.load(CACHED_LEN + a)
+    s_eff = tl.minimum(plen, SINKS)
+    lo = tl.maximum(s_eff, pos0 - WINDOW + 1)
+    hi = pos0 + T
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(hi - lo, NUM_SPLITS), MIN_CHUNK), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
+    end = tl.minimum(start + chunk, hi)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t_of_m = offs_m // QPK
+    g_of_m = offs_m % QPK
+    m_valid = offs_m < T * QPK
+    offs_d = tl.arange(0, D)
+    heads = hkv * QPK + g_of_m
+    q = tl.load(Q + a * stride_qa + heads[:, None] * stride_qh + t_of_m[:, None] * stride_qt + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    q_hi = pos0 + t_of_m
+    q_lo = q_hi - WINDOW + 1
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    p_base_k = PLK + pslot * stride_ps + hl * stride_ph
+    p_base_v = PLV + pslot * stride_ps + hl * stride_ph
+    g_base_k = GLK + rslot * stride_gs + hl * stride_gh
+    g_base_v = GLV + rslot * stride_gs + hl * stride_gh
+    if SINKS > 0:
+        if split == 0:
+            js = tl.arange(0, SINK_P2)
+            sm = js < s_eff
+            ks = tl.load(p_base_k + js[:, None] * stride_pl + offs_d[None, :], mask=sm[:, None], other=0.0)
+            vs = tl.load(p_base_v + js[:, None] * stride_pl + offs_d[None, :], mask=sm[:, None], other=0.0)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, ks, vs, sm[None, :] & m_valid[:, None], qk_scale)
+    offs_n = tl.arange(0, BLOCK_N)
+    for j0 in range(start, end, BLOCK_N):
+        j = j0 + offs_n
+        kv_mask = j < end
+        mp = (kv_mask & (j < plen))[:, None]
+        mg = (kv_mask & (j >= plen))[:, None]
+        jp = (SINKS + j % WP)[:, None] * stride_pl + offs_d[None, :]
+        jg = ((j - plen) % WG)[:, None] * stride_gl + offs_d[None, :]
+        k = tl.load(p_base_k + jp, mask=mp, other=0.0) + tl.load(g_base_k + jg, mask=mg, other=0.0)
+        v = tl.load(p_base_v + jp, mask=mp, other=0.0) + tl.load(g_base_v + jg, mask=mg, other=0.0)
+        visible = (kv_mask[None, :] & (j[None, :] <= q_hi[:, None]) & (j[None, :] >= q_lo[:, None])
+                   & m_valid[:, None])
+        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible, qk_scale)
+    o_row = a * stride_oa + heads * stride_oh + t_of_m * stride_ot + split * stride_os
+    l_row = a * stride_la + heads * stride_lh + t_of_m * stride_lt + split
+    _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
+
+
+@triton.jit
+def _merge_kernel(
+    O_PART, LSE_PART, OUT, HEAD_IS_RET,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    stride_a, stride_h, stride_t,
+    QPK: tl.constexpr, D: tl.constexpr, NS_RET: tl.constexpr, NS_LOC: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    a = tl.program_id(0)
+    h = tl.program_id(1)
+    t = tl.program_id(2)
+    is_ret = tl.load(HEAD_IS_RET + h // QPK)
+    ns = tl.where(is_ret != 0, NS_RET, NS_LOC)
+    offs_s = tl.arange(0, SPLITS_P2)
+    valid = offs_s < ns
+    lse = tl.load(LSE_PART + a * stride_la + h * stride_lh + t * stride_lt + offs_s, mask=valid,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(valid, tl.exp2(lse - m_safe), 0.0)
+    offs_d = tl.arange(0, D)
+    o = tl.load(O_PART + a * stride_oa + h * stride_oh + t * stride_ot + offs_s[:, None] * stride_os
+                + offs_d[None, :], mask=valid[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(OUT + a * stride_a + h * stride_h + t * stride_t + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+RET_MIN_BLOCKS = 4  # kept blocks per split at least (256 tokens)
+LOCAL_MIN_CHUNK = 256
+SCORE_MIN_BLOCKS = 16
+SCORE_BB = 8
+
+
+def splits_for(n_units: int, min_units: int, max_splits: int = 64) -> int:
+    return max(1, min(max_splits, _cdiv(n_units, min_units)))
+
+
+def sparse_decode_triton(
+    q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads, head_is_ret, *,
+    top_p: float, block: int, num_sinks: int, window: int, ret_window: int, scale: float | None = None,
+    return_selection: bool = False, ret_splits: int | None = None, local_splits: int | None = None,
+    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK,
+):
+    A, Hq, T, D = q.shape
+    Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
+    qpk = Hq // (Hr + Hl)
+    scale = scale if scale is not None else 1.0 / math.sqrt(D)
+    qk_scale = scale * 1.4426950408889634
+    Lp, Lg = cache.prefix_k.shape[2], cache.gen_k.shape[2]
+    nb_max = _cdiv(Lp + Lg, block)
+    ns_ret = ret_splits or splits_for(nb_max, ret_min_blocks)
+    Wp = cache.prefix_lk.shape[2] - num_sinks
+    Wg = cache.gen_lk.shape[2]
+    ns_loc = local_splits or splits_for(min(window, Lp + Lg) + T - 1, local_min_chunk)
+    ns = max(ns_ret if Hr else 1, ns_loc if Hl else 1)
+    o_part = torch.empty((A, Hq, T, ns, D), device=q.device, dtype=torch.float32)
+    lse_part = torch.empty((A, Hq, T, ns), device=q.device, dtype=torch.float32)
+    selection = None
+    if Hr:
+        r = q_idx.shape[-1]
+        bs = torch.empty((A * Hr * T, nb_max), device=q.device, dtype=torch.float32)
+        ns_score = splits_for(nb_max, SCORE_MIN_BLOCKS, 128)
+        _score_kernel[(A, Hr * T, ns_score)](
+            q_idx, cache.prefix_ik, cache.gen_ik, row_slot, prefix_slot, prefix_len, cached_len, bs,
+            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
+            cache.prefix_ik.stride(0), cache.prefix_ik.stride(1), cache.prefix_ik.stride(2),
+            cache.gen_ik.stride(0), cache.gen_ik.stride(1), cache.gen_ik.stride(2),
+            bs.stride(0), Hr,
+            T=T, R=r, BLOCK=block, BB=SCORE_BB, NUM_SPLITS=ns_score, MIN_BLOCKS=SCORE_MIN_BLOCKS,
+        )
+        sel_idx, sel_cnt = topp_select_triton(
+            bs, prefix_len, cached_len, top_p, mode=MODE_DECODE, block=block, sink_blocks=_cdiv(num_sinks, block),
+            local_window=ret_window, inner=T, h_inner=Hr * T,
+        )
+        selection = (sel_idx, sel_cnt)
+        _ret_attn_kernel[(A, Hr * T, ns_ret)](
+            q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v, sel_idx, sel_cnt, ret_heads, row_slot,
+            prefix_slot, prefix_len, cached_len, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            cache.prefix_k.stride(0), cache.prefix_k.stride(1), cache.prefix_k.stride(2),
+            cache.gen_k.stride(0), cache.gen_k.stride(1), cache.gen_k.stride(2),
+            sel_idx.stride(0),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            qk_scale, Hr,
+            T=T, QPK=qpk, D=D, BLOCK_M=max(16, triton.next_power_of_2(qpk)), BLOCK=block, NUM_SPLITS=ns_ret,
+            MIN_BLOCKS=ret_min_blocks,
+        )
+    if Hl:
+        block_m = max(16, triton.next_power_of_2(T * qpk))
+        _local_attn_kernel[(A, Hl, ns_loc)](
+            q, cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv, loc_heads, row_slot, prefix_slot,
+            prefix_len, cached_len, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            cache.prefix_lk.stride(0), cache.prefix_lk.stride(1), cache.prefix_lk.stride(2),
+            cache.gen_lk.stride(0), cache.gen_lk.stride(1), cache.gen_lk.stride(2),
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            qk_scale,
+            T=T, QPK=qpk, D=D, BLOCK_M=block_m, BLOCK_N=64 if D <= 64 or block_m <= 64 else 32,
+            NUM_SPLITS=ns_loc, MIN_CHUNK=local_min_chunk, SINKS=num_sinks,
+            SINK_P2=max(16, triton.next_power_of_2(max(num_sinks, 1))), WINDOW=window, WP=max(Wp, 1), WG=Wg,
+        )
+    out = torch.empty_like(q)
+    _merge_kernel[(A, Hq, T)](
+        o_part, lse_part, out, head_is_ret,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        QPK=qpk, D=D, NS_RET=ns_ret if Hr else 1, NS_LOC=ns_loc if Hl else 1,
+        SPLITS_P2=max(2, triton.next_power_of_2(ns)),
+    )
+    return (out, selection) if return_selection else out

@@ -1,0 +1,135 @@
+"""Top-p block selection without a sort: a bisection on the score threshold, then an in-order compaction.
+
+One program per selection row (a query in decode, a query block in prefill). It reads the row's block
+log-masses ``x_b`` (valid for blocks ``b < n_valid``), finds by bisection the largest threshold ``tau``
+with ``sum_{x_b >= tau} exp(x_b - max) >= top_p * sum_b exp(x_b - max)`` — the blocks at or above
+``tau`` are then the smallest set reaching mass ``top_p``, up to scores closer than the final
+bracket (below fp32 resolution after 32 halvings of an 80-nat range) — and writes the ids of the
+kept blocks, forced blocks (sinks, local window) included, in ascending order, with their count.
+Nothing leaves the device: the threshold, the list and the count stay in device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MODE_EXPLICIT, MODE_DECODE, MODE_PREFILL = 0, 1, 2
+
+
+@triton.jit
+def _row_bounds(n, A0, A1, H_INNER, INNER, MODE: tl.constexpr, QBLOCK: tl.constexpr):
+    """First and last query position of selection row ``n``."""
+    if MODE == 0:  # explicit bounds
+        q_lo = tl.load(A0 + n).to(tl.int64)
+        q_hi = tl.load(A1 + n).to(tl.int64)
+    elif MODE == 1:  # decode: n = (row * H + head) * T + t; A0 = prefix_len, A1 = cached_len
+        a = n // H_INNER
+        t = n % INNER
+        q_lo = tl.load(A0 + a).to(tl.int64) + tl.load(A1 + a).to(tl.int64) + t
+        q_hi = q_lo
+    else:  # prefill: n = (prompt * H + head) * Qb + qb; A0 = prompt_len
+        p = n // H_INNER
+        qb = n % INNER
+        q_lo = qb * QBLOCK
+        q_hi = tl.maximum(q_lo, tl.minimum(q_lo + QBLOCK, tl.load(A0 + p).to(tl.int64)) - 1)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _mass_above(row, n_valid, thr, m_safe, CHUNK: tl.constexpr):
+    offs = tl.arange(0, CHUNK)
+    f = tl.zeros([], dtype=tl.float32)
+    for c0 in range(0, n_valid, CHUNK):
+        o = c0 + offs
+        x = tl.load(row + o, mask=o < n_valid, other=float("-inf"))
+        f += tl.sum(tl.where(x >= thr, tl.exp(x - m_safe), 0.0), 0)
+    return f
+
+
+@triton.jit
+def _topp_kernel(
+    SCORES, SEL_IDX, SEL_CNT, A0, A1,
+    NB, stride_s, stride_i, H_INNER, INNER, top_p,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
+    LOCAL_WINDOW: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    q_lo, q_hi = _row_bounds(n, A0, A1, H_INNER, INNER, MODE, QBLOCK)
+    n_valid = tl.minimum(q_hi // BLOCK + 1, NB)
+    first_local = tl.maximum(q_lo - LOCAL_WINDOW + 1, 0) // BLOCK
+    offs = tl.arange(0, CHUNK)
+    row = SCORES + n * stride_s
+
+    tau = tl.full([], float("-inf"), dtype=tl.float32)
+    if not KEEP_ALL:
+        m = tl.full([], float("-inf"), dtype=tl.float32)
+        mn = tl.full([], float("inf"), dtype=tl.float32)
+        for c0 in range(0, n_valid, CHUNK):
+            o = c0 + offs
+            x = tl.load(row + o, mask=o < n_valid, other=float("-inf"))
+            m = tl.maximum(m, tl.max(x, 0))
+            mn = tl.minimum(mn, tl.min(tl.where(x > float("-inf"), x, float("inf")), 0))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        z = _mass_above(row, n_valid, float("-inf"), m_safe, CHUNK)
+        target = top_p * z
+        # bracket: f(lo) >= target > f(hi). Blocks more than 80 nats below the maximum carry < e^-80 of
+        # the mass each; the check falls back to the minimum when even that matters.
+        lo = tl.maximum(mn, m_safe - 80.0)
+        lo = tl.where(_mass_above(row, n_valid, lo, m_safe, CHUNK) >= target, lo, mn)
+        hi = m_safe + 1.0
+        for _ in range(ITERS):
+            mid = (lo + hi) * 0.5
+            ok = _mass_above(row, n_valid, mid, m_safe, CHUNK) >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        tau = tl.where(m == float("-inf"), float("-inf"), lo)  # no finite score: keep every valid block
+
+    cnt = tl.zeros([], dtype=tl.int32)
+    out = SEL_IDX + n * stride_i
+    for c0 in range(0, n_valid, CHUNK):
+        o = c0 + offs
+        valid = o < n_valid
+        x = tl.load(row + o, mask=valid, other=float("-inf"))
+        sel = valid & ((x >= tau) | (o < SINK_BLOCKS) | (o >= first_local))
+        pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(out + pos, o.to(tl.int32), mask=sel)
+        cnt += tl.sum(sel.to(tl.int32), 0)
+    tl.store(SEL_CNT + n, cnt)
+
+
+def topp_select_triton(
+    scores: torch.Tensor,
+    a0: torch.Tensor,
+    a1: torch.Tensor,
+    top_p: float,
+    *,
+    mode: int,
+    block: int,
+    sink_blocks: int,
+    local_window: int,
+    inner: int = 1,
+    h_inner: int = 1,
+    qblock: int = 1,
+    iters: int = 32,
+    sel_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores: [N, NB] float32 (row stride free, unit column stride). Returns (idx [N, NB] int32, cnt [N] int32).
+
+    ``mode`` picks how a row's query positions are found: explicit ``a0 = q_lo, a1 = q_hi`` [N];
+    decode (``a0 = prefix_len, a1 = cached_len`` [A], rows ``(a * H + h) * T + t`` with ``inner = T``,
+    ``h_inner = H * T``); prefill (``a0 = prompt_len`` [P], rows ``(p * H + h) * Qb + qb`` with
+    ``inner = Qb``, ``h_inner = H * Qb``, query blocks of ``qblock`` tokens).
+    """
+    N, NB = scores.shape
+    if sel_idx is None:
+        sel_idx = torch.empty((N, NB), dtype=torch.int32, device=scores.device)
+    cnt = torch.empty((N,), dtype=torch.int32, device=scores.device)
+    chunk = min(4096, max(16, triton.next_power_of_2(NB)))
+    _topp_kernel[(N,)](
+        scores, sel_idx, cnt, a0, a1, NB, scores.stride(0), sel_idx.stride(0), h_inner, inner, float(top_p),
+        MODE=mode, BLOCK=block, QBLOCK=qblock, SINK_BLOCKS=sink_blocks, LOCAL_WINDOW=local_window, CHUNK=chunk,
+        ITERS=iters, KEEP_ALL=top_p >= 1.0, num_warps=4 if chunk <= 1024 else 8,
+    )
+    return sel_idx, cnt
