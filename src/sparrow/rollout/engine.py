@@ -25,6 +25,7 @@ from sparrow.attention.base import CacheSpec, DecodeMeta, PrefillMeta
 from sparrow.models.attention import attention_modules
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
 from sparrow.rollout.sampling import SamplingParams, process_logits, row_keys, sample_from_logprobs
+from sparrow.speculative.base import Drafter, ToggleController
 
 FinishReason = Literal["stop", "length"]
 
@@ -47,6 +48,8 @@ class EngineConfig:
         share_prefix: prefill each prompt once for all its samples (``False`` prefills every sample,
             for comparison).
         compile_backend: ``torch.compile`` backend (``"inductor"``; ``"eager"`` checks graph capture only).
+        max_draft: longest speculative draft (0 without a drafter); generation slots keep this many extra
+            positions of scratch for the verify pass.
     """
 
     max_rows: int = 64
@@ -60,8 +63,11 @@ class EngineConfig:
     prefill_tokens: int = 32768
     share_prefix: bool = True
     compile_backend: str = "inductor"
+    max_draft: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_draft < 0:
+            raise ValueError(f"EngineConfig.max_draft must be >= 0, got {self.max_draft}")
         for name in ("max_rows", "max_prompt_len", "max_new_tokens", "sync_every", "prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -118,10 +124,29 @@ class GenerationStats:
     decode_steps: int = 0
     row_steps: int = 0  # sum over decode steps of the padded batch size
     active_hist: dict[int, int] = field(default_factory=dict)  # bucket -> steps run at that bucket
+    # with a drafter (speculative path): a cycle is k draft steps + one verify step and counts as one step
+    spec_cycles: int = 0  # cycles run (each over a padded batch)
+    spec_row_cycles: int = 0  # sum over cycles of the live rows
+    draft_proposed: int = 0  # draft tokens proposed to live rows
+    draft_accepted: int = 0  # of those, accepted
+    spec_hist: dict[int, int] = field(default_factory=dict)  # bucket -> speculative cycles at that bucket
+    draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft length -> cycles
+    block_tokens: dict[int, int] = field(default_factory=dict)  # bucket -> tokens emitted in blocks at it
+    block_time_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of blocks at it
 
     @property
     def decode_tokens_per_s(self) -> float:
         return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (0 when nothing was proposed)."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """Mean tokens a live row emitted per speculative cycle, before stop / length truncation."""
+        return 1.0 + self.draft_accepted / self.spec_row_cycles if self.spec_row_cycles else 0.0
 
 
 @dataclass
@@ -149,9 +174,15 @@ class RolloutEngine:
             builders in :mod:`sparrow.models` or :func:`sparrow.models.use_attention`). The engine uses
             it in place, in its current dtype and device, under ``torch.no_grad``.
         config: capacity and execution options.
+        drafter: enables speculative decoding (e.g. :class:`sparrow.speculative.QuantizedSelfDrafter`);
+            needs ``config.max_draft >= 1``. Sampled tokens follow the target's distribution exactly and
+            their log-probs are the target's.
+        toggle: decides at each sync point whether to speculate and how far (default: always, with
+            ``config.max_draft`` drafts). Draft lengths above ``config.max_draft`` are clamped.
     """
 
-    def __init__(self, model: TransformerDecoder, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: TransformerDecoder, config: EngineConfig | None = None,
+                 drafter: Drafter | None = None, toggle: ToggleController | None = None) -> None:
         self.model = model
         self.config = config or EngineConfig()
         self.attn = attention_modules(model)
@@ -167,19 +198,37 @@ class RolloutEngine:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._step_fn = None
         self._params: SamplingParams | None = None
+        self._spec = None
+        if toggle is not None and drafter is None:
+            raise ValueError("a toggle needs a drafter")
+        if drafter is not None:
+            if self.config.max_draft < 1:
+                raise ValueError("speculative decoding needs EngineConfig.max_draft >= 1 (the draft scratch length)")
+            from sparrow.speculative.runtime import SpeculativeRunner
+            from sparrow.speculative.toggle import AlwaysOn
+
+            self._spec = SpeculativeRunner(self, drafter, toggle or AlwaysOn(self.config.max_draft))
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return None if self._spec is None else self._spec.drafter
+
+    @property
+    def toggle(self) -> ToggleController | None:
+        return None if self._spec is None else self._spec.toggle
 
     # ------------------------------------------------------------------------------------ setup
     @property
     def cache_spec(self) -> CacheSpec:
         c = self.config
         num_prefixes = c.num_prefixes if c.share_prefix else max(c.num_prefixes, c.max_rows)
-        return CacheSpec(num_prefixes, c.max_prompt_len, c.max_rows, c.max_new_tokens + 1)
+        return CacheSpec(num_prefixes, c.max_prompt_len, c.max_rows, c.max_new_tokens + c.max_draft + 1)
 
     def _allocate(self) -> None:
         spec, dev = self.cache_spec, self.device
         self.caches = [a.backend.init_cache(spec, dtype=self.dtype, device=dev) for a in self.attn]
         R = spec.num_rows + 1  # + scratch slot for padding rows
-        L = self.config.max_new_tokens + 1
+        L = self.config.max_new_tokens + self.config.max_draft + 1
         self.scratch = spec.num_rows
         self.out_tokens = torch.zeros((R, L), dtype=torch.int64, device=dev)
         self.out_logprobs = torch.zeros((R, L), dtype=torch.float32, device=dev)
@@ -192,6 +241,8 @@ class RolloutEngine:
         self.seed = torch.zeros((), dtype=torch.int64, device=dev)
         self.max_new = torch.ones((), dtype=torch.int64, device=dev)
         self.stop_ids = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        if self._spec is not None:
+            self._spec.allocate()
 
     def cache_nbytes(self) -> int:
         if self.caches is None:
@@ -206,6 +257,8 @@ class RolloutEngine:
         if not same_processing:
             self._graphs.clear()  # the compiled step specialises on processing parameters
             self._step_fn = None
+            if self._spec is not None:
+                self._spec.reset_compiled()
             ids = torch.tensor(stop if stop else (-1,), dtype=torch.int64, device=self.device)
             self.stop_ids = ids
         else:
@@ -279,6 +332,8 @@ class RolloutEngine:
         self._set_params(params)
         self._n_samples = n_samples
         stats = GenerationStats()
+        if self._spec is not None:
+            self._spec.begin()
         spec = self.cache_spec
         n = n_samples
         pending = list(range(len(toks)))
@@ -311,7 +366,11 @@ class RolloutEngine:
                 raise RuntimeError("the engine cannot admit a prompt: capacity too small")
             # a block of decode steps on the active rows, then one host sync to retire finished rows
             t0 = time.perf_counter()
-            finished = self._decode_block(active, stats)
+            if self._spec is None:
+                finished = self._decode_block(active, stats)
+            else:
+                plens = [toks[row_owner[r][0]].numel() for r in active]
+                finished = self._spec.decode_block(active, plens, stats)
             stats.decode_s += self._elapsed(t0)
             if finished:
                 self._collect(finished, row_owner, results)

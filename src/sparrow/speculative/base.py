@@ -30,6 +30,7 @@ class DraftContext(NamedTuple):
                  (temperature / top-k / top-p), so draft and target distributions are comparable.
     keys:        [A, k] int64 noise keys (see :func:`sparrow.rollout.sampling.row_keys`), one per draft
                  position, so drafts are reproducible and batch-invariant.
+    greedy:      temperature 0: drafts are the draft model's argmax.
     """
 
     last_tokens: torch.Tensor
@@ -37,6 +38,17 @@ class DraftContext(NamedTuple):
     meta: DecodeMeta
     process: Callable[[torch.Tensor], torch.Tensor]
     keys: torch.Tensor
+    greedy: bool = False
+
+    def sample(self, logprobs: torch.Tensor, i: int) -> torch.Tensor:
+        """Draw draft position ``i`` from processed log-probabilities [A, V] -> [A] int64 (Gumbel-max on the
+        counter-based noise, with the draft stream's salt)."""
+        from sparrow.rollout.sampling import gumbel_noise
+        from sparrow.speculative.rejection import DRAFT_SALT
+
+        if self.greedy:
+            return torch.argmax(logprobs, dim=-1)
+        return torch.argmax(logprobs + gumbel_noise(self.keys[:, i], logprobs.shape[-1], DRAFT_SALT), dim=-1)
 
 
 class DraftProposal(NamedTuple):
@@ -47,15 +59,37 @@ class DraftProposal(NamedTuple):
 
 
 class Drafter(abc.ABC):
-    """A cheap model that proposes tokens for the target (policy) to verify."""
+    """A cheap model that proposes tokens for the target (policy) to verify.
+
+    The engine drives a drafter one position at a time through :meth:`forward_logits` (each draft step is
+    its own compiled, graph-captured step, so compile time does not grow with the draft length) and does the
+    sampling itself; :meth:`propose` is the same loop for standalone use.
+    """
 
     @abc.abstractmethod
     def refresh(self) -> None:
         """Rebuild from the target's current weights, in place (call after every weight sync)."""
 
     @abc.abstractmethod
+    def forward_logits(self, tokens: torch.Tensor, caches: Any, meta: DecodeMeta) -> torch.Tensor:
+        """Draft logits after feeding ``tokens`` [A, T] int64 at ``meta.cached_len`` -> [A, T, V] float32.
+
+        Writes the tokens' KV into ``caches`` at the draft positions (the verify pass overwrites them).
+        Runs inside compiled steps: no host sync, no data-dependent Python branching.
+        """
+
     def propose(self, ctx: DraftContext, num_tokens: int) -> DraftProposal:
-        """Propose ``num_tokens`` tokens per row. Runs inside compiled steps: no host sync."""
+        """Propose ``num_tokens`` tokens per row (autoregressively through :meth:`forward_logits`)."""
+        tok = ctx.last_tokens
+        meta = ctx.meta
+        tokens, probs = [], []
+        for i in range(num_tokens):
+            logprobs = ctx.process(self.forward_logits(tok[:, None], ctx.caches, meta)[:, 0])
+            tok = ctx.sample(logprobs, i)
+            tokens.append(tok)
+            probs.append(logprobs.exp())
+            meta = meta._replace(cached_len=meta.cached_len + 1)
+        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1))
 
 
 @dataclass(frozen=True)
@@ -65,6 +99,7 @@ class StepStats:
     active_rows: int
     mean_context: float
     max_context: int
+    bucket: int | None = None  # the padded batch the next block runs at (None: same as active_rows)
 
 
 @dataclass(frozen=True)

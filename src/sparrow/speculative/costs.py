@@ -1,0 +1,291 @@
+"""Measured step costs of an engine, for the cost-model toggle.
+
+:meth:`CostModel.calibrate` times, on the engine itself (its compiled steps and CUDA graphs, its batch
+buckets), a target decode step, a draft step and a speculative cycle at two draft lengths, each at two
+context lengths, for every batch bucket. Per bucket every cost is modelled as linear in the mean context
+length ``L`` (attention reads ``bucket * L`` cached tokens per layer, weights and launches are the
+constant part):
+
+* ``c_target(b, L) = a_t + s_t * L``
+* ``c_draft(b, L)  = a_d + s_d * L``
+* ``c_verify(b, L, k) = c_cycle(b, L, k) - k * c_draft(b, L)``, measured at two draft lengths and
+  interpolated linearly in ``k`` (the verify pass processes ``b * (k + 1)`` tokens).
+
+Buckets between calibrated ones are interpolated linearly. The result is cached as JSON keyed by the model
+shape, drafter, dtype, device name, sampling processing and engine capacity, so a second start-up on the
+same machine loads it instead of measuring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparrow.rollout.engine import RolloutEngine
+    from sparrow.rollout.sampling import SamplingParams
+
+DEFAULT_CACHE_DIR = Path(os.environ.get("SPARROW_CACHE_DIR", Path.home() / ".cache" / "sparrow")) / "spec_costs"
+
+
+def _lin(fit: tuple[float, float], ctx: float) -> float:
+    return fit[0] + fit[1] * ctx
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation from the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 0
+    while i < len(xs) - 2 and x > xs[i + 1]:
+        i += 1
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class CostModel:
+    """Step costs in seconds as functions of batch bucket, mean context length and draft length.
+
+    Attributes:
+        key: what the costs were measured for (see :func:`cost_key`).
+        target: bucket -> (intercept s, slope s per context token) of one target decode step.
+        draft: bucket -> (intercept, slope) of one draft step.
+        verify: bucket -> {draft length -> (intercept, slope)} of one verify step (rejection included).
+        meta: calibration details (contexts, timings, duration).
+    """
+
+    key: str
+    target: dict[int, tuple[float, float]]
+    draft: dict[int, tuple[float, float]]
+    verify: dict[int, dict[int, tuple[float, float]]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.target or set(self.target) != set(self.draft) or set(self.target) != set(self.verify):
+            raise ValueError("CostModel.target, draft and verify must cover the same non-empty set of buckets")
+        for b, ks in self.verify.items():
+            if not ks:
+                raise ValueError(f"CostModel.verify[{b}] has no draft lengths")
+
+    # ------------------------------------------------------------------------------- queries
+    @property
+    def buckets(self) -> list[int]:
+        return sorted(self.target)
+
+    def _per_bucket(self, table: dict[int, tuple[float, float]], bucket: float, ctx: float) -> float:
+        bs = self.buckets
+        return max(1e-7, _interp(bs, [_lin(table[b], ctx) for b in bs], bucket))
+
+    def target_step(self, bucket: float, ctx: float) -> float:
+        """Seconds of one target decode step of ``bucket`` rows at mean context ``ctx``."""
+        return self._per_bucket(self.target, bucket, ctx)
+
+    def draft_step(self, bucket: float, ctx: float) -> float:
+        """Seconds of one draft step."""
+        return self._per_bucket(self.draft, bucket, ctx)
+
+    def verify_step(self, bucket: float, ctx: float, k: int) -> float:
+        """Seconds of one verify step with ``k`` drafts per row (rejection sampling included)."""
+        bs = self.buckets
+
+        def at(b: int) -> float:
+            ks = sorted(self.verify[b])
+            return _interp(ks, [_lin(self.verify[b][x], ctx) for x in ks], k)
+
+        return max(1e-7, _interp(bs, [at(b) for b in bs], bucket))
+
+    def cycle(self, bucket: float, ctx: float, k: int) -> float:
+        """Seconds of one speculative cycle: ``k`` draft steps and one verify step."""
+        return k * self.draft_step(bucket, ctx) + self.verify_step(bucket, ctx, k)
+
+    def speedup(self, bucket: float, ctx: float, k: int, alpha: float) -> float:
+        """Predicted tokens-per-second ratio of speculative over plain decoding."""
+        from sparrow.speculative.runtime import expected_tokens_per_cycle
+
+        return expected_tokens_per_cycle(alpha, k) * self.target_step(bucket, ctx) / self.cycle(bucket, ctx, k)
+
+    # -------------------------------------------------------------------------- persistence
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["target"] = {str(b): v for b, v in self.target.items()}
+        d["draft"] = {str(b): v for b, v in self.draft.items()}
+        d["verify"] = {str(b): {str(k): v for k, v in ks.items()} for b, ks in self.verify.items()}
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "CostModel":
+        d = json.loads(text)
+        return cls(
+            key=d["key"],
+            target={int(b): tuple(v) for b, v in d["target"].items()},
+            draft={int(b): tuple(v) for b, v in d["draft"].items()},
+            verify={int(b): {int(k): tuple(v) for k, v in ks.items()} for b, ks in d["verify"].items()},
+            meta=d.get("meta", {}),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, key: str | None = None) -> "CostModel":
+        """Load a saved model; ``ValueError`` if ``key`` is given and differs from the saved one."""
+        m = cls.from_json(Path(path).read_text())
+        if key is not None and m.key != key:
+            raise ValueError(f"cost model at {path} was measured for {m.key!r}, not {key!r}")
+        return m
+
+    # --------------------------------------------------------------------------- calibration
+    @classmethod
+    def calibrate(
+        cls,
+        engine: "RolloutEngine",
+        params: "SamplingParams | None" = None,
+        *,
+        contexts: tuple[int, int] | None = None,
+        draft_lengths: tuple[int, int] | None = None,
+        buckets: tuple[int, ...] | None = None,
+        steps: int = 8,
+        cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
+        refresh: bool = False,
+    ) -> "CostModel":
+        """Measure (or load from ``cache_dir``) the step costs of ``engine`` with its drafter.
+
+        Args:
+            engine: a :class:`RolloutEngine` built with a drafter; not generating (its row state is used as
+                scratch; the next :meth:`~RolloutEngine.generate` resets it).
+            params: sampling parameters whose processing the steps use (default ``SamplingParams()``).
+            contexts: two mean context lengths to measure at (default: about 1/16 and 3/4 of the engine's
+                ``max_prompt_len + max_new_tokens``).
+            draft_lengths: two draft lengths for the verify fit (default ``(1, max_draft)``, or
+                ``(max_draft,)`` doubled when ``max_draft == 1``).
+            buckets: batch buckets to measure (default: all of the engine's).
+            steps: timed repetitions per point (after one untimed warm-up / capture).
+            cache_dir: where cost models are cached (``None``: no cache).
+            refresh: measure even if a cached model exists.
+
+        Raises:
+            ValueError: the engine has no drafter, or contexts / draft lengths out of the engine's range.
+        """
+        from sparrow.rollout.sampling import SamplingParams
+
+        spec = engine._spec
+        if spec is None:
+            raise ValueError("calibrate needs an engine built with a drafter")
+        params = params or SamplingParams(max_new_tokens=1)
+        c = engine.config
+        top = c.max_prompt_len + c.max_new_tokens
+        if contexts is None:
+            contexts = (max(2, top // 16), max(3, (3 * top) // 4))
+        lo_k = 1 if c.max_draft > 1 else c.max_draft
+        draft_lengths = tuple(draft_lengths or (lo_k, c.max_draft))
+        if len(contexts) != 2 or contexts[0] >= contexts[1] or contexts[0] < 2 or contexts[1] > top:
+            raise ValueError(f"contexts must be two increasing lengths in [2, {top}], got {contexts}")
+        if any(not 1 <= k <= c.max_draft for k in draft_lengths):
+            raise ValueError(f"draft_lengths must lie in [1, {c.max_draft}], got {draft_lengths}")
+        buckets = tuple(buckets or c.buckets)
+        key = cost_key(engine, params)
+        path = None
+        if cache_dir is not None:
+            path = Path(cache_dir) / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+            if path.exists() and not refresh:
+                try:
+                    m = cls.load(path, key)
+                    if set(m.buckets) >= set(buckets):
+                        return m
+                except (ValueError, KeyError, json.JSONDecodeError):
+                    pass
+
+        t_start = time.perf_counter()
+        if engine.caches is None:
+            engine._allocate()
+        engine._set_params(params)
+        ks = sorted(set(draft_lengths))
+        raw: dict[str, Any] = {}
+        target, draft, verify = {}, {}, {}
+        with torch.no_grad():
+            for b in buckets:
+                pts: dict[str, list[float]] = {"target": [], "draft": []}
+                pts.update({f"cycle{k}": [] for k in ks})
+                for L in contexts:
+                    _setup_rows(engine, b, L)
+                    pts["target"].append(spec.time_block(b, 0, steps))
+                    pts["draft"].append(spec.time_block(b, -1, steps))
+                    for k in ks:
+                        pts[f"cycle{k}"].append(spec.time_block(b, k, steps))
+                raw[str(b)] = pts
+                target[b] = _fit(contexts, pts["target"])
+                draft[b] = _fit(contexts, pts["draft"])
+                verify[b] = {}
+                for k in ks:
+                    ver = [cy - k * d for cy, d in zip(pts[f"cycle{k}"], pts["draft"])]
+                    verify[b][k] = _fit(contexts, ver)
+                if len(ks) == 1:  # one draft length: assume the verify cost does not depend on k
+                    verify[b][ks[0] + 1] = verify[b][ks[0]]
+            _reset_rows(engine)
+        meta = {"contexts": list(contexts), "draft_lengths": ks, "steps": steps, "timings_s": raw,
+                "seconds": time.perf_counter() - t_start}
+        m = cls(key=key, target=target, draft=draft, verify=verify, meta=meta)
+        if path is not None:
+            m.save(path)
+        return m
+
+
+def _fit(xs: tuple[int, int], ys: list[float]) -> tuple[float, float]:
+    (x0, x1), (y0, y1) = xs, ys
+    slope = max(0.0, (y1 - y0) / (x1 - x0))  # timing noise must not make cost fall with context
+    return (y0 - slope * x0, slope)
+
+
+def _setup_rows(engine: "RolloutEngine", bucket: int, ctx: int) -> None:
+    """Rows ``0..bucket-1`` at context ``ctx`` (prompt part in distinct prefix slots), all done so the
+    measured steps leave their lengths unchanged."""
+    c, spec = engine.config, engine.cache_spec
+    plen = max(1, min(ctx - 1, c.max_prompt_len))
+    gen = max(1, min(ctx - plen, c.max_new_tokens))
+    rows = torch.arange(bucket, device=engine.device)
+    engine.row_prefix_slot[rows] = rows % spec.num_prefixes
+    engine.row_prefix_len[rows] = plen
+    engine.n_gen[rows] = gen
+    engine.row_sample_id[rows] = rows
+    engine.last_token[rows] = 0
+    engine.done[rows] = True
+
+
+def _reset_rows(engine: "RolloutEngine") -> None:
+    engine.n_gen.fill_(1)
+    engine.row_prefix_len.fill_(1)
+    engine.done.fill_(True)
+
+
+def cost_key(engine: "RolloutEngine", params: "SamplingParams") -> str:
+    """Identity of what a cost model measures: model shape, drafter, dtype, device, processing, capacity."""
+    m = engine.model
+    a = m.layers[0].attn
+    dev = engine.device
+    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
+    c = engine.config
+    parts = {
+        "model": f"L{len(m.layers)}-E{m.tok_embeddings.embedding_dim}-H{a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
+                 f"-V{engine.vocab_size}-{type(a.backend).__name__}",
+        "drafter": repr(engine.drafter),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "device": dev_name,
+        "torch": torch.__version__,
+        "processing": f"t{params.temperature}-p{params.top_p}-k{params.top_k}-greedy{params.greedy}",
+        "engine": f"rows{c.max_rows}-prefixes{c.num_prefixes}-prompt{c.max_prompt_len}-new{c.max_new_tokens}"
+                  f"-draft{c.max_draft}-compile{c.compile}-graphs{c.cuda_graphs}-{c.compile_backend}",
+    }
+    return "|".join(f"{k}={v}" for k, v in parts.items())

@@ -1,0 +1,272 @@
+"""The quantized self-drafter: the policy's own layers with weight-only quantized linears (torchao).
+
+``QuantizedSelfDrafter(model, DrafterConfig(weight="int8"))`` builds a draft model that shares with the
+target (no copies): token embeddings, every norm, RoPE tables, biases, the output projection (lm_head),
+the attention backends and the KV cache. Only the transformer layers' linear weights (q/k/v/o projections
+and the MLP) are quantized copies. Optionally (``window=``) the draft attends to a window of the cache
+(:class:`~sparrow.speculative.window.WindowedDraftAttention`), which makes a draft step's cost independent
+of the context length.
+
+After a weight sync (which updates the target's tensors in place) :meth:`QuantizedSelfDrafter.refresh`
+re-quantizes every linear and copies the result into the existing quantized tensors' storages, so
+compiled steps and captured CUDA graphs that read them stay valid.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torchtune.modules import TransformerDecoder
+
+from sparrow.attention.base import DecodeMeta
+from sparrow.attention.dense import DenseAttention
+from sparrow.models.attention import attention_modules
+from sparrow.speculative.base import Drafter
+from sparrow.speculative.window import WindowedDraftAttention
+
+WeightFormat = Literal["int8", "int4", "fp8", "none"]
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """How to build a :class:`QuantizedSelfDrafter`.
+
+    Attributes:
+        weight: linear-weight format of the draft: ``"int8"`` weight-only (per-channel, any device),
+            ``"int4"`` weight-only (groupwise, CUDA + bfloat16), ``"fp8"`` weight-only (CUDA, compute
+            capability >= 8.9), or ``"none"`` (share the target's weights; only ``window`` differs).
+        group_size: int4 quantization group along the input dimension.
+        window: if set, the draft attends only to the last ``window`` tokens plus ``sink`` first tokens of
+            each sequence (dense caches only); ``None`` attends to everything, like the target.
+        sink: first tokens always attended when ``window`` is set.
+        fallback: when ``int4`` / ``fp8`` cannot run here, fall back to ``int8`` with a warning
+            (``False``: raise).
+    """
+
+    weight: WeightFormat = "int8"
+    group_size: int = 128
+    window: int | None = None
+    sink: int = 4
+    fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.weight not in ("int8", "int4", "fp8", "none"):
+            raise ValueError(f"DrafterConfig.weight must be 'int8', 'int4', 'fp8' or 'none', got {self.weight!r}")
+        if self.group_size < 1 or self.group_size & (self.group_size - 1):
+            raise ValueError(f"DrafterConfig.group_size must be a power of two, got {self.group_size}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"DrafterConfig.window must be >= 1 or None, got {self.window}")
+        if self.sink < 0:
+            raise ValueError(f"DrafterConfig.sink must be >= 0, got {self.sink}")
+
+
+def _torchao_config(fmt: str, group_size: int, version: int | None = None):
+    from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+
+    if fmt == "int8":
+        return Int8WeightOnlyConfig(set_inductor_config=False)
+    if fmt == "int4":
+        kw = {} if version is None else {"version": version}
+        return Int4WeightOnlyConfig(group_size=group_size, set_inductor_config=False, **kw)
+    if fmt == "fp8":
+        return Float8WeightOnlyConfig(set_inductor_config=False)
+    raise AssertionError(fmt)  # pragma: no cover
+
+
+def _quantize_weight(weight: torch.Tensor, config) -> torch.Tensor:
+    """A quantized copy of one [out, in] weight through torchao's ``quantize_`` (the weight is not changed)."""
+    from torchao.quantization import quantize_
+
+    out_f, in_f = weight.shape
+    lin = nn.Linear(in_f, out_f, bias=False, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    quantize_(lin, config)
+    return lin.weight
+
+
+def _probe(config, device: torch.device, dtype: torch.dtype, shape=(256, 256)) -> str | None:
+    """Why ``config`` cannot quantize and run a linear here (None: it can)."""
+    try:
+        w = torch.randn(shape, device=device, dtype=dtype) * 0.02
+        qw = _quantize_weight(w, config)
+        x = torch.randn(4, shape[1], device=device, dtype=dtype)
+        with torch.no_grad():
+            y = torch.nn.functional.linear(x, qw)
+        if not torch.isfinite(y.float()).all():
+            return "non-finite outputs"
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means "not available here"
+        return f"{type(e).__name__}: {e}"
+
+
+def resolve_weight_format(cfg: DrafterConfig, device: torch.device, dtype: torch.dtype) -> tuple[str, Any]:
+    """(format actually used, torchao config or None). int4 tries torchao's default kernel (fbgemm), then
+    tinygemm; ``int4`` / ``fp8`` fall back to int8 (with a warning) when ``cfg.fallback``."""
+    if cfg.weight == "none":
+        return "none", None
+    candidates: list[tuple[str, int | None]] = {
+        "int8": [("int8", None)], "int4": [("int4", None), ("int4", 1)], "fp8": [("fp8", None)]}[cfg.weight]
+    if cfg.fallback and cfg.weight != "int8":
+        candidates.append(("int8", None))
+    tried = []
+    for fmt, version in candidates:
+        label = fmt if version is None else f"{fmt} (version {version})"
+        try:
+            config = _torchao_config(fmt, cfg.group_size, version)
+        except Exception as e:  # noqa: BLE001 - an unknown option means "not available here"
+            tried.append(f"{label}: {type(e).__name__}: {e}")
+            continue
+        why = _probe(config, device, dtype, shape=(256, max(256, cfg.group_size)))
+        if why is None:
+            if fmt != cfg.weight:
+                warnings.warn(f"QuantizedSelfDrafter: weight={cfg.weight!r} is not available on {device} with "
+                              f"{dtype} ({'; '.join(tried)}); using int8 weight-only instead",
+                              RuntimeWarning, stacklevel=3)
+            return fmt, config
+        tried.append(f"{label}: {why}")
+    raise RuntimeError(f"QuantizedSelfDrafter: weight={cfg.weight!r} cannot run on {device} with {dtype}: "
+                       + "; ".join(tried))
+
+
+def copy_quantized_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a torchao quantized tensor into another of the same layout, leaf storage by leaf storage."""
+    if type(dst) is not type(src):
+        raise TypeError(f"cannot copy {type(src).__name__} into {type(dst).__name__}")
+    if is_traceable_wrapper_subclass(dst):
+        names, ctx = dst.__tensor_flatten__()
+        names_src, ctx_src = src.__tensor_flatten__()
+        if names != names_src or repr(ctx) != repr(ctx_src):
+            raise ValueError(f"quantized layouts differ: {names}/{ctx} vs {names_src}/{ctx_src}")
+        for n in names:
+            copy_quantized_(getattr(dst, n), getattr(src, n))
+    else:
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise ValueError(f"leaf tensors differ: {dst.dtype}{tuple(dst.shape)} vs {src.dtype}{tuple(src.shape)}")
+        dst.copy_(src)
+
+
+def leaf_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a (possibly nested) tensor subclass is made of."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in leaf_tensors(getattr(t, n))]
+    return [t]
+
+
+class QuantizedSelfDrafter(Drafter):
+    """Self-drafter: the target's layers with quantized linear weights, sharing everything else.
+
+    Args:
+        model: the target (a torchtune decoder with Sparrow attention, as given to the engine), on its
+            device and dtype. It is not modified.
+        config: weight format and attention window (default: int8 weight-only, full attention).
+
+    Attributes:
+        weight_format: the format in use (differs from ``config.weight`` after a fallback).
+        last_refresh_s: wall time of the last :meth:`refresh` (seconds, device synchronised).
+
+    Raises:
+        ValueError: ``config.window`` with attention backends other than :class:`DenseAttention`.
+        RuntimeError: the weight format cannot run here and ``config.fallback`` is False.
+    """
+
+    def __init__(self, model: TransformerDecoder, config: DrafterConfig | None = None) -> None:
+        self.config = config or DrafterConfig()
+        self.target = model
+        attn = attention_modules(model)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_seq_len = model.max_seq_len
+        if self.config.window is not None:
+            bad = [i for i, a in enumerate(attn) if not isinstance(a.backend, DenseAttention)]
+            if bad:
+                raise ValueError(f"DrafterConfig.window needs DenseAttention backends; layers {bad[:4]} have others")
+        self.weight_format, self._qconfig = resolve_weight_format(self.config, self.device, self.dtype)
+
+        # copy the layer structure; share every parameter, buffer and module without linear weights
+        memo: dict[int, Any] = {}
+        for t in list(model.parameters()) + list(model.buffers()):
+            memo[id(t)] = t
+        for m in model.layers.modules():
+            if not isinstance(m, nn.Linear) and not any(isinstance(c, nn.Linear) for c in m.modules()):
+                memo[id(m)] = m
+        self.layers = copy.deepcopy(model.layers, memo)
+        self._pairs: list[tuple[str, nn.Linear, nn.Linear]] = []
+        for (name, src), (_, dst) in zip(model.layers.named_modules(), self.layers.named_modules()):
+            if isinstance(src, nn.Linear) and self._quantizable(src):
+                self._pairs.append((name, src, dst))
+        with torch.no_grad():
+            for _, src, dst in self._pairs:
+                dst.weight = nn.Parameter(_quantize_weight(src.weight, self._qconfig), requires_grad=False)
+        if self.config.window is not None:
+            for layer in self.layers:
+                layer.attn.backend = WindowedDraftAttention(layer.attn.backend.shape, window=self.config.window,
+                                                            sink=self.config.sink)
+        self.tok_embeddings, self.norm, self.output = model.tok_embeddings, model.norm, model.output
+        self.last_refresh_s = 0.0
+
+    def _quantizable(self, lin: nn.Linear) -> bool:
+        if self._qconfig is None:
+            return False
+        if self.weight_format == "int4":
+            return lin.in_features % self.config.group_size == 0 and lin.out_features % 8 == 0
+        if self.weight_format == "fp8":
+            return lin.in_features % 16 == 0 and lin.out_features % 16 == 0
+        return True
+
+    # ------------------------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-quantize every draft linear from the target's current weights, in place.
+
+        The quantized tensors keep their storages (only their contents change), so CUDA graphs captured
+        earlier stay valid. Shared tensors (embeddings, norms, biases, lm_head) need nothing: they are the
+        target's. Time in :attr:`last_refresh_s`.
+        """
+        t0 = time.perf_counter()
+        for _, src, dst in self._pairs:
+            copy_quantized_(dst.weight, _quantize_weight(src.weight, self._qconfig))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_refresh_s = time.perf_counter() - t0
+
+    def quantized_weights(self) -> dict[str, torch.Tensor]:
+        """The draft's quantized linear weights by module name (relative to ``model.layers``)."""
+        return {name: dst.weight for name, _, dst in self._pairs}
+
+    def weight_nbytes(self) -> int:
+        """Bytes of weights a draft step reads: quantized layers, shared norms, embeddings / lm_head."""
+        seen: set[int] = set()
+        total = 0
+        tensors = list(self.layers.parameters()) + list(self.norm.parameters())
+        out = self.output
+        tensors.append(out.tied_module.weight if hasattr(out, "tied_module") else out.weight)
+        for p in tensors:
+            for leaf in leaf_tensors(p):
+                if leaf.data_ptr() not in seen:
+                    seen.add(leaf.data_ptr())
+                    total += leaf.numel() * leaf.element_size()
+        return total
+
+    # ------------------------------------------------------------------------------------ forward
+    def forward_logits(self, tokens: torch.Tensor, caches: Any, meta: DecodeMeta) -> torch.Tensor:
+        T = tokens.shape[1]
+        pos = (meta.prefix_len + meta.cached_len)[:, None] + torch.arange(T, device=tokens.device)[None, :]
+        pos = pos.clamp(max=self.max_seq_len - 1)  # scratch positions past the context are never emitted
+        h = self.tok_embeddings(tokens)
+        for i, layer in enumerate(self.layers):
+            h = h + layer.sa_scale(layer.attn.decode(layer.sa_norm(h), pos, caches[i], meta))
+            h = h + layer.mlp_scale(layer.mlp(layer.mlp_norm(h)))
+        return self.output(self.norm(h)).float()
+
+    def __repr__(self) -> str:
+        c = self.config
+        win = "full" if c.window is None else f"window={c.window}, sink={c.sink}"
+        return f"QuantizedSelfDrafter(weight={self.weight_format}, {win}, linears={len(self._pairs)})"

@@ -1,0 +1,205 @@
+"""When and how far to speculate: :class:`ToggleController` implementations and adaptive draft length.
+
+* :class:`AlwaysOn` — speculate at every block with a fixed draft length.
+* :class:`ThresholdToggle` — speculate while the active batch is at most ``max_active`` rows.
+* :class:`CostModelToggle` — speculate when the predicted speedup of a cycle over plain decoding,
+  ``tau(alpha, k) * c_target / c_cycle(k)`` with ``tau = (1 - alpha^(k+1)) / (1 - alpha)`` expected tokens
+  per cycle, is at least ``1 + margin`` (with hysteresis), the step costs coming from a
+  :class:`~sparrow.speculative.costs.CostModel` measured on the engine at start-up.
+
+:class:`AdaptiveDraft` tracks the acceptance rate (an exponential average over blocks, weighted by the
+number of draft tokens observed) and picks the draft length that maximises predicted tokens per second
+within bounds. Decisions depend only on the calibrated cost model and on acceptance counts, never on
+timings measured during the run, so a seeded run is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from sparrow.speculative.base import SpecDecision, StepStats, ToggleController
+from sparrow.speculative.costs import CostModel
+from sparrow.speculative.runtime import expected_tokens_per_cycle
+
+
+class AlwaysOn(ToggleController):
+    """Speculate at every block with ``num_draft`` draft tokens.
+
+    Raises:
+        ValueError: ``num_draft < 1``.
+    """
+
+    def __init__(self, num_draft: int = 4) -> None:
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.num_draft = int(num_draft)
+
+    def decide(self, stats: StepStats) -> SpecDecision:
+        return SpecDecision(True, self.num_draft)
+
+    def __repr__(self) -> str:
+        return f"AlwaysOn(num_draft={self.num_draft})"
+
+
+@dataclass
+class AdaptiveDraft:
+    """Draft length chosen from the measured acceptance rate.
+
+    Attributes:
+        lengths: candidate draft lengths (each one compiles its own verify step and, on CUDA, captures one
+            graph per batch bucket: keep the set small).
+        ema: weight of a new observation of ``ema_tokens`` draft tokens (heavier blocks weigh more).
+        ema_tokens: draft tokens an observation must hold to get weight ``ema``.
+        prior: acceptance assumed before anything is measured.
+    """
+
+    lengths: tuple[int, ...] = (2, 3, 4, 6, 8)
+    ema: float = 0.2
+    ema_tokens: int = 256
+    prior: float = 0.8
+    alpha: float = field(init=False)
+    observed_tokens: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        ls = tuple(sorted(set(int(x) for x in self.lengths)))
+        if not ls or ls[0] < 1:
+            raise ValueError(f"AdaptiveDraft.lengths must be positive integers, got {self.lengths}")
+        self.lengths = ls
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"AdaptiveDraft.ema must be in (0, 1], got {self.ema}")
+        if self.ema_tokens < 1:
+            raise ValueError(f"AdaptiveDraft.ema_tokens must be >= 1, got {self.ema_tokens}")
+        if not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"AdaptiveDraft.prior must be in [0, 1], got {self.prior}")
+        self.alpha = self.prior
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        if proposed <= 0:
+            return
+        w = 1.0 - (1.0 - self.ema) ** (proposed / self.ema_tokens)
+        self.alpha = (1.0 - w) * self.alpha + w * accepted / proposed
+        self.observed_tokens += proposed
+
+    def reset(self) -> None:
+        self.alpha = self.prior
+        self.observed_tokens = 0
+
+    def best(self, costs: CostModel | None, stats: StepStats, max_draft: int | None = None) -> tuple[int, float]:
+        """(draft length, predicted speedup over plain decoding) maximising tokens per second.
+
+        Without a cost model, the draft and verify steps are assumed to cost as much as a target step
+        each (the worst case for a self-drafter); the speedup is then ``tau / (k + 1)``.
+        """
+        bucket = stats.bucket or stats.active_rows
+        ctx = stats.mean_context
+        best_k, best_s = self.lengths[0], -math.inf
+        for k in self.lengths:
+            if max_draft is not None and k > max_draft:
+                continue
+            tau = expected_tokens_per_cycle(self.alpha, k)
+            if costs is None:
+                s = tau / (k + 1)
+            else:
+                s = tau * costs.target_step(bucket, ctx) / costs.cycle(bucket, ctx, k)
+            if s > best_s:
+                best_k, best_s = k, s
+        return best_k, best_s
+
+
+class ThresholdToggle(ToggleController):
+    """Speculate when the active batch has at most ``max_active`` rows.
+
+    Args:
+        max_active: largest active batch that speculates.
+        num_draft: draft length when ``adaptive`` is None.
+        adaptive: pick the draft length from measured acceptance (needs ``costs`` for meaningful choices).
+        costs: step costs for the adaptive choice.
+
+    Raises:
+        ValueError: ``max_active < 1`` or ``num_draft < 1``.
+    """
+
+    def __init__(self, max_active: int, num_draft: int = 4, adaptive: AdaptiveDraft | None = None,
+                 costs: CostModel | None = None) -> None:
+        if max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {max_active}")
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.max_active, self.num_draft = int(max_active), int(num_draft)
+        self.adaptive, self.costs = adaptive, costs
+
+    def decide(self, stats: StepStats) -> SpecDecision:
+        if stats.active_rows > self.max_active:
+            return SpecDecision(False, 0)
+        if self.adaptive is None:
+            return SpecDecision(True, self.num_draft)
+        return SpecDecision(True, self.adaptive.best(self.costs, stats)[0])
+
+    def observe(self, *, proposed: int, accepted: int, rows: int, seconds: float | None = None) -> None:
+        if self.adaptive is not None:
+            self.adaptive.observe(proposed, accepted)
+
+    def reset(self) -> None:
+        if self.adaptive is not None:
+            self.adaptive.reset()
+
+    def __repr__(self) -> str:
+        k = "adaptive" if self.adaptive is not None else self.num_draft
+        return f"ThresholdToggle(max_active={self.max_active}, num_draft={k})"
+
+
+class CostModelToggle(ToggleController):
+    """Speculate when the cost model predicts a speedup of at least ``1 + margin``.
+
+    The predicted speedup of the best draft length ``k`` (see :class:`AdaptiveDraft`) at the block's
+    batch bucket and mean context is ``tau(alpha, k) * c_target / c_cycle(k)``. Hysteresis: once on, SD
+    stays on until the prediction falls below ``1 + margin - hysteresis``; once off, it needs
+    ``1 + margin``.
+
+    Args:
+        costs: measured step costs (:meth:`CostModel.calibrate` or :meth:`CostModel.load`).
+        margin: required predicted gain (0.05: 5 %).
+        hysteresis: band below ``1 + margin`` in which speculation, once on, stays on.
+        adaptive: acceptance tracking and candidate draft lengths (default :class:`AdaptiveDraft()`).
+        fixed_draft: use this draft length instead of adapting it (the on / off decision still uses the
+            measured acceptance).
+
+    Raises:
+        ValueError: negative ``margin`` / ``hysteresis``, ``hysteresis > margin + 1``, ``fixed_draft < 1``.
+    """
+
+    def __init__(self, costs: CostModel, margin: float = 0.05, hysteresis: float = 0.03,
+                 adaptive: AdaptiveDraft | None = None, fixed_draft: int | None = None) -> None:
+        if margin < 0 or hysteresis < 0:
+            raise ValueError(f"margin and hysteresis must be >= 0, got {margin}, {hysteresis}")
+        if fixed_draft is not None and fixed_draft < 1:
+            raise ValueError(f"fixed_draft must be >= 1, got {fixed_draft}")
+        self.costs, self.margin, self.hysteresis = costs, float(margin), float(hysteresis)
+        self.adaptive = adaptive or AdaptiveDraft()
+        if fixed_draft is not None:
+            self.adaptive.lengths = (int(fixed_draft),)
+        self.on = False
+        self.last_prediction: float | None = None
+
+    def predict(self, stats: StepStats) -> tuple[int, float]:
+        """(draft length, predicted speedup) for the next block."""
+        return self.adaptive.best(self.costs, stats)
+
+    def decide(self, stats: StepStats) -> SpecDecision:
+        k, speedup = self.predict(stats)
+        self.last_prediction = speedup
+        threshold = 1.0 + self.margin - (self.hysteresis if self.on else 0.0)
+        self.on = speedup >= threshold
+        return SpecDecision(True, k) if self.on else SpecDecision(False, 0)
+
+    def observe(self, *, proposed: int, accepted: int, rows: int, seconds: float | None = None) -> None:
+        self.adaptive.observe(proposed, accepted)
+
+    def reset(self) -> None:
+        self.adaptive.reset()
+        self.on = False
+
+    def __repr__(self) -> str:
+        return (f"CostModelToggle(margin={self.margin}, hysteresis={self.hysteresis}, "
+                f"lengths={self.adaptive.lengths}, alpha={self.adaptive.alpha:.3f})")
