@@ -6,6 +6,9 @@ import torch
 
 from sparrow.models import tiny_llama3, tiny_qwen2
 
+# Kernel tests run on CUDA when present, else on the CPU (Triton through its interpreter).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def random_tiny(family: str = "qwen2", *, std: float = 0.3, seed: int = 0, **kw) -> torch.nn.Module:
     """A tiny model with random (never zero) weights large enough to give peaked distributions."""
@@ -18,7 +21,7 @@ def random_tiny(family: str = "qwen2", *, std: float = 0.3, seed: int = 0, **kw)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 

@@ -5,11 +5,12 @@ import torch
 
 from sparrow.kernels.decode_attention import decode_attention
 from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
-from tests.helpers import rel_err
+from tests.helpers import DEVICE, rel_err
 
 
 def _naive(q, pk, pv, gk, gv, rs, ps, pl, cl):
     """Per-row, per-head loop in float64: the plainest statement of decode attention."""
+    q, pk, pv, gk, gv, rs, ps, pl, cl = (t.cpu() for t in (q, pk, pv, gk, gv, rs, ps, pl, cl))
     A, Hq, T, D = q.shape
     qpk = Hq // pk.shape[1]
     out = torch.empty(A, Hq, T, D, dtype=torch.float64)
@@ -33,7 +34,7 @@ def _inputs(A, Hq, Hkv, T, D, P, Lp, R, Lg, dtype=torch.float32):
     rs = torch.randperm(R)[:A]
     pl = torch.randint(1, Lp + 1, (A,))
     cl = torch.randint(0, Lg - T + 1, (A,))
-    return q, pk, pv, gk, gv, rs, ps, pl, cl
+    return tuple(t.to(DEVICE) for t in (q, pk, pv, gk, gv, rs, ps, pl, cl))
 
 
 SHAPES = [
@@ -72,8 +73,7 @@ LOW_PRECISION = [
 def test_triton_low_precision_error_no_worse_than_eager(dtype):
     args = _inputs(3, 4, 2, 1, 32, 2, 90, 3, 40)
     f64 = _naive(*args)
-    dev = "cuda" if dtype == torch.bfloat16 else "cpu"
-    bf = [a.to(dev, dtype) if a.is_floating_point() else a.to(dev) for a in args]
+    bf = [a.to(dtype) if a.is_floating_point() else a for a in args]
     eager = decode_attention(*bf, impl="reference")
     tri = decode_attention_triton(*bf, num_splits=2)
     assert rel_err(tri, f64) <= 1.5 * rel_err(eager, f64) + 1e-3

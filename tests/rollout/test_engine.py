@@ -85,8 +85,13 @@ def test_seeded_runs_are_reproducible():
     assert [s.tokens.tolist() for s in a] != [s.tokens.tolist() for s in c]
 
 
-def test_decode_step_compiles_without_graph_breaks():
-    model = random_tiny("qwen2")
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_decode_step_compiles_without_graph_breaks(impl):
+    from functools import partial
+
+    from sparrow.attention import DenseAttention
+
+    model = random_tiny("qwen2", attention=partial(DenseAttention, impl=impl))
     eng = _engine(model, compile=True, compile_backend="eager", max_rows=8)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=10, max_new_tokens=8, stop_token_ids=(1,))
     out = eng.generate(_prompts(), 2, params)

@@ -140,3 +140,15 @@ def test_sampling_params_validation(kwargs, match):
 def test_unknown_stop_token():
     with pytest.raises(ValueError, match="unknown stop token"):
         SamplingParams(stop_token_ids=(5, 99)).validate_vocab(64)
+
+
+@pytest.mark.slow
+def test_compiled_noise_is_bitwise_equal_to_eager():
+    """The decode step is compiled; its noise must equal the eager (prefill / reference) noise bit for bit."""
+    from tests.helpers import DEVICE
+
+    keys = row_keys(torch.tensor(2**40 + 7, device=DEVICE), torch.arange(9, device=DEVICE) * 1000,
+                    torch.arange(9, device=DEVICE) + 2**20)
+    eager = uniform_noise(keys, 151936, salt=3)
+    compiled = torch.compile(uniform_noise, fullgraph=True)(keys, 151936, salt=3)
+    assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32))

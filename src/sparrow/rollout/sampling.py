@@ -118,9 +118,14 @@ def row_keys(seed: torch.Tensor, sample_id: torch.Tensor, step: torch.Tensor) ->
 
 
 def uniform_noise(keys: torch.Tensor, vocab_size: int, salt: int = 0) -> torch.Tensor:
-    """Uniforms in (0, 1), float32, shape ``keys.shape + (V,)``; deterministic in (key, index, salt)."""
+    """Uniforms in (0, 1), float32, shape ``keys.shape + (V,)``; deterministic in (key, index, salt).
+
+    The vocabulary index enters only through XOR (no multiplication of an index by a large constant),
+    so compiled kernels, whose index arithmetic may be 32-bit, compute the same bits as eager mode.
+    """
     v = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
-    h = _mix32(_mix32(keys[..., None] ^ ((v * 0x9E3779B9 + salt * 0x85EBCA6B) & _M32)) ^ 0x5BD1E995)
+    salt_c = (0x5BD1E995 + salt * 0x27D4EB2F) & _M32
+    h = _mix32(_mix32(keys[..., None] ^ v) ^ salt_c)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 

@@ -24,17 +24,23 @@ def _chunk_len(total, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, visible, qk_scale):
+def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, visible, qk_scale, IEEE: tl.constexpr):
     k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, D]
     v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    if IEEE:  # float32 caches: exact float32 products, not tf32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
@@ -49,6 +55,7 @@ def _decode_split_kernel(
     qk_scale,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     a = tl.program_id(0)
     h = tl.program_id(1)
@@ -92,7 +99,7 @@ def _decode_split_kernel(
             acc, m_i, l_i, q,
             pk_base + j[:, None] * stride_pkl + offs_d[None, :],
             pv_base + j[:, None] * stride_pkl + offs_d[None, :],
-            kv_mask, visible, qk_scale,
+            kv_mask, visible, qk_scale, IEEE,
         )
     # generated tokens (the new ones included), from the row's generation slot
     g_start = tl.maximum(start, plen)
@@ -107,7 +114,7 @@ def _decode_split_kernel(
             acc, m_i, l_i, q,
             gk_base + jg[:, None] * stride_gkl + offs_d[None, :],
             gv_base + jg[:, None] * stride_gkl + offs_d[None, :],
-            kv_mask, visible, qk_scale,
+            kv_mask, visible, qk_scale, IEEE,
         )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -174,14 +181,27 @@ def decode_attention_triton(
     num_splits: int | None = None,
     min_chunk: int = MIN_CHUNK,
 ) -> torch.Tensor:
+    """Launch the split + merge kernels (as the custom op ``sparrow::decode_attention``, opaque to
+    ``torch.compile`` and safe inside CUDA graphs)."""
+    if num_splits is None:
+        num_splits = num_splits_for(prefix_k.shape[2] + gen_k.shape[2])
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _decode_attention_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
+                                float(scale), int(num_splits), int(min_chunk))
+
+
+@torch.library.custom_op("sparrow::decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, gen_k: torch.Tensor, gen_v: torch.Tensor,
+    row_slot: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor,
+    scale: float, num_splits: int, min_chunk: int,
+) -> torch.Tensor:
     A, Hq, T, D = q.shape
     Hkv = prefix_k.shape[1]
     qpk = Hq // Hkv
-    if num_splits is None:
-        num_splits = num_splits_for(prefix_k.shape[2] + gen_k.shape[2])
+    q = q.contiguous()
     block_m = max(16, triton.next_power_of_2(T * qpk))
     block_n = 64 if D <= 64 or block_m <= 64 else 32
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
     o_part = torch.empty((A, Hq, T, num_splits, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((A, Hq, T, num_splits), device=q.device, dtype=torch.float32)
     _decode_split_kernel[(A, Hkv, num_splits)](
@@ -193,6 +213,7 @@ def decode_attention_triton(
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         scale * 1.4426950408889634,
         T=T, QPK=qpk, D=D, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
+        IEEE=q.dtype == torch.float32,
     )
     out = torch.empty_like(q)
     _merge_kernel[(A, Hq, T)](
@@ -204,3 +225,9 @@ def decode_attention_triton(
         SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
+
+
+@_decode_attention_op.register_fake
+def _(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, scale, num_splits,
+      min_chunk):
+    return torch.empty_like(q)

@@ -1,0 +1,204 @@
+"""Rollout engine vs Hugging Face ``transformers.generate``: decode tokens/s and prefill time.
+
+Question: how fast does Sparrow's engine sample GRPO groups (P prompts x G samples) from a
+Qwen2.5-0.5B-shaped model, against ``transformers`` ``generate`` (what TRL uses without vLLM) on the same
+weights, prompts and shapes, in the same run?
+
+Workload per point: batch B = P x G rows (G = 8 samples per prompt when B >= 8, else G = B), random prompts
+of L tokens, N new tokens per row, sampling at temperature 1 with no stop token (every row runs N steps).
+Prefill time = time of ``generate`` with one new token; decode tokens/s = B x (N - 1) / (time with N new
+tokens - prefill time). Sparrow's engine prefills each prompt once for its G rows (its prefix sharing);
+``transformers`` prefills all B rows. Prefix sharing is also measured on its own (Sparrow with and
+without it). Correctness in the same run: greedy tokens and first-step logits of both on one prompt.
+
+Run (H200): ``python benchmarks/bench_engine.py``; smoke run on CPU: ``python benchmarks/bench_engine.py --quick``.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runner import base_parser, print_table, write_json  # noqa: E402
+
+NAME = "engine"
+
+
+def build_models(max_len: int, device: str, quick: bool):
+    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    import sparrow.models as sm
+
+    torch.manual_seed(0)
+    if quick:
+        dims = dict(vocab_size=512, num_layers=2, num_heads=14, num_kv_heads=2, embed_dim=896, intermediate_dim=1024)
+        model = sm.qwen2(**dims, max_seq_len=max_len, tie_word_embeddings=True)
+    else:
+        dims = dict(vocab_size=151936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
+                    intermediate_dim=4864)
+        model = sm.qwen2_5_0_5b(max_seq_len=max_len)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = model.to(device=device, dtype=dtype).eval()
+    cfg = Qwen2Config(
+        vocab_size=dims["vocab_size"], hidden_size=dims["embed_dim"], intermediate_size=dims["intermediate_dim"],
+        num_hidden_layers=dims["num_layers"], num_attention_heads=dims["num_heads"],
+        num_key_value_heads=dims["num_kv_heads"], max_position_embeddings=max_len, rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True,
+    )
+    hf = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation="sdpa")
+    sd = qwen2_tune_to_hf({k: v for k, v in model.state_dict().items()}, num_heads=dims["num_heads"],
+                          num_kv_heads=dims["num_kv_heads"], dim=dims["embed_dim"], tie_word_embeddings=True)
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
+    hf.tie_weights()
+    return model, hf.to(device).eval(), dims["vocab_size"]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hf_generate(hf, input_ids, new_tokens):
+    sync()
+    t0 = time.perf_counter()
+    hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True, temperature=1.0,
+                top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
+                pad_token_id=0)
+    sync()
+    return time.perf_counter() - t0
+
+
+def median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def main() -> None:
+    ap = base_parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 8192, 32768])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-max-tokens", type=int, default=2_200_000, help="skip transformers above B*(L+N)")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.quick:
+        args.prompt_lens, args.batches, args.new_tokens, args.repeats = [64, 256], [1, 8], 16, 1
+
+    from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    max_len = max(args.prompt_lens) + args.new_tokens + 8
+    model, hf, vocab = build_models(max_len, device, args.quick)
+    max_b = max(args.batches)
+    engine = RolloutEngine(model, EngineConfig(
+        max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
+        max_new_tokens=args.new_tokens, sync_every=16, compile=device == "cuda", prefill_tokens=65536,
+    ))
+    gen = torch.Generator().manual_seed(0)
+
+    # -- correctness in the same run: greedy tokens and first-step logits on one prompt
+    prompt = torch.randint(0, vocab, (1, 200), generator=gen)
+    g = engine.generate([prompt[0].tolist()], 1, SamplingParams(temperature=0.0, max_new_tokens=16))
+    with torch.no_grad():
+        hf_out = hf.generate(input_ids=prompt.to(device), do_sample=False, max_new_tokens=16, min_new_tokens=16,
+                             eos_token_id=None, pad_token_id=0)[0, 200:].cpu()
+        ours_logits = model(prompt.to(device))[0, -1].float()
+        hf_logits = hf(prompt.to(device)).logits[0, -1].float()
+    agree = int((g[0].tokens == hf_out).long().cumprod(0).sum())
+    check = {"greedy_prefix_agreement": agree, "greedy_tokens": 16,
+             "first_logits_max_abs_diff": float((ours_logits - hf_logits).abs().max()),
+             "first_logits_scale": float(hf_logits.abs().max())}
+    print("correctness:", check)
+
+    rows = []
+    for L in args.prompt_lens:
+        for B in args.batches:
+            G = args.group if B >= args.group else B
+            P = B // G
+            prompts = [torch.randint(0, vocab, (L,), generator=gen).tolist() for _ in range(P)]
+            row = {"prompt_len": L, "batch": B, "prompts": P, "group": G, "new_tokens": args.new_tokens}
+            sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=1)
+            engine.generate(prompts, G, sp)  # warm-up: compile / capture this bucket
+            pre, dec, tot = [], [], []
+            for r in range(args.repeats):
+                out = engine.generate(prompts, G, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
+                                                                 seed=2 + r))
+                assert all(s.length == args.new_tokens for s in out)
+                pre.append(out.stats.prefill_s)
+                dec.append(out.stats.decode_s)
+            row["sparrow_prefill_s"] = median(pre)
+            row["sparrow_decode_s"] = median(dec)
+            row["sparrow_decode_tok_s"] = B * (args.new_tokens - 1) / row["sparrow_decode_s"]
+            # prefix sharing on its own: the same rows prefilled once per sample (G identical prompts)
+            if P * G <= engine.config.num_prefixes and G > 1:
+                out = engine.generate([p for p in prompts for _ in range(G)], 1,
+                                      SamplingParams(temperature=1.0, max_new_tokens=1, seed=9))
+                row["sparrow_prefill_unshared_s"] = out.stats.prefill_s
+            if B * (L + args.new_tokens) <= args.hf_max_tokens:
+                ids = torch.tensor([p for p in prompts for _ in range(G)], device=device)
+                try:
+                    hf_generate(hf, ids, 2)  # warm-up
+                    hp = median([hf_generate(hf, ids, 1) for _ in range(args.repeats)])
+                    ht = median([hf_generate(hf, ids, args.new_tokens) for _ in range(args.repeats)])
+                    row["hf_prefill_s"] = hp
+                    row["hf_decode_s"] = ht - hp
+                    row["hf_decode_tok_s"] = B * (args.new_tokens - 1) / (ht - hp)
+                    row["decode_speedup"] = row["sparrow_decode_tok_s"] / row["hf_decode_tok_s"]
+                    row["prefill_speedup"] = hp / row["sparrow_prefill_s"]
+                    row["end_to_end_speedup"] = ht / (row["sparrow_prefill_s"] + row["sparrow_decode_s"])
+                except torch.OutOfMemoryError:
+                    row["hf"] = "out of memory"
+                del ids
+                gc.collect()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            else:
+                row["hf"] = "skipped (memory)"
+            rows.append(row)
+            print_table([row], list(row))
+            write_json(NAME, vars(args) | {"model": "qwen2_5_0_5b shape, random weights, bf16"}, rows, args.out,
+                       extra={"correctness": check, "cache_gib": engine.cache_nbytes() / 2**30})
+    print_table(rows, ["prompt_len", "batch", "sparrow_prefill_s", "hf_prefill_s", "sparrow_decode_tok_s",
+                       "hf_decode_tok_s", "decode_speedup", "end_to_end_speedup", "sparrow_prefill_unshared_s"])
+
+
+def plot(result: dict, png: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    lens = sorted({r["prompt_len"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for L in lens:
+        rs = [r for r in rows if r["prompt_len"] == L]
+        b = [r["batch"] for r in rs]
+        line, = axes[0].plot(b, [r["sparrow_decode_tok_s"] for r in rs], "o-", label=f"Sparrow {L // 1024}K")
+        hb = [r for r in rs if "hf_decode_tok_s" in r]
+        axes[0].plot([r["batch"] for r in hb], [r["hf_decode_tok_s"] for r in hb], "x--", color=line.get_color(),
+                     label=f"transformers {L // 1024}K")
+        axes[1].plot(b, [r["sparrow_prefill_s"] for r in rs], "o-", color=line.get_color(), label=f"Sparrow {L // 1024}K")
+        axes[1].plot([r["batch"] for r in hb], [r["hf_prefill_s"] for r in hb], "x--", color=line.get_color(),
+                     label=f"transformers {L // 1024}K")
+    axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",
+                title="Decode throughput")
+    axes[1].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="prefill time (s)",
+                title="Prefill (G=8 rows share a prompt)")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Qwen2.5-0.5B shape, {result['environment']['device']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
