@@ -34,7 +34,7 @@ def _flat_bits(named: dict) -> torch.Tensor:
 
 def main(rank: int, world: int, port: int, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=120))
     model = _model()
     bf16 = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
     transport = DistributedTransport(src=0)

@@ -71,6 +71,14 @@ class EntryMeta:
                 "hash": None if self.target_hash is None else f"{self.target_hash:016x}"}
 
 
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host -> device copy that does not wait for the device queue (pinned, non-blocking) on CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tensor]],
                  device: torch.device | str | None = None) -> torch.Tensor:
     """Assemble a bucket (1-D uint8 tensor on ``device``, default: the bodies' device). ``EntryMeta.offset``
@@ -98,9 +106,9 @@ def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tens
     head += struct.pack("<Q", hash_bytes(head))
     lanes = hash_bytes_lanes(body)
     lanes32 = (lanes - ((lanes >> 31) << 32)).to(torch.int32)
-    trailer = torch.cat([lanes32.view(torch.uint8),
-                         torch.frombuffer(bytearray(TRAILER_MAGIC + b"\0" * 4), dtype=torch.uint8).to(device)])
-    prefix = torch.frombuffer(bytearray(head + mpad), dtype=torch.uint8).to(device)
+    end = torch.frombuffer(bytearray(TRAILER_MAGIC + b"\0" * 4), dtype=torch.uint8)
+    trailer = torch.cat([lanes32.view(torch.uint8), _to_device(end, device)])
+    prefix = _to_device(torch.frombuffer(bytearray(head + mpad), dtype=torch.uint8), device)
     return torch.cat([prefix, body, trailer])
 
 
@@ -160,7 +168,7 @@ def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> Parse
     info, entries = _check_manifest(man, blen)
     bstart = HEADER_BYTES + align(mlen)
     body = bucket[bstart:bstart + blen]
-    want = torch.tensor(list(struct.unpack("<II", trailer[:8])), dtype=torch.int64, device=bucket.device)
+    want = _to_device(torch.tensor(list(struct.unpack("<II", trailer[:8])), dtype=torch.int64), bucket.device)
     body_bad = (hash_bytes_lanes(body) != want).any()
     return ParsedBucket(info, entries, body, body_bad)
 

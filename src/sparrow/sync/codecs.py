@@ -64,70 +64,90 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
                   copy_dense: bool = True, impl: str | None = None) -> list[EncodedSlice]:
     """Encode a batch of slices with the built-in codec ``codec`` ("dense" | "coo" | "compact" | "auto").
 
-    Host syncs: one for all change counts (and hashes), one for all compact sizes (``auto`` only needs
-    them to choose). ``update_old`` leaves ``old`` equal to ``new`` (the sender's snapshot update; only
-    the changed elements are written). ``copy_dense=False`` lets dense bodies alias ``new``.
+    Slices with the same bit width are processed as one group (one kernel launch per stage, whatever
+    the number of slices). Host syncs: one for all change counts (and hashes), one for all compact sizes.
+    ``update_old`` leaves every ``old`` equal to its ``new`` (the sender's snapshot update; only the
+    changed elements are written). ``copy_dense=False`` lets dense bodies alias ``new``.
     """
     if codec not in (*CODEC_NAMES, "auto"):
         raise ValueError(f"unknown codec {codec!r}; expected one of dense, coo, compact, auto")
     if not jobs:
         return []
-    scans = [K.diff_scan(j.old, j.new, hash_start=j.start if with_hash else None, impl=impl) for j in jobs]
     dev = jobs[0].old.device
-    stat = torch.stack([s.count.to(torch.int64).to(dev) for s in scans]
-                       + ([h for s in scans for h in s.hash.to(dev)] if with_hash else []))
-    host = stat.tolist()  # host sync 1: change counts and hash lanes of the whole batch
-    counts = host[: len(jobs)]
-    hashes: list[int | None] = [None] * len(jobs)
+    parts: dict[int, list[int]] = {}
+    for k, j in enumerate(jobs):
+        parts.setdefault(j.old.element_size(), []).append(k)
+    scans = {eb: K.group_diff_scan([jobs[k].old for k in idx], [jobs[k].new for k in idx],
+                                   hash_starts=[jobs[k].start for k in idx] if with_hash else None, impl=impl)
+             for eb, idx in parts.items()}
+    order = [k for idx in parts.values() for k in idx]
+    stat = [scans[eb].counts.to(torch.int64) for eb in parts]
     if with_hash:
-        lanes = host[len(jobs):]
-        hashes = [combine_hash(torch.tensor(lanes[2 * k: 2 * k + 2])) for k in range(len(jobs))]
-    plans: list[tuple] = []
-    for j, s, m in zip(jobs, scans, counts):
-        n = j.old.numel()
-        ebits = 8 * j.old.element_size()
+        stat += [scans[eb].hashes.reshape(-1) for eb in parts]
+    host = torch.cat(stat).tolist()  # host sync 1: change counts and hash lanes of the whole batch
+    counts = [0] * len(jobs)
+    hashes: list[int | None] = [None] * len(jobs)
+    for pos_in_order, k in enumerate(order):
+        counts[k] = int(host[pos_in_order])
+        if with_hash:
+            base = len(jobs) + 2 * pos_in_order
+            hashes[k] = combine_hash(torch.tensor(host[base:base + 2]))
+    plan = []
+    for j, m in zip(jobs, counts):
         want = codec
-        if codec == "auto" and m > AUTO_DENSE_FRACTION * n:
-            want = "dense"
-        if want == "dense" or m == 0 and want == "coo":
-            plans.append(("dense" if want == "dense" else "coo", None, None, None))
-        elif want == "coo":
-            pos, val = K.diff_collect(j.old, j.new, s, m, values="new", update_old=update_old)
-            plans.append(("coo", pos, val, None))
-        else:
-            pos, codes = K.diff_collect(j.old, j.new, s, m, values="delta", update_old=update_old)
-            words, nwords = K.pack_compact(pos, codes, ebits, impl=s.impl)
-            plans.append(("compact", pos, words, nwords))
-    nw_idx = [k for k, p in enumerate(plans) if p[0] == "compact"]
-    nwords_host = torch.stack([plans[k][3].to(dev) for k in nw_idx]).tolist() if nw_idx else []  # host sync 2
-    nw_of = dict(zip(nw_idx, nwords_host))
-    out: list[EncodedSlice] = []
-    for k, (j, m, plan) in enumerate(zip(jobs, counts, plans)):
+        if codec == "auto":
+            want = "dense" if m > AUTO_DENSE_FRACTION * j.old.numel() else "compact"
+        plan.append(want)
+    records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    packed: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for eb, idx in parts.items():
+        if all(plan[k] == "dense" for k in idx):
+            continue
+        values = "new" if codec == "coo" else "delta"
+        pos, val, rec_off = K.group_diff_collect([jobs[k].old for k in idx], [jobs[k].new for k in idx], scans[eb],
+                                                 [counts[k] for k in idx], values=values, update_old=update_old)
+        for k, off in zip(idx, rec_off):
+            records[k] = (pos[off:off + counts[k]], val[off:off + counts[k]])
+        cidx = [k for k in idx if plan[k] == "compact"]
+        if cidx:
+            if len(cidx) == len(idx):
+                cpos, cval = pos, val
+            else:
+                cpos = torch.cat([records[k][0] for k in cidx])
+                cval = torch.cat([records[k][1] for k in cidx])
+            out, wbase, nwords = K.group_pack_compact(cpos, cval, [counts[k] for k in cidx], 8 * eb,
+                                                      impl=scans[eb].impl)
+            packed.append((cidx, out, wbase, nwords))
+    words_of: dict[int, torch.Tensor] = {}
+    if packed:
+        host2 = torch.cat([torch.stack([b, n], 1).reshape(-1) for _, _, b, n in packed]).tolist()  # host sync 2
+        at = 0
+        for cidx, out, _, _ in packed:
+            for k in cidx:
+                words_of[k] = out[host2[at]: host2[at] + host2[at + 1]]
+                at += 2
+    result: list[EncodedSlice] = []
+    for k, (j, m) in enumerate(zip(jobs, counts)):
         ebits = 8 * j.old.element_size()
         sizes = {"dense": dense_nbytes(j.new), "coo": coo_nbytes(m, ebits)}
-        kind = plan[0]
+        kind = plan[k]
         if kind == "compact":
-            sizes["compact"] = 4 * int(nw_of[k])
+            sizes["compact"] = 4 * words_of[k].numel()
             if codec == "auto":
                 kind = min(("compact", "coo", "dense"), key=lambda c: sizes[c])  # ties: compact first
         if kind == "compact":
-            body = as_u8(plan[2][: nw_of[k]])
+            body = as_u8(words_of[k])
         elif kind == "coo":
-            if plan[0] == "coo" and plan[1] is not None:
-                pos, newvals = plan[1], plan[2]
-            elif plan[0] == "compact":  # auto chose COO after compact: new values at the changed positions
-                pos = plan[1]
-                newvals = j.new[pos.to(torch.int64)].to(torch.int32) & ((1 << ebits) - 1)
-            else:
-                pos = torch.zeros(0, dtype=torch.int32, device=dev)
-                newvals = torch.zeros(0, dtype=torch.int32, device=dev)
-            body = _coo_body(pos, newvals, j.new.dtype)
+            pos, val = records[k]
+            if codec != "coo":  # auto chose COO after packing: new values at the changed positions
+                val = j.new[pos.to(torch.int64)].to(torch.int32) & ((1 << ebits) - 1)
+            body = _coo_body(pos, val, j.new.dtype)
         else:
             body = as_u8(j.new).clone() if copy_dense else as_u8(j.new)
             if update_old:
                 j.old.copy_(j.new)
-        out.append(EncodedSlice(kind, int(m), body, hashes[k], sizes))
-    return out
+        result.append(EncodedSlice(kind, int(m), body, hashes[k], sizes))
+    return result
 
 
 @dataclass

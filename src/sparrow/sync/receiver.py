@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 
 from ..kernels.sync import api as K
-from ..kernels.sync.common import bits_view, combine_hash, element_bits
+from ..kernels.sync.common import SyncFormatError, bits_view, combine_hash, element_bits
 from .bucket import BucketInfo, parse_bucket
 from .codecs import apply_decoded, decode_slice, undo_decoded
 from .errors import (
@@ -139,54 +139,76 @@ class SyncReceiver:
             if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
                 raise ShapeMismatchError(f"{e.name}: payload is {e.dtype}{list(e.shape)}, receiver has "
                                          f"{t.dtype}{list(t.shape)}")
+        ranges = sorted((e.name, e.start, e.start + e.length) for e in pb.entries)
+        for (n0, _, end0), (n1, s1, _) in zip(ranges, ranges[1:]):
+            if n0 == n1 and s1 < end0:
+                raise CorruptPayloadError(f"bucket {info.index}: overlapping entries for {n0!r}")
         body = pb.body
         if body.device != (dev := self._device()):
             body = body.to(dev)
-        # phase 1: decode + validate everything (one host sync for all device-side checks)
-        keep = sum(e.nchanged for e in pb.entries) <= self.keep_records
-        decs, flags = [], [pb.body_bad.to(dev)]
-        for e in pb.entries:
-            d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype, e.nchanged,
-                             defer_check=True, impl=self.impl)
-            if d.bad is not None:
-                flags.append(d.bad.to(dev))
-            decs.append(d if keep else None)
+        words = body.view(torch.int32) if body.numel() else torch.zeros(0, dtype=torch.int32, device=dev)
+        ents = pb.entries
+        views = [self._bits[e.name][e.start:e.start + e.length] for e in ents]
+        compact: dict[int, list[int]] = {}
+        for k, e in enumerate(ents):
+            if e.codec == "compact":
+                compact.setdefault(e.dtype.itemsize, []).append(k)
+        keep = sum(e.nchanged for e in ents) <= self.keep_records
+
+        def decode_group(idx: list[int]):
+            eb = 8 * ents[idx[0]].dtype.itemsize
+            spec = [(ents[k].offset // 4, ents[k].nbytes // 4, ents[k].length, ents[k].nchanged) for k in idx]
+            return K.group_unpack_compact(words, spec, eb, impl=self.impl)
+
+        # phase 1: decode + validate everything; one host sync for all device-side checks
+        flags = [pb.body_bad.to(dev)]
+        decoded: dict[int, tuple] = {}
+        other: dict[int, object] = {}
+        try:
+            for eb, idx in compact.items():
+                pos, val, _, bad = decode_group(idx)
+                if bad is not None:
+                    flags.append(bad)
+                if keep:
+                    decoded[eb] = (pos, val)
+            for k, e in enumerate(ents):
+                if e.codec != "compact":
+                    d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype, e.nchanged,
+                                     defer_check=True, impl=self.impl)
+                    if d.bad is not None:
+                        flags.append(d.bad.to(dev))
+                    other[k] = d
+        except SyncFormatError as exc:
+            raise CorruptPayloadError(f"bucket {info.index}: {exc}") from None
         if bool(torch.stack(flags).any()):
             if bool(flags[0]):
                 raise CorruptPayloadError(f"bucket {info.index}: body checksum mismatch")
             raise CorruptPayloadError(f"bucket {info.index}: an entry failed validation (indices out of range, "
                                       "unordered, or malformed compact body)")
-        # phase 2: apply, keeping what is needed to undo
-        done = []
+        # phase 2: apply, keeping what is needed to undo; phase 3: verify the target hashes
+        undo: dict[int, object] = {}
+        applied: list[int] = []
         with torch.no_grad():
             try:
-                for e, d in zip(pb.entries, decs):
-                    if d is None:
-                        d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype,
-                                         e.nchanged, defer_check=True, impl=self.impl)
-                    sl = self._bits[e.name][e.start:e.start + e.length]
-                    undo = apply_decoded(sl, d, keep_undo=self.verify, impl=self.impl)
-                    # large compact records are dropped and decoded again if an undo is needed
-                    done.append((sl, e, d if (keep or d.codec != "compact") else None, undo))
-                # phase 3: verify target hashes (one host sync)
+                for k, d in other.items():
+                    undo[k] = apply_decoded(views[k], d, keep_undo=self.verify, impl=self.impl)
+                    applied.append(k)
+                for eb, idx in compact.items():
+                    pos, val = decoded[eb] if eb in decoded else decode_group(idx)[:2]
+                    K.group_apply_records([views[k] for k in idx], pos, val, [ents[k].nchanged for k in idx],
+                                          impl=self.impl)
+                    applied.append(-eb)
                 if self.verify:
-                    checks = [(k, e) for k, e in enumerate(pb.entries) if e.target_hash is not None]
-                    if checks:
-                        lanes = torch.stack([K.hash_bits(self._bits[e.name][e.start:e.start + e.length], e.start,
-                                                         impl=self.impl).to(dev) for _, e in checks]).tolist()
-                        for (k, e), ln in zip(checks, lanes):
-                            got = combine_hash(torch.tensor(ln))
-                            if got != e.target_hash:
-                                raise HashMismatchError(
-                                    f"{e.name}[{e.start}:{e.start + e.length}]: target hash mismatch after apply "
-                                    f"({got:016x} != {e.target_hash:016x}); the receiver's base differs from the "
-                                    "sender's. The bucket was undone; a dense resync is needed")
+                    self._verify(ents, views)
             except BaseException:
-                for sl, e, d, undo in reversed(done):
-                    if d is None:
-                        d = decode_slice(e.codec, body[e.offset:e.offset + e.nbytes], e.length, e.dtype,
-                                         e.nchanged, impl=self.impl)
-                    undo_decoded(sl, d, undo, impl=self.impl)
+                for k in reversed(applied):
+                    if k >= 0:
+                        undo_decoded(views[k], other[k], undo[k], impl=self.impl)
+                    else:
+                        idx = compact[-k]
+                        pos, val = decoded[-k] if -k in decoded else decode_group(idx)[:2]
+                        K.group_apply_records([views[i] for i in idx], pos, val, [ents[i].nchanged for i in idx],
+                                              negate=True, impl=self.impl)
                 raise
         # success: advance the state
         if info.last:
@@ -215,6 +237,26 @@ class SyncReceiver:
                 torch.cuda.synchronize(dev)
             stats.apply_s += time.perf_counter() - t0
         return info
+
+    def _verify(self, ents, views) -> None:
+        """Hash every written range and compare with the sender's hashes (one host sync)."""
+        groups: dict[int, list[int]] = {}
+        for k, e in enumerate(ents):
+            if e.target_hash is not None:
+                groups.setdefault(e.dtype.itemsize, []).append(k)
+        if not groups:
+            return
+        order = [k for idx in groups.values() for k in idx]
+        lanes = torch.cat([K.group_hash_bits([views[k] for k in idx], [ents[k].start for k in idx], impl=self.impl)
+                           for idx in groups.values()]).tolist()
+        for k, ln in zip(order, lanes):
+            e = ents[k]
+            got = combine_hash(torch.tensor(ln))
+            if got != e.target_hash:
+                raise HashMismatchError(
+                    f"{e.name}[{e.start}:{e.start + e.length}]: target hash mismatch after apply "
+                    f"({got:016x} != {e.target_hash:016x}); the receiver's base differs from the sender's. "
+                    "The bucket was undone; a dense resync is needed")
 
     def _device(self) -> torch.device:
         return next(iter(self._bits.values())).device if self._bits else torch.device("cpu")

@@ -5,11 +5,18 @@ See :mod:`sparrow.kernels.sync.api` for the entry points (``impl="reference" | "
 
 from .api import (
     DiffScan,
+    GroupScan,
     apply_records,
     check_positions,
     diff_collect,
     diff_records,
     diff_scan,
+    group_apply_records,
+    group_diff_collect,
+    group_diff_scan,
+    group_hash_bits,
+    group_pack_compact,
+    group_unpack_compact,
     hash_bits,
     pack_compact,
     positions_bad,
@@ -21,7 +28,8 @@ from .api import (
 from .common import SyncFormatError, bits_view, combine_hash, element_bits
 
 __all__ = [
-    "DiffScan", "SyncFormatError", "apply_records", "bits_view", "check_positions", "combine_hash",
-    "diff_collect", "diff_records", "diff_scan", "element_bits", "hash_bits", "pack_compact",
+    "DiffScan", "GroupScan", "SyncFormatError", "apply_records", "bits_view", "check_positions", "combine_hash",
+    "diff_collect", "diff_records", "diff_scan", "element_bits", "group_apply_records", "group_diff_collect",
+    "group_diff_scan", "group_hash_bits", "group_pack_compact", "group_unpack_compact", "hash_bits", "pack_compact",
     "positions_bad", "resolve_impl", "triton_available", "unpack_compact", "unpack_compact_deferred",
 ]

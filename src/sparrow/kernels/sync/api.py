@@ -7,13 +7,18 @@ All functions take flat bit views (``int16`` for bf16 / fp16, ``int32`` for fp32
 :func:`~sparrow.kernels.sync.common.bits_view`). Records are ``(pos: int32[m], val: int32[m])`` with
 ascending positions; ``val`` is either the delta code ``c = zigzag(new - old) - 1`` (``values="delta"``)
 or the new bit pattern zero-extended to 32 bits (``values="new"``).
+
+The ``group_*`` functions process a list of slices (same bit dtype, same device) with one kernel launch
+per stage, so the cost of a sync does not grow with the number of tensors; records of a group are
+concatenated slice after slice (``rec_off[s]`` is where slice ``s`` starts). The single-slice
+functions are groups of one.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
 import torch
 
@@ -63,6 +68,34 @@ def _ref():
     return reference
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _steps(nslices: int) -> int:
+    """Binary-search steps over ``nslices`` entries (rounded up to limit recompilations)."""
+    return max(1, nslices.bit_length() + 1)
+
+
+def _dev_i64(values: Sequence[int], dev: torch.device) -> torch.Tensor:
+    """A small int64 device array from host ints without a stream sync (pinned, non-blocking copy)."""
+    t = torch.tensor(list(values), dtype=torch.int64)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def _addrs(ts: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    return _dev_i64([t.data_ptr() for t in ts], dev)
+
+
+def _cum(counts: Sequence[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
 def _check_bits(name: str, t: torch.Tensor) -> int:
     if t.dtype not in (torch.int16, torch.int32):
         raise TypeError(f"{name}: expected an int16/int32 bit view, got {t.dtype}")
@@ -82,77 +115,157 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> int:
     return ebits
 
 
+def _check_group(ts: Sequence[torch.Tensor], name: str) -> int:
+    if not ts:
+        raise ValueError(f"{name}: empty group")
+    ebits = {_check_bits(name, t) for t in ts}
+    devs = {t.device for t in ts}
+    if len(ebits) != 1 or len(devs) != 1:
+        raise ValueError(f"{name}: a group needs one bit dtype and one device, got {ebits} bits on {devs}")
+    return ebits.pop()
+
+
+def _segment_sums(part: torch.Tensor, cum: list[int], dev: torch.device) -> torch.Tensor:
+    """Per-slice sums of per-tile rows ``part`` [G, k] given cumulative tile counts (no host sync)."""
+    c = torch.cat([torch.zeros(1, part.shape[1], dtype=part.dtype, device=dev), torch.cumsum(part, 0)])
+    idx = _dev_i64(cum, dev)
+    return c[idx[1:]] - c[idx[:-1]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# hashing
+# ---------------------------------------------------------------------------------------------------
+
+def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl: str | None = None) -> torch.Tensor:
+    """Hash lanes of each slice (int64 ``[S, 2]`` on the device, no host sync); slice ``s`` is hashed
+    at positions ``starts[s] + i``. Fold a row with :func:`~sparrow.kernels.sync.common.combine_hash`."""
+    ebits = _check_group(bits, "bits")
+    dev = bits[0].device
+    if resolve_impl(impl, bits[0]) == "reference":
+        return torch.stack([_ref().hash_bits(b, st) for b, st in zip(bits, starts)])
+    tiles = [_cdiv(b.numel(), _BLOCK) for b in bits]
+    cum = _cum(tiles)
+    if cum[-1] == 0:
+        return torch.zeros(len(bits), 2, dtype=torch.int64, device=dev)
+    part = torch.empty(cum[-1], 2, dtype=torch.int64, device=dev)
+    _tk()._hash_group_kernel[(cum[-1],)](_addrs(bits, dev), _dev_i64([b.numel() for b in bits], dev),
+                                         _dev_i64(starts, dev), _dev_i64(cum, dev), len(bits), part,
+                                         EBITS=ebits, BLOCK=_BLOCK, STEPS=_steps(len(bits)))
+    return _segment_sums(part, cum, dev) & 0xFFFFFFFF
+
+
 def hash_bits(bits: torch.Tensor, start: int = 0, *, impl: str | None = None) -> torch.Tensor:
     """Two 32-bit hash lanes (int64 tensor ``[2]`` on ``bits.device``) of the bit patterns at positions
     ``start + i``; fold with :func:`~sparrow.kernels.sync.common.combine_hash`. No host sync."""
-    ebits = _check_bits("bits", bits)
-    if resolve_impl(impl, bits) == "reference":
-        return _ref().hash_bits(bits, start)
-    n = bits.numel()
-    grid = max(1, _triton().cdiv(n, _BLOCK))
-    part = torch.empty(2 * grid, dtype=torch.int64, device=bits.device)
-    _tk()._hash_kernel[(grid,)](bits, n, start, part, EBITS=ebits, BLOCK=_BLOCK)
-    return part.view(grid, 2).sum(0) & 0xFFFFFFFF
+    return group_hash_bits([bits], [start], impl=impl)[0]
 
 
-def _triton():
-    import triton
+# ---------------------------------------------------------------------------------------------------
+# diff
+# ---------------------------------------------------------------------------------------------------
 
-    return triton
+@dataclass
+class GroupScan:
+    """First pass of the diff over a group: per-slice change counts (int64 ``[S]`` device tensor) and,
+    if asked, hash lanes of the new bits (``[S, 2]``). The Triton path keeps the per-tile counts and
+    the 1-bit change mask for the second pass."""
+
+    counts: torch.Tensor
+    hashes: torch.Tensor | None
+    impl: Impl
+    tile_counts: torch.Tensor | None = None
+    mask_words: torch.Tensor | None = None
+    tile_cum: list[int] | None = None
 
 
 @dataclass
 class DiffScan:
-    """First pass of the diff: the change count (0-d int64 device tensor) and, if asked, the hash lanes
-    of the new bits. The Triton path also keeps the per-tile counts and the 1-bit change mask."""
+    """:class:`GroupScan` of a single slice (``count``: 0-d int64, ``hash``: ``[2]`` or None)."""
 
     count: torch.Tensor
     hash: torch.Tensor | None
     impl: Impl
-    tile_counts: torch.Tensor | None = None
-    mask_words: torch.Tensor | None = None
+    group: GroupScan | None = None
+
+
+def group_diff_scan(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], *,
+                    hash_starts: Sequence[int] | None = None, impl: str | None = None) -> GroupScan:
+    """Count the positions whose bit patterns differ, per slice (device-side; no host sync)."""
+    if len(olds) != len(news):
+        raise ValueError("olds and news must have the same length")
+    for o, x in zip(olds, news):
+        _check_pair(o, x)
+    ebits = _check_group(olds, "olds")
+    dev = olds[0].device
+    which = resolve_impl(impl, olds[0])
+    if which == "reference":
+        counts = torch.stack([(o != x).sum().to(torch.int64) for o, x in zip(olds, news)])
+        h = None
+        if hash_starts is not None:
+            h = torch.stack([_ref().hash_bits(x, st) for x, st in zip(news, hash_starts)])
+        return GroupScan(counts, h, which)
+    tiles = [_cdiv(o.numel(), DIFF_TILE) for o in olds]
+    cum = _cum(tiles)
+    G = cum[-1]
+    counts_t = torch.zeros(max(G, 1), dtype=torch.int32, device=dev)
+    maskw = torch.empty(max(G, 1) * (DIFF_TILE // 32), dtype=torch.int32, device=dev)
+    do_hash = hash_starts is not None
+    hpart = torch.zeros(max(G, 1) if do_hash else 1, 2, dtype=torch.int64, device=dev)
+    if G:
+        _tk()._diff_count_group_kernel[(G,)](
+            _addrs(olds, dev), _addrs(news, dev), _dev_i64([o.numel() for o in olds], dev),
+            _dev_i64(hash_starts if do_hash else [0] * len(olds), dev), _dev_i64(cum, dev), len(olds),
+            counts_t, maskw, hpart, EBITS=ebits, TILE=DIFF_TILE, HASH=do_hash, STEPS=_steps(len(olds)))
+    counts = _segment_sums(counts_t[:G].to(torch.int64)[:, None], cum, dev)[:, 0]
+    h = _segment_sums(hpart[:G], cum, dev) & 0xFFFFFFFF if do_hash else None
+    return GroupScan(counts, h, which, counts_t[:G], maskw, cum)
+
+
+def group_diff_collect(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], scan: GroupScan,
+                       counts: Sequence[int], *, values: Values = "delta",
+                       update_old: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Second pass: the records of all slices, concatenated (``counts`` = the scan's counts, read by the
+    caller with one host sync per group), and ``rec_off`` (where each slice's records start; positions
+    are relative to the slice). ``update_old`` writes the new bits of changed positions into ``olds``."""
+    if values not in ("delta", "new"):
+        raise ValueError(f"values must be 'delta' or 'new', got {values!r}")
+    ebits = _check_group(olds, "olds")
+    dev = olds[0].device
+    rec_off = _cum(counts)
+    if scan.impl == "reference":
+        pos, val = [], []
+        for o, x, m in zip(olds, news, counts):
+            p, v = _ref().diff_records(o, x, values, update_old)
+            if p.numel() != m:
+                raise RuntimeError(f"diff_collect: {p.numel()} changes found, {m} expected")
+            pos.append(p)
+            val.append(v)
+        empty = torch.zeros(0, dtype=torch.int32, device=dev)
+        return (torch.cat(pos) if pos else empty, torch.cat(val) if val else empty, rec_off[:-1])
+    M = rec_off[-1]
+    pos = torch.empty(M, dtype=torch.int32, device=dev)
+    val = torch.empty(M, dtype=torch.int32, device=dev)
+    G = scan.tile_cum[-1]
+    if M and G:
+        offsets = torch.cumsum(scan.tile_counts, 0, dtype=torch.int64) - scan.tile_counts
+        _tk()._diff_collect_group_kernel[(G,)](
+            _addrs(olds, dev), _addrs(news, dev), _dev_i64([o.numel() for o in olds], dev),
+            _dev_i64(scan.tile_cum, dev), len(olds), offsets, scan.mask_words, pos, val, EBITS=ebits,
+            TILE=DIFF_TILE, DELTA=values == "delta", UPDATE_OLD=update_old, STEPS=_steps(len(olds)))
+    return pos, val, rec_off[:-1]
 
 
 def diff_scan(old: torch.Tensor, new: torch.Tensor, *, hash_start: int | None = None,
               impl: str | None = None) -> DiffScan:
     """Count the positions whose bit patterns differ (device-side; no host sync)."""
-    ebits = _check_pair(old, new)
-    which = resolve_impl(impl, old)
-    if which == "reference":
-        h = _ref().hash_bits(new, hash_start) if hash_start is not None else None
-        return DiffScan((old != new).sum().to(torch.int64), h, which)
-    n = old.numel()
-    tiles = max(1, _triton().cdiv(n, DIFF_TILE))
-    counts = torch.empty(tiles, dtype=torch.int32, device=old.device)
-    maskw = torch.empty(tiles * (DIFF_TILE // 32), dtype=torch.int32, device=old.device)
-    hpart = torch.empty(2 * tiles if hash_start is not None else 2, dtype=torch.int64, device=old.device)
-    _tk()._diff_count_kernel[(tiles,)](old, new, n, counts, maskw, hash_start or 0, hpart, EBITS=ebits,
-                                       TILE=DIFF_TILE, HASH=hash_start is not None)
-    h = hpart.view(tiles, 2).sum(0) & 0xFFFFFFFF if hash_start is not None else None
-    return DiffScan(counts.sum(dtype=torch.int64), h, which, counts, maskw)
+    g = group_diff_scan([old], [new], hash_starts=None if hash_start is None else [hash_start], impl=impl)
+    return DiffScan(g.counts[0], None if g.hashes is None else g.hashes[0], g.impl, g)
 
 
 def diff_collect(old: torch.Tensor, new: torch.Tensor, scan: DiffScan, nchanged: int, *,
                  values: Values = "delta", update_old: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Second pass: the ``nchanged`` records (``nchanged`` = ``int(scan.count)``, read by the caller with
-    one host sync per batch). ``update_old`` writes the new bits of changed positions into ``old``."""
-    ebits = _check_pair(old, new)
-    if values not in ("delta", "new"):
-        raise ValueError(f"values must be 'delta' or 'new', got {values!r}")
-    if scan.impl == "reference":
-        pos, val = _ref().diff_records(old, new, values, update_old)
-        if pos.numel() != nchanged:
-            raise RuntimeError(f"diff_collect: {pos.numel()} changes found, {nchanged} expected")
-        return pos, val
-    pos = torch.empty(nchanged, dtype=torch.int32, device=old.device)
-    val = torch.empty(nchanged, dtype=torch.int32, device=old.device)
-    if nchanged == 0:
-        return pos, val
-    tiles = scan.tile_counts.numel()
-    offsets = torch.cumsum(scan.tile_counts, 0, dtype=torch.int64) - scan.tile_counts
-    _tk()._diff_collect_kernel[(tiles,)](old, new, old.numel(), offsets, scan.mask_words, pos, val,
-                                         EBITS=ebits, TILE=DIFF_TILE, DELTA=values == "delta",
-                                         UPDATE_OLD=update_old)
+    """Second pass of :func:`diff_scan` (``nchanged = int(scan.count)``)."""
+    pos, val, _ = group_diff_collect([old], [new], scan.group, [nchanged], values=values, update_old=update_old)
     return pos, val
 
 
@@ -163,33 +276,118 @@ def diff_records(old: torch.Tensor, new: torch.Tensor, *, values: Values = "delt
     return diff_collect(old, new, scan, int(scan.count), values=values, update_old=update_old)
 
 
-def pack_compact(pos: torch.Tensor, codes: torch.Tensor, ebits: int, *,
-                 impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compact body of the records: ``(words, nwords)``. ``words`` is an int32 buffer whose first
-    ``nwords`` (0-d int64 device tensor) entries are the body; no host sync on the Triton path."""
+# ---------------------------------------------------------------------------------------------------
+# compact packing
+# ---------------------------------------------------------------------------------------------------
+
+def group_pack_compact(pos: torch.Tensor, codes: torch.Tensor, counts: Sequence[int], ebits: int, *,
+                       impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Compact bodies of the concatenated records of a group (slice ``s`` has ``counts[s]`` records).
+
+    Returns ``(out, base, nwords)``: slice ``s``'s body is ``out[base[s] : base[s] + nwords[s]]``;
+    ``base`` and ``nwords`` are int64 device tensors (read them with one host sync per group)."""
     if pos.dtype != torch.int32 or codes.dtype != torch.int32 or pos.shape != codes.shape or pos.dim() != 1:
         raise ValueError("pack_compact: pos and codes must be 1-D int32 tensors of the same length")
     if ebits not in (16, 32):
         raise ValueError(f"ebits must be 16 or 32, got {ebits}")
-    which = resolve_impl(impl, pos)
-    m = pos.numel()
+    if sum(counts) != pos.numel():
+        raise ValueError(f"pack_compact: counts sum to {sum(counts)}, got {pos.numel()} records")
     dev = pos.device
-    if which == "reference" or m == 0:
-        words = _ref().pack_compact(pos, codes, ebits)
-        return words, torch.tensor(words.numel(), dtype=torch.int64, device=dev)
-    nb = compact_num_blocks(m)
+    S = len(counts)
+    rec_off = _cum(counts)
+    if resolve_impl(impl, pos) == "reference" or pos.numel() == 0:
+        bodies = [_ref().pack_compact(pos[rec_off[s]:rec_off[s + 1]], codes[rec_off[s]:rec_off[s + 1]], ebits)
+                  for s in range(S)]
+        sizes = [b.numel() for b in bodies]
+        out = torch.cat(bodies) if bodies else torch.zeros(0, dtype=torch.int32, device=dev)
+        return out, _dev_i64(_cum(sizes)[:-1], dev), _dev_i64(sizes, dev)
+    nbs = [compact_num_blocks(m) for m in counts]
+    bcum = _cum(nbs)
+    NB = bcum[-1]
     slot = slot_words(ebits)
-    slots = torch.empty(nb * slot, dtype=torch.int32, device=dev)
-    sizes = torch.empty(nb, dtype=torch.int64, device=dev)
-    meta = torch.empty(nb * META_WORDS, dtype=torch.int32, device=dev)
-    scratch = torch.empty(nb * 4 * RANK_BLOCK, dtype=torch.int32, device=dev)
+    slots = torch.empty(NB * slot, dtype=torch.int32, device=dev)
+    sizes = torch.empty(NB, dtype=torch.int64, device=dev)
+    meta = torch.empty(NB * META_WORDS, dtype=torch.int32, device=dev)
+    scratch = torch.empty(NB * 4 * RANK_BLOCK, dtype=torch.int32, device=dev)
+    bcum_d = _dev_i64(bcum, dev)
     tk = _tk()
-    tk._pack_kernel[(nb,)](pos, codes, m, slots, sizes, meta, scratch, EBITS=ebits, R=RANK_BLOCK,
-                           SLOT=slot, WT=128, SEARCH_STEPS=(RANK_BLOCK).bit_length() + 1, num_warps=8)
-    offsets = torch.cumsum(sizes, 0) - sizes
-    out = torch.empty(META_WORDS * nb + nb * slot, dtype=torch.int32, device=dev)
-    tk._assemble_kernel[(nb,)](slots, sizes, offsets, meta, out, nb, SLOT=slot, CT=512)
-    return out, META_WORDS * nb + sizes.sum()
+    tk._pack_group_kernel[(NB,)](pos, codes, _dev_i64(counts, dev), _dev_i64(rec_off[:-1], dev), bcum_d, S,
+                                 slots, sizes, meta, scratch, EBITS=ebits, R=RANK_BLOCK, SLOT=slot, WT=128,
+                                 SEARCH_STEPS=RANK_BLOCK.bit_length() + 1, STEPS=_steps(S), num_warps=8)
+    excl = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev), torch.cumsum(sizes, 0)])
+    nwords = excl[bcum_d[1:]] - excl[bcum_d[:-1]] + META_WORDS * _dev_i64(nbs, dev)
+    base = torch.cumsum(nwords, 0) - nwords
+    out = torch.empty(META_WORDS * NB + NB * slot, dtype=torch.int32, device=dev)
+    tk._assemble_group_kernel[(NB,)](slots, sizes, excl, bcum_d, base, S, meta, out, SLOT=slot, CT=512,
+                                     STEPS=_steps(S))
+    return out, base, nwords
+
+
+def pack_compact(pos: torch.Tensor, codes: torch.Tensor, ebits: int, *,
+                 impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compact body of the records: ``(words, nwords)``; the first ``nwords`` (0-d int64 device tensor)
+    entries of ``words`` are the body. No host sync on the Triton path."""
+    out, base, nwords = group_pack_compact(pos, codes, [pos.numel()], ebits, impl=impl)
+    return out, nwords[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------------
+
+def group_unpack_compact(words: torch.Tensor, entries: Sequence[tuple[int, int, int, int]], ebits: int, *,
+                         impl: str | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
+    """Decode several compact bodies stored in one int32 buffer: ``entries[s] = (word_offset, nwords, n,
+    nchanged)``. Returns ``(pos, val, rec_off, bad)``: concatenated records, where each body's records
+    start, and a 0-d bool device flag (``None`` when every check already ran on the host) that must be
+    false before the records are used. Length problems visible on the host raise
+    :class:`SyncFormatError` immediately. Nothing is written to any weight here."""
+    if words.dtype != torch.int32 or words.dim() != 1:
+        raise ValueError("unpack_compact: words must be a 1-D int32 tensor")
+    if ebits not in (16, 32):
+        raise ValueError(f"ebits must be 16 or 32, got {ebits}")
+    dev = words.device
+    counts = [int(e[3]) for e in entries]
+    rec_off = _cum(counts)
+    for off, nw, n, m in entries:
+        if m < 0 or m > n:
+            raise SyncFormatError(f"compact body claims {m} changes for a slice of {n} elements")
+        if off < 0 or off + nw > words.numel():
+            raise SyncFormatError("compact body lies outside its buffer")
+        if m == 0 and nw != 0:
+            raise SyncFormatError(f"compact body with 0 changes must be empty, got {nw} words")
+        if nw < META_WORDS * compact_num_blocks(m):
+            raise SyncFormatError(f"compact body truncated: {nw} words < {META_WORDS * compact_num_blocks(m)} "
+                                  "metadata words")
+    if resolve_impl(impl, words) == "reference" or rec_off[-1] == 0:
+        pos, val = [], []
+        for off, nw, n, m in entries:
+            p, v = _ref().unpack_compact(words[off:off + nw], n, ebits, m)
+            pos.append(p)
+            val.append(v)
+        empty = torch.zeros(0, dtype=torch.int32, device=dev)
+        return (torch.cat(pos) if pos else empty, torch.cat(val) if val else empty, rec_off[:-1], None)
+    S = len(entries)
+    nbs = [compact_num_blocks(m) for m in counts]
+    bcum = _cum(nbs)
+    NB = bcum[-1]
+    M = rec_off[-1]
+    pos = torch.zeros(M, dtype=torch.int32, device=dev)
+    val = torch.zeros(M, dtype=torch.int32, device=dev)
+    err = torch.ones(NB, dtype=torch.int32, device=dev)
+    _tk()._unpack_group_kernel[(NB,)](
+        words, _dev_i64([e[0] for e in entries], dev), _dev_i64([e[1] for e in entries], dev),
+        _dev_i64([e[2] for e in entries], dev), _dev_i64(counts, dev), _dev_i64(rec_off[:-1], dev),
+        _dev_i64(bcum, dev), S, pos, val, err, EBITS=ebits, R=RANK_BLOCK, STEPS=_steps(S), num_warps=8)
+    return pos, val, rec_off[:-1], (err != 0).any()
+
+
+def unpack_compact_deferred(words: torch.Tensor, n: int, ebits: int, nchanged: int, *,
+                            impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Single-body :func:`group_unpack_compact`: ``(pos, val, bad)``."""
+    pos, val, _, bad = group_unpack_compact(words, [(0, words.numel(), n, int(nchanged))], ebits, impl=impl)
+    return pos, val, bad
 
 
 def unpack_compact(words: torch.Tensor, n: int, ebits: int, nchanged: int, *,
@@ -197,47 +395,12 @@ def unpack_compact(words: torch.Tensor, n: int, ebits: int, nchanged: int, *,
     """Decode and validate a compact body (exactly its words) into records.
 
     Raises :class:`SyncFormatError` (after one host sync on the Triton path) when the body is not a
-    canonical encoding of ``nchanged`` strictly increasing positions in ``[0, n)``; nothing is written
-    to any weight here."""
+    canonical encoding of ``nchanged`` increasing positions in ``[0, n)``; nothing is written here."""
     pos, val, bad = unpack_compact_deferred(words, n, ebits, nchanged, impl=impl)
     if bad is not None and bool(bad):  # the one host sync of the decode
         raise SyncFormatError("compact body failed validation (bad metadata, bit counts, offsets or "
                               "positions out of range / not increasing)")
     return pos, val
-
-
-def unpack_compact_deferred(words: torch.Tensor, n: int, ebits: int, nchanged: int, *,
-                            impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Like :func:`unpack_compact` without the host sync: returns ``(pos, val, bad)`` where ``bad`` is a
-    0-d bool device tensor (``None`` when the check already ran on the host). Records are only valid
-    when ``bad`` is false; the caller must check it before using them. Structural errors found without
-    touching the device (lengths) still raise :class:`SyncFormatError` immediately."""
-    if words.dtype != torch.int32 or words.dim() != 1:
-        raise ValueError("unpack_compact: words must be a 1-D int32 tensor")
-    if ebits not in (16, 32):
-        raise ValueError(f"ebits must be 16 or 32, got {ebits}")
-    which = resolve_impl(impl, words)
-    m = int(nchanged)
-    if which == "reference" or m <= 0 or m > n:
-        pos, val = _ref().unpack_compact(words, n, ebits, m)
-        return pos, val, None
-    dev = words.device
-    nb = compact_num_blocks(m)
-    total = words.numel()
-    if total < META_WORDS * nb:
-        raise SyncFormatError(f"compact body truncated: {total} words < {META_WORDS * nb} metadata words")
-    pos = torch.zeros(m, dtype=torch.int32, device=dev)
-    val = torch.zeros(m, dtype=torch.int32, device=dev)
-    err = torch.empty(nb, dtype=torch.int32, device=dev)
-    sizes = torch.empty(nb, dtype=torch.int64, device=dev)
-    _tk()._unpack_kernel[(nb,)](words, total, n, m, pos, val, err, sizes, EBITS=ebits, R=RANK_BLOCK,
-                                num_warps=8)
-    offs = words[1: META_WORDS * nb: META_WORDS].to(torch.int64) & 0xFFFFFFFF
-    bad = (err != 0).any() | (sizes < 0).any() | (offs != torch.cumsum(sizes, 0) - sizes).any() \
-        | (META_WORDS * nb + sizes.sum() != total)
-    if m > 1:
-        bad = bad | (pos[1:] <= pos[:-1]).any()
-    return pos, val, bad
 
 
 def positions_bad(pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -256,23 +419,44 @@ def check_positions(pos: torch.Tensor, n: int) -> None:
         raise SyncFormatError(f"indices out of range [0, {n}) or not strictly increasing")
 
 
-def apply_records(bits: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, *, values: Values = "delta",
-                  negate: bool = False, impl: str | None = None) -> None:
-    """Write records into ``bits`` in place. Positions must already be validated (see
-    :func:`check_positions` / :func:`unpack_compact`). ``negate`` undoes a delta application."""
-    ebits = _check_bits("bits", bits)
+# ---------------------------------------------------------------------------------------------------
+# apply
+# ---------------------------------------------------------------------------------------------------
+
+def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val: torch.Tensor,
+                        counts: Sequence[int], *, values: Values = "delta", negate: bool = False,
+                        impl: str | None = None) -> None:
+    """Write concatenated records into several bit views in place (slice ``s`` takes the next
+    ``counts[s]`` records). Positions must already be validated. ``negate`` undoes a delta application."""
+    ebits = _check_group(targets, "targets")
     if values not in ("delta", "new"):
         raise ValueError(f"values must be 'delta' or 'new', got {values!r}")
     if pos.shape != val.shape or pos.dtype != torch.int32 or val.dtype != torch.int32:
         raise ValueError("apply_records: pos and val must be int32 tensors of the same shape")
     if negate and values != "delta":
         raise ValueError("negate is only defined for delta records")
-    if resolve_impl(impl, bits) == "reference":
-        _ref().apply_records(bits, pos, val, values, negate)
+    if sum(counts) != pos.numel():
+        raise ValueError(f"apply_records: counts sum to {sum(counts)}, got {pos.numel()} records")
+    rec_off = _cum(counts)
+    dev = targets[0].device
+    if resolve_impl(impl, targets[0]) == "reference":
+        for s, t in enumerate(targets):
+            a, b = rec_off[s], rec_off[s + 1]
+            if b > a:
+                _ref().apply_records(t, pos[a:b], val[a:b], values, negate)
         return
-    m = pos.numel()
-    if m == 0:
+    tiles = [_cdiv(m, _BLOCK) for m in counts]
+    cum = _cum(tiles)
+    if cum[-1] == 0:
         return
-    grid = _triton().cdiv(m, _BLOCK)
-    _tk()._apply_kernel[(grid,)](bits, pos, val, m, EBITS=ebits, BLOCK=_BLOCK, DELTA=values == "delta",
-                                 NEGATE=negate)
+    _tk()._apply_group_kernel[(cum[-1],)](
+        _addrs(targets, dev), _dev_i64(rec_off[:-1], dev), _dev_i64(counts, dev), _dev_i64(cum, dev),
+        len(targets), pos, val, EBITS=ebits, BLOCK=_BLOCK, DELTA=values == "delta", NEGATE=negate,
+        STEPS=_steps(len(targets)))
+
+
+def apply_records(bits: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, *, values: Values = "delta",
+                  negate: bool = False, impl: str | None = None) -> None:
+    """Write records into ``bits`` in place. Positions must already be validated (see
+    :func:`check_positions` / :func:`unpack_compact`). ``negate`` undoes a delta application."""
+    group_apply_records([bits], pos, val, [pos.numel()], values=values, negate=negate, impl=impl)

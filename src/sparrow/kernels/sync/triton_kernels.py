@@ -3,23 +3,27 @@
 Layout and semantics are those of :mod:`sparrow.kernels.sync.reference` (the test oracle); this module
 never imports it. Scheme on the GPU (no host round trip of indices):
 
-1. ``_diff_count_kernel``: one program per ``DIFF_TILE`` elements reads old and new bit patterns once,
+1. ``_diff_count_group_kernel``: one program per ``DIFF_TILE`` elements reads old and new bit patterns once,
    writes the tile's change count and a 1-bit-per-element change mask (1/16 of the bf16 input), and
    optionally the two hash lanes of the new bits.
 2. exclusive scan of the tile counts on the device (``torch.cumsum``, no sync).
-3. ``_diff_collect_kernel``: one program per tile reads only the mask words, ranks the set bits with an
+3. ``_diff_collect_group_kernel``: one program per tile reads only the mask words, ranks the set bits with an
    in-tile prefix sum and gathers old/new bits of the changed lanes only (masked loads touch only the
    memory sectors that hold changes), writing ``(position, code)`` records at ``tile offset + rank``;
    optionally it writes the new bits into the old tensor (the sender's snapshot update).
-4. ``_pack_kernel``: one program per block of ``RANK_BLOCK`` records computes the Elias-Fano parameter
+4. ``_pack_group_kernel``: one program per block of ``RANK_BLOCK`` records computes the Elias-Fano parameter
    ``L``, the value width ``W`` (exact cost minimisation), escapes, and packs the four bit regions
    word-parallel (each output word gathers the fields it overlaps; no atomics) into a fixed-capacity slot.
-5. exclusive scan of the slot sizes on the device, ``_assemble_kernel`` copies the used part of every
+5. exclusive scan of the slot sizes on the device, ``_assemble_group_kernel`` copies the used part of every
    slot behind the metadata.
 
-Decode: ``_unpack_kernel`` (one program per block) expands the high bits tile by tile, ranks them with a
+Every kernel works on a *group* of slices in one launch (per-slice base addresses, lengths and
+cumulative tile / block counts in small device arrays; a program finds its slice by binary search), so
+the launch count per sync does not grow with the number of tensors.
+
+Decode: ``_unpack_group_kernel`` (one program per block) expands the high bits tile by tile, ranks them with a
 prefix sum, and reads low bits, value codes and exceptions by rank; it validates every field and flags
-bad blocks instead of writing out of range. ``_apply_kernel`` then adds the decoded deltas in place.
+bad blocks instead of writing out of range. ``_apply_group_kernel`` then adds the decoded deltas in place.
 """
 
 from __future__ import annotations
@@ -67,39 +71,6 @@ def _hash_lanes(xu, pos, valid):
 
 
 @triton.jit
-def _hash_kernel(bits_ptr, n, start, out_ptr, EBITS: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    x = tl.load(bits_ptr + offs, mask=valid, other=0)
-    pos = (offs + start).to(tl.uint32)
-    sa, sb = _hash_lanes(_unsigned32(x, EBITS), pos, valid)
-    tl.store(out_ptr + 2 * pid, sa)
-    tl.store(out_ptr + 2 * pid + 1, sb)
-
-
-@triton.jit
-def _diff_count_kernel(old_ptr, new_ptr, n, counts_ptr, maskw_ptr, start, hash_ptr,
-                       EBITS: tl.constexpr, TILE: tl.constexpr, HASH: tl.constexpr):
-    pid = tl.program_id(0)
-    lane = tl.arange(0, TILE)
-    offs = pid.to(tl.int64) * TILE + lane
-    valid = offs < n
-    old = tl.load(old_ptr + offs, mask=valid, other=0)
-    new = tl.load(new_ptr + offs, mask=valid, other=0)
-    ch = (old != new) & valid
-    tl.store(counts_ptr + pid, tl.sum(ch.to(tl.int32), axis=0))
-    bitv = tl.where(ch, 1, 0).to(tl.uint32) << (lane & 31).to(tl.uint32)
-    words = tl.sum(tl.reshape(bitv, (TILE // 32, 32)), axis=1)
-    tl.store(maskw_ptr + pid.to(tl.int64) * (TILE // 32) + tl.arange(0, TILE // 32),
-             words.to(tl.int32, bitcast=True))
-    if HASH:
-        sa, sb = _hash_lanes(_unsigned32(new, EBITS), (offs + start).to(tl.uint32), valid)
-        tl.store(hash_ptr + 2 * pid, sa)
-        tl.store(hash_ptr + 2 * pid + 1, sb)
-
-
-@triton.jit
 def _delta_code(old, new, EBITS: tl.constexpr):
     """c = zigzag(new - old) - 1 as int64 (unsigned value < 2^EBITS)."""
     MASK: tl.constexpr = (1 << EBITS) - 1
@@ -108,31 +79,6 @@ def _delta_code(old, new, EBITS: tl.constexpr):
     d = (x - o) & MASK
     zz = tl.where((d >> (EBITS - 1)) == 1, (~(d << 1)) & MASK, (d << 1) & MASK)
     return zz - 1
-
-
-@triton.jit
-def _diff_collect_kernel(old_ptr, new_ptr, n, offsets_ptr, maskw_ptr, pos_ptr, val_ptr,
-                         EBITS: tl.constexpr, TILE: tl.constexpr, DELTA: tl.constexpr,
-                         UPDATE_OLD: tl.constexpr):
-    pid = tl.program_id(0)
-    lane = tl.arange(0, TILE)
-    offs = pid.to(tl.int64) * TILE + lane
-    w = tl.load(maskw_ptr + pid.to(tl.int64) * (TILE // 32) + (lane >> 5))
-    ch = ((w.to(tl.uint32, bitcast=True) >> (lane & 31).to(tl.uint32)) & 1) != 0
-    ch = ch & (offs < n)
-    base = tl.load(offsets_ptr + pid)
-    rank = tl.cumsum(ch.to(tl.int32), axis=0) - 1
-    dst = base + rank
-    new = tl.load(new_ptr + offs, mask=ch, other=0)
-    if DELTA:
-        old = tl.load(old_ptr + offs, mask=ch, other=0)
-        val = _delta_code(old, new, EBITS)
-    else:
-        val = new.to(tl.int64) & ((1 << EBITS) - 1)
-    tl.store(pos_ptr + dst, offs.to(tl.int32), mask=ch)
-    tl.store(val_ptr + dst, val.to(tl.int32), mask=ch)
-    if UPDATE_OLD:
-        tl.store(old_ptr + offs, new, mask=ch)
 
 
 @triton.jit
@@ -186,17 +132,130 @@ def _pack_bitset(dst_ptr, nwords, h_ptr, count, WT: tl.constexpr, SEARCH_STEPS: 
 
 
 @triton.jit
-def _pack_kernel(pos_ptr, val_ptr, m, slots_ptr, sizes_ptr, meta_ptr, scratch_ptr,
-                 EBITS: tl.constexpr, R: tl.constexpr, SLOT: tl.constexpr, WT: tl.constexpr,
-                 SEARCH_STEPS: tl.constexpr):
+def _read_field(words_ptr, region, idx, width, mask):
+    """Field ``idx`` of ``width`` bits (int64 tensors) in the region starting at word ``region``."""
+    bitpos = idx * width
+    wi = region + (bitpos >> 5)
+    s = bitpos & 31
+    lo = tl.load(words_ptr + wi, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + wi + 1, mask=mask & (s + width > 32), other=0).to(tl.int64) & 0xFFFFFFFF
+    return ((lo | (hi << 32)) >> s) & ((tl.full(idx.shape, 1, tl.int64) << width) - 1)
+
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Group kernels: one launch covers a list of slices (tensors or element ranges of tensors). Per-slice
+# data lives in small device arrays (base addresses, lengths, cumulative tile / block counts); each
+# program finds its slice by a binary search over a cumulative-count array.
+# ---------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _find(cum_ptr, nslices, x, STEPS: tl.constexpr):
+    """Largest s in [0, nslices) with cum[s] <= x (cum ascending, cum[0] = 0)."""
+    lo = (x * 0).to(tl.int64)
+    hi = lo + nslices - 1
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi + 1) // 2
+        v = tl.load(cum_ptr + mid)
+        go = v <= x
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _bits_ptr(addr, EBITS: tl.constexpr):
+    if EBITS == 16:
+        return addr.to(tl.pointer_type(tl.int16))
+    else:
+        return addr.to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
+def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, nslices, out_ptr,
+                       EBITS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+    tid = tl.program_id(0).to(tl.int64)
+    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    bits = _bits_ptr(tl.load(addr_ptr + s), EBITS)
+    n = tl.load(n_ptr + s)
+    offs = (tid - tl.load(tile_cum_ptr + s)) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    x = tl.load(bits + offs, mask=valid, other=0)
+    pos = (offs + tl.load(start_ptr + s)).to(tl.uint32)
+    sa, sb = _hash_lanes(_unsigned32(x, EBITS), pos, valid)
+    tl.store(out_ptr + 2 * tid, sa)
+    tl.store(out_ptr + 2 * tid + 1, sb)
+
+
+@triton.jit
+def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, nslices,
+                             counts_ptr, maskw_ptr, hash_ptr,
+                             EBITS: tl.constexpr, TILE: tl.constexpr, HASH: tl.constexpr, STEPS: tl.constexpr):
+    tid = tl.program_id(0).to(tl.int64)
+    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
+    new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
+    n = tl.load(n_ptr + s)
+    lane = tl.arange(0, TILE)
+    offs = (tid - tl.load(tile_cum_ptr + s)) * TILE + lane
+    valid = offs < n
+    old = tl.load(old_p + offs, mask=valid, other=0)
+    new = tl.load(new_p + offs, mask=valid, other=0)
+    ch = (old != new) & valid
+    tl.store(counts_ptr + tid, tl.sum(ch.to(tl.int32), axis=0))
+    bitv = tl.where(ch, 1, 0).to(tl.uint32) << (lane & 31).to(tl.uint32)
+    words = tl.sum(tl.reshape(bitv, (TILE // 32, 32)), axis=1)
+    tl.store(maskw_ptr + tid * (TILE // 32) + tl.arange(0, TILE // 32), words.to(tl.int32, bitcast=True))
+    if HASH:
+        pos = (offs + tl.load(start_ptr + s)).to(tl.uint32)
+        sa, sb = _hash_lanes(_unsigned32(new, EBITS), pos, valid)
+        tl.store(hash_ptr + 2 * tid, sa)
+        tl.store(hash_ptr + 2 * tid + 1, sb)
+
+
+@triton.jit
+def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, tile_cum_ptr, nslices, offsets_ptr, maskw_ptr,
+                               pos_ptr, val_ptr, EBITS: tl.constexpr, TILE: tl.constexpr, DELTA: tl.constexpr,
+                               UPDATE_OLD: tl.constexpr, STEPS: tl.constexpr):
+    tid = tl.program_id(0).to(tl.int64)
+    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
+    new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
+    n = tl.load(n_ptr + s)
+    lane = tl.arange(0, TILE)
+    offs = (tid - tl.load(tile_cum_ptr + s)) * TILE + lane
+    w = tl.load(maskw_ptr + tid * (TILE // 32) + (lane >> 5))
+    ch = (((w.to(tl.uint32, bitcast=True) >> (lane & 31).to(tl.uint32)) & 1) != 0) & (offs < n)
+    rank = tl.cumsum(ch.to(tl.int32), axis=0) - 1
+    dst = tl.load(offsets_ptr + tid) + rank
+    new = tl.load(new_p + offs, mask=ch, other=0)
+    if DELTA:
+        old = tl.load(old_p + offs, mask=ch, other=0)
+        val = _delta_code(old, new, EBITS)
+    else:
+        val = new.to(tl.int64) & ((1 << EBITS) - 1)
+    tl.store(pos_ptr + dst, offs.to(tl.int32), mask=ch)
+    tl.store(val_ptr + dst, val.to(tl.int32), mask=ch)
+    if UPDATE_OLD:
+        tl.store(old_p + offs, new, mask=ch)
+
+
+@triton.jit
+def _pack_group_kernel(pos_ptr, val_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nslices,
+                       slots_ptr, sizes_ptr, meta_ptr, scratch_ptr,
+                       EBITS: tl.constexpr, R: tl.constexpr, SLOT: tl.constexpr, WT: tl.constexpr,
+                       SEARCH_STEPS: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    s = _find(block_cum_ptr, nslices, b, STEPS)
+    j = b - tl.load(block_cum_ptr + s)
+    m = tl.load(m_ptr + s)
     i = tl.arange(0, R)
-    g = b * R + i
-    valid = g < m
-    cnt = tl.minimum(m - b * R, R)
+    cnt = tl.minimum(m - j * R, R)
+    valid = i < cnt
+    g = tl.load(rec_off_ptr + s) + j * R + i
     p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
-    # scalars by reduction (positions ascend): keeps them 0-d in every Triton version's interpreter
-    p_first = tl.min(tl.where(valid, p, 2**40), axis=0)
+    p_first = tl.min(tl.where(valid, p, 2**40), axis=0)  # positions ascend
     p_last = tl.max(tl.where(valid, p, -1), axis=0)
     span = p_last - p_first
     q = (span + 1) // cnt
@@ -244,19 +303,22 @@ def _pack_kernel(pos_ptr, val_ptr, m, slots_ptr, sizes_ptr, meta_ptr, scratch_pt
     _pack_fixed(slot + lw + hw, vw, scr + 2 * R, cnt, W, WT)
     _pack_fixed(slot + lw + hw + vw, xw, scr + 3 * R, e, W * 0 + EBITS, WT)
     tl.store(sizes_ptr + b, lw + hw + vw + xw)
-    tl.store(meta_ptr + 4 * b, p_first.to(tl.int32))
-    tl.store(meta_ptr + 4 * b + 2, (L | (W << 8) | (e << 16)).to(tl.int32))
-    tl.store(meta_ptr + 4 * b + 3, high_len.to(tl.int32))
+    k4 = tl.arange(0, 4)
+    meta = tl.where(k4 == 0, p_first, tl.where(k4 == 2, L | (W << 8) | (e << 16), high_len))
+    tl.store(meta_ptr + 4 * b + k4, meta.to(tl.int32))
 
 
 @triton.jit
-def _assemble_kernel(slots_ptr, sizes_ptr, offsets_ptr, meta_ptr, out_ptr, nb,
-                     SLOT: tl.constexpr, CT: tl.constexpr):
+def _assemble_group_kernel(slots_ptr, sizes_ptr, size_excl_ptr, block_cum_ptr, base_ptr, nslices, meta_ptr,
+                           out_ptr, SLOT: tl.constexpr, CT: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    one = tl.arange(0, 2) == 0
-    size = tl.sum(tl.load(sizes_ptr + b + tl.arange(0, 2), mask=one, other=0), axis=0)
-    off = tl.sum(tl.load(offsets_ptr + b + tl.arange(0, 2), mask=one, other=0), axis=0)
-    dst = out_ptr + 4 * nb + off
+    s = _find(block_cum_ptr, nslices, b, STEPS)
+    b0 = tl.load(block_cum_ptr + s)
+    nb = tl.load(block_cum_ptr + s + 1) - b0
+    size = tl.load(sizes_ptr + b)
+    off = tl.load(size_excl_ptr + b) - tl.load(size_excl_ptr + b0)  # body offset within the slice
+    base = tl.load(base_ptr + s)
+    dst = out_ptr + base + 4 * nb + off
     for w0 in range(0, size, CT):
         wi = w0 + tl.arange(0, CT)
         a = wi < size
@@ -264,7 +326,7 @@ def _assemble_kernel(slots_ptr, sizes_ptr, offsets_ptr, meta_ptr, out_ptr, nb,
     k = tl.arange(0, 4)
     meta = tl.load(meta_ptr + 4 * b + k)
     meta = tl.where(k == 1, off.to(tl.int32), meta)
-    tl.store(out_ptr + 4 * b + k, meta)
+    tl.store(out_ptr + base + 4 * (b - b0) + k, meta)
 
 
 @triton.jit
@@ -279,22 +341,34 @@ def _read_field(words_ptr, region, idx, width, mask):
 
 
 @triton.jit
-def _unpack_kernel(words_ptr, total, n, m, pos_ptr, val_ptr, err_ptr, sizes_ptr,
-                   EBITS: tl.constexpr, R: tl.constexpr):
+def _unpack_group_kernel(words_ptr, word_off_ptr, total_ptr, n_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nslices,
+                         pos_ptr, val_ptr, err_ptr, EBITS: tl.constexpr, R: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    s = _find(block_cum_ptr, nslices, b, STEPS)
+    b0 = tl.load(block_cum_ptr + s)
+    j = b - b0
+    nb = tl.load(block_cum_ptr + s + 1) - b0
+    words = words_ptr + tl.load(word_off_ptr + s)
+    total = tl.load(total_ptr + s)
+    n = tl.load(n_ptr + s)
+    m = tl.load(m_ptr + s)
     lane = tl.arange(0, R).to(tl.int64)
-    nb = (m + R - 1) // R
-    cnt = tl.minimum(m - b * R, R)
-    k4 = tl.arange(0, 4)
-    meta = tl.load(words_ptr + 4 * b + k4).to(tl.int64) & 0xFFFFFFFF
-    p_first = tl.sum(tl.where(k4 == 0, meta, 0), axis=0)
-    body_off = tl.sum(tl.where(k4 == 1, meta, 0), axis=0)
-    packed = tl.sum(tl.where(k4 == 2, meta, 0), axis=0)
-    high_len = tl.sum(tl.where(k4 == 3, meta, 0), axis=0)
+    cnt = tl.minimum(m - j * R, R)
+    # this block's metadata and the next block's offset / first position (cross-block checks)
+    k8 = tl.arange(0, 8)
+    has_next = j + 1 < nb
+    meta = tl.load(words + 4 * j + k8, mask=k8 < tl.where(has_next, 8, 4), other=0).to(tl.int64) & 0xFFFFFFFF
+    p_first = tl.sum(tl.where(k8 == 0, meta, 0), axis=0)
+    body_off = tl.sum(tl.where(k8 == 1, meta, 0), axis=0)
+    packed = tl.sum(tl.where(k8 == 2, meta, 0), axis=0)
+    high_len = tl.sum(tl.where(k8 == 3, meta, 0), axis=0)
+    next_first = tl.sum(tl.where(k8 == 4, meta, 0), axis=0)
+    next_off = tl.sum(tl.where(k8 == 5, meta, 0), axis=0)
     L = packed & 0xFF
     W = (packed >> 8) & 0xFF
     e = packed >> 16
     ok = (L <= 31) & (W >= 1) & (W <= EBITS) & (e <= cnt) & (p_first < n) & (high_len >= cnt)
+    ok = ok & ((j > 0) | (body_off == 0))
     L = tl.minimum(L, 31)
     W = tl.maximum(tl.minimum(W, EBITS), 1)
     ok = ok & (high_len <= cnt + (n >> L) + 1)
@@ -308,8 +382,9 @@ def _unpack_kernel(words_ptr, total, n, m, pos_ptr, val_ptr, err_ptr, sizes_ptr,
     else:
         xw = (e + 1) // 2
     start = 4 * nb + body_off
-    ok = ok & (start + lw + hw + vw + xw <= total)
-    tl.store(sizes_ptr + b, tl.where(ok, lw + hw + vw + xw, -1))
+    end = start + lw + hw + vw + xw
+    # blocks tile the body exactly: each ends where the next begins, the last at the body's end
+    ok = ok & (end <= total) & tl.where(has_next, end == 4 * nb + next_off, end == total)
     high_len = tl.where(ok, high_len, 0)
     e = tl.where(ok, e, 0)
     hreg = start + lw
@@ -320,46 +395,53 @@ def _unpack_kernel(words_ptr, total, n, m, pos_ptr, val_ptr, err_ptr, sizes_ptr,
     running = (cnt * 0).to(tl.int64)
     erun = (cnt * 0).to(tl.int64)
     bad = (cnt * 0).to(tl.int64)
+    last_p = (cnt * 0 - 1).to(tl.int64)
     for t in range(0, (high_len + R - 1) // R):
-        j = t * R + lane
-        inb = j < high_len
-        wv = tl.load(words_ptr + hreg + (j >> 5), mask=inb, other=0).to(tl.int64) & 0xFFFFFFFF
-        s = inb & (((wv >> (j & 31)) & 1) != 0)
-        r = running + tl.cumsum(s.to(tl.int64), axis=0) - 1
-        v = s & (r < cnt)
-        bad += tl.sum((s & (r >= cnt)).to(tl.int64), axis=0)
-        low = _read_field(words_ptr, start, r, L, v)
-        u = ((j - r) << L) | low
+        jb = t * R + lane
+        inb = jb < high_len
+        wv = tl.load(words + hreg + (jb >> 5), mask=inb, other=0).to(tl.int64) & 0xFFFFFFFF
+        sbit = inb & (((wv >> (jb & 31)) & 1) != 0)
+        r = running + tl.cumsum(sbit.to(tl.int64), axis=0) - 1
+        v = sbit & (r < cnt)
+        bad += tl.sum((sbit & (r >= cnt)).to(tl.int64), axis=0)
+        low = _read_field(words, start, r, L, v)
+        u = ((jb - r) << L) | low
         p = p_first + u
         bad += tl.sum((v & ((p >= n) | ((r == 0) & (u != 0)))).to(tl.int64), axis=0)
-        code = _read_field(words_ptr, vreg, r, W, v)
+        last_p = tl.maximum(last_p, tl.max(tl.where(v, p, -1), axis=0))
+        code = _read_field(words, vreg, r, W, v)
         esc = v & (code == esc_code)
         er = erun + tl.cumsum(esc.to(tl.int64), axis=0) - 1
         esc_ok = esc & (er < e)
         bad += tl.sum((esc & (er >= e)).to(tl.int64), axis=0)
-        exc = _read_field(words_ptr, xreg, er, tl.full((R,), EBITS, tl.int64), esc_ok)
+        exc = _read_field(words, xreg, er, tl.full((R,), EBITS, tl.int64), esc_ok)
         c = tl.where(esc, exc, code)
         bad += tl.sum((v & (c > MAXC)).to(tl.int64), axis=0)
-        dst = b * R + r
+        dst = tl.load(rec_off_ptr + s) + j * R + r
         tl.store(pos_ptr + dst, p.to(tl.int32), mask=v)
         tl.store(val_ptr + dst, c.to(tl.int32), mask=v)
-        running += tl.sum(s.to(tl.int64), axis=0)
+        running += tl.sum(sbit.to(tl.int64), axis=0)
         erun += tl.sum(esc.to(tl.int64), axis=0)
     bad += (running != cnt).to(tl.int64) + (erun != e).to(tl.int64)
+    bad += (has_next & (next_first <= last_p)).to(tl.int64)  # blocks in increasing position order
     tl.store(err_ptr + b, tl.where(ok, bad, 1).to(tl.int32))
 
 
 @triton.jit
-def _apply_kernel(bits_ptr, pos_ptr, val_ptr, m, EBITS: tl.constexpr, BLOCK: tl.constexpr,
-                  DELTA: tl.constexpr, NEGATE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < m
-    p = tl.load(pos_ptr + offs, mask=valid, other=0).to(tl.int64)
+def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos_ptr, val_ptr,
+                        EBITS: tl.constexpr, BLOCK: tl.constexpr, DELTA: tl.constexpr, NEGATE: tl.constexpr,
+                        STEPS: tl.constexpr):
+    tid = tl.program_id(0).to(tl.int64)
+    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    bits = _bits_ptr(tl.load(addr_ptr + s), EBITS)
+    offs = (tid - tl.load(tile_cum_ptr + s)) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < tl.load(m_ptr + s)
+    g = tl.load(rec_off_ptr + s) + offs
+    p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
     MASK: tl.constexpr = (1 << EBITS) - 1
-    v = tl.load(val_ptr + offs, mask=valid, other=0).to(tl.int64) & MASK
+    v = tl.load(val_ptr + g, mask=valid, other=0).to(tl.int64) & MASK
     if DELTA:
-        old = tl.load(bits_ptr + p, mask=valid, other=0).to(tl.int64) & MASK
+        old = tl.load(bits + p, mask=valid, other=0).to(tl.int64) & MASK
         zz = v + 1
         d = tl.where((zz & 1) == 1, (~(zz >> 1)) & MASK, zz >> 1)
         if NEGATE:
@@ -369,4 +451,4 @@ def _apply_kernel(bits_ptr, pos_ptr, val_ptr, m, EBITS: tl.constexpr, BLOCK: tl.
         out = (v - ((v >> 15) << 16)).to(tl.int16)
     else:
         out = (v - ((v >> 31) << 32)).to(tl.int32)
-    tl.store(bits_ptr + p, out, mask=valid)
+    tl.store(bits + p, out, mask=valid)
