@@ -2,8 +2,9 @@
 
 Rank 0 trains a tiny model with AdamW and sends its bf16 weights with ``SyncSender`` through a
 ``DistributedTransport``; ranks 1 and 2 receive. After every sync rank 0 broadcasts its bf16 bits densely
-(test-only) and each receiver records whether it matches bit for bit. At step 20 rank 2 flips one bit of
-its copy: that sync must fail its hash check, be undone, and the next sync must be a dense anchor.
+(test-only) and each receiver records whether it matches bit for bit. After 30 clean steps rank 2 flips
+one bit of its copy: the next sync must fail its hash check there, be undone, and the one after must be
+a dense anchor that brings rank 2 back.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch.distributed as dist
 
 from sparrow.sync import DistributedTransport, HashMismatchError, SyncReceiver, SyncSender
 
-STEPS = 30
-DIVERGE_STEP = 20
+STEPS = 33
+DIVERGE_STEP = 30
 
 
 def _model() -> torch.nn.Module:

@@ -77,9 +77,10 @@ class Payload:
 
         No pickle; :meth:`from_bytes` checks every length and both hashes."""
         head = json.dumps(self.header(), sort_keys=True, separators=(",", ":")).encode()
-        body = as_u8(self.data.detach()).cpu()
-        prefix = _PREFIX.pack(PAYLOAD_MAGIC, len(head), PAYLOAD_FORMAT, body.numel(), hash_bytes(head),
-                              hash_bytes(body))
+        body_dev = as_u8(self.data.detach())
+        body_hash = hash_bytes(body_dev)  # on the payload's device
+        body = body_dev.cpu()
+        prefix = _PREFIX.pack(PAYLOAD_MAGIC, len(head), PAYLOAD_FORMAT, body.numel(), hash_bytes(head), body_hash)
         return prefix + head + body.numpy().tobytes()
 
     @classmethod
