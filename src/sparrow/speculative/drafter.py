@@ -87,7 +87,9 @@ def _quantize_weight(weight: torch.Tensor, config) -> torch.Tensor:
     out_f, in_f = weight.shape
     lin = nn.Linear(in_f, out_f, bias=False, device="meta")
     lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    quantize_(lin, config)
+    with warnings.catch_warnings():  # the tinygemm int4 fallback is torchao's deprecated version 1
+        warnings.filterwarnings("ignore", message="Config Deprecation")
+        quantize_(lin, config)
     return lin.weight
 
 
