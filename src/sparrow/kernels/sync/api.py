@@ -125,6 +125,13 @@ def _check_group(ts: Sequence[torch.Tensor], name: str) -> int:
     return ebits.pop()
 
 
+def _tile_slices(tiles: Sequence[int], dev: torch.device) -> torch.Tensor:
+    """Slice index of every tile (int32 device array), built on the device without a host sync."""
+    total = sum(tiles)
+    return torch.repeat_interleave(torch.arange(len(tiles), device=dev, dtype=torch.int32),
+                                   _dev_i64(tiles, dev), output_size=total)
+
+
 def _segment_sums(part: torch.Tensor, cum: list[int], dev: torch.device) -> torch.Tensor:
     """Per-slice sums of per-tile rows ``part`` [G, k] given cumulative tile counts (no host sync)."""
     c = torch.cat([torch.zeros(1, part.shape[1], dtype=part.dtype, device=dev), torch.cumsum(part, 0)])
@@ -149,8 +156,8 @@ def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl
         return torch.zeros(len(bits), 2, dtype=torch.int64, device=dev)
     part = torch.empty(cum[-1], 2, dtype=torch.int64, device=dev)
     _tk()._hash_group_kernel[(cum[-1],)](_addrs(bits, dev), _dev_i64([b.numel() for b in bits], dev),
-                                         _dev_i64(starts, dev), _dev_i64(cum, dev), len(bits), part,
-                                         EBITS=ebits, BLOCK=_BLOCK, STEPS=_steps(len(bits)))
+                                         _dev_i64(starts, dev), _dev_i64(cum, dev), _tile_slices(tiles, dev), part,
+                                         EBITS=ebits, BLOCK=_BLOCK)
     return _segment_sums(part, cum, dev) & 0xFFFFFFFF
 
 
@@ -176,6 +183,7 @@ class GroupScan:
     tile_counts: torch.Tensor | None = None
     mask_words: torch.Tensor | None = None
     tile_cum: list[int] | None = None
+    tile_slice: torch.Tensor | None = None
 
 
 @dataclass
@@ -211,14 +219,15 @@ def group_diff_scan(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], 
     maskw = torch.empty(max(G, 1) * (DIFF_TILE // 32), dtype=torch.int32, device=dev)
     do_hash = hash_starts is not None
     hpart = torch.zeros(max(G, 1) if do_hash else 1, 2, dtype=torch.int64, device=dev)
+    tile_slice = _tile_slices(tiles, dev)
     if G:
         _tk()._diff_count_group_kernel[(G,)](
             _addrs(olds, dev), _addrs(news, dev), _dev_i64([o.numel() for o in olds], dev),
-            _dev_i64(hash_starts if do_hash else [0] * len(olds), dev), _dev_i64(cum, dev), len(olds),
-            counts_t, maskw, hpart, EBITS=ebits, TILE=DIFF_TILE, HASH=do_hash, STEPS=_steps(len(olds)))
+            _dev_i64(hash_starts if do_hash else [0] * len(olds), dev), _dev_i64(cum, dev), tile_slice,
+            counts_t, maskw, hpart, EBITS=ebits, TILE=DIFF_TILE, HASH=do_hash)
     counts = _segment_sums(counts_t[:G].to(torch.int64)[:, None], cum, dev)[:, 0]
     h = _segment_sums(hpart[:G], cum, dev) & 0xFFFFFFFF if do_hash else None
-    return GroupScan(counts, h, which, counts_t[:G], maskw, cum)
+    return GroupScan(counts, h, which, counts_t[:G], maskw, cum, tile_slice)
 
 
 def group_diff_collect(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], scan: GroupScan,
@@ -250,8 +259,8 @@ def group_diff_collect(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor
         offsets = torch.cumsum(scan.tile_counts, 0, dtype=torch.int64) - scan.tile_counts
         _tk()._diff_collect_group_kernel[(G,)](
             _addrs(olds, dev), _addrs(news, dev), _dev_i64([o.numel() for o in olds], dev),
-            _dev_i64(scan.tile_cum, dev), len(olds), offsets, scan.mask_words, pos, val, EBITS=ebits,
-            TILE=DIFF_TILE, DELTA=values == "delta", UPDATE_OLD=update_old, STEPS=_steps(len(olds)))
+            _dev_i64(scan.tile_cum, dev), scan.tile_slice, offsets, scan.mask_words, pos, val, EBITS=ebits,
+            TILE=DIFF_TILE, DELTA=values == "delta", UPDATE_OLD=update_old)
     return pos, val, rec_off[:-1]
 
 

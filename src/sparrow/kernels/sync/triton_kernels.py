@@ -18,7 +18,8 @@ never imports it. Scheme on the GPU (no host round trip of indices):
    slot behind the metadata.
 
 Every kernel works on a *group* of slices in one launch (per-slice base addresses, lengths and
-cumulative tile / block counts in small device arrays; a program finds its slice by binary search), so
+cumulative tile / block counts in small device arrays; a program finds its slice in a per-tile table
+(full-data kernels) or by binary search over the cumulative counts (per-change kernels)), so
 the launch count per sync does not grow with the number of tensors.
 
 Decode: ``_unpack_group_kernel`` (one program per block) expands the high bits tile by tile, ranks them with a
@@ -173,10 +174,10 @@ def _bits_ptr(addr, EBITS: tl.constexpr):
 
 
 @triton.jit
-def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, nslices, out_ptr,
-                       EBITS: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr):
+def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, tile_slice_ptr, out_ptr,
+                       EBITS: tl.constexpr, BLOCK: tl.constexpr):
     tid = tl.program_id(0).to(tl.int64)
-    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    s = tl.load(tile_slice_ptr + tid).to(tl.int64)
     bits = _bits_ptr(tl.load(addr_ptr + s), EBITS)
     n = tl.load(n_ptr + s)
     offs = (tid - tl.load(tile_cum_ptr + s)) * BLOCK + tl.arange(0, BLOCK)
@@ -189,11 +190,11 @@ def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, nslices, out_pt
 
 
 @triton.jit
-def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, nslices,
+def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, tile_slice_ptr,
                              counts_ptr, maskw_ptr, hash_ptr,
-                             EBITS: tl.constexpr, TILE: tl.constexpr, HASH: tl.constexpr, STEPS: tl.constexpr):
+                             EBITS: tl.constexpr, TILE: tl.constexpr, HASH: tl.constexpr):
     tid = tl.program_id(0).to(tl.int64)
-    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    s = tl.load(tile_slice_ptr + tid).to(tl.int64)
     old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
     new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
     n = tl.load(n_ptr + s)
@@ -215,11 +216,11 @@ def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_
 
 
 @triton.jit
-def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, tile_cum_ptr, nslices, offsets_ptr, maskw_ptr,
-                               pos_ptr, val_ptr, EBITS: tl.constexpr, TILE: tl.constexpr, DELTA: tl.constexpr,
-                               UPDATE_OLD: tl.constexpr, STEPS: tl.constexpr):
+def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, tile_cum_ptr, tile_slice_ptr, offsets_ptr,
+                               maskw_ptr, pos_ptr, val_ptr, EBITS: tl.constexpr, TILE: tl.constexpr,
+                               DELTA: tl.constexpr, UPDATE_OLD: tl.constexpr):
     tid = tl.program_id(0).to(tl.int64)
-    s = _find(tile_cum_ptr, nslices, tid, STEPS)
+    s = tl.load(tile_slice_ptr + tid).to(tl.int64)
     old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
     new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
     n = tl.load(n_ptr + s)
