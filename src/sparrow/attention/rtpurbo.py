@@ -443,7 +443,7 @@ class RTPurboAttention(AttentionBackend):
         qb = torch.arange(nb, device=cnt.device)
         real = (qb * b < plen[:, None].to(cnt.device))[:, None, :]  # query blocks holding real tokens
         st["prefill_ret_kept_blocks"] += float((cnt * real).sum())
-        st["prefill_ret_causal_blocks"] += float(((qb + 1).double()[None, None] * real).sum())
+        st["prefill_ret_causal_blocks"] += float(((qb + 1).double()[None, None] * real).sum()) * self.num_retrieval
 
     def extra_repr(self) -> str:
         c = self.config

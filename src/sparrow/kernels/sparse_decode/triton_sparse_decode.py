@@ -73,7 +73,8 @@ def _score_kernel(
         s2 = tl.reshape(s, (BB, BLOCK))
         mx = tl.max(s2, 1)
         mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
-        lse = mx_safe + tl.log(tl.sum(tl.exp(s2 - mx_safe[:, None]), 1))
+        z = tl.sum(tl.exp(s2 - mx_safe[:, None]), 1)
+        lse = tl.where(z > 0.0, mx_safe + tl.log(tl.where(z > 0.0, z, 1.0)), float("-inf"))
         bidx = b0 + tl.arange(0, BB)
         tl.store(out + bidx, lse, mask=bidx < b_end)
 

@@ -58,7 +58,8 @@ def _block_mass_kernel(
         s = tl.dot(q, tl.trans(k)) * LOG2E
         vis = (j[None, :] <= i[:, None]) & (j < plen)[None, :] & q_real[:, None]
         pm = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
-        tl.store(out + kb, tl.log(tl.sum(tl.sum(pm, 1), 0) / n_q))
+        mass = tl.sum(tl.sum(pm, 1), 0) / n_q
+        tl.store(out + kb, tl.where(mass > 0.0, tl.log(tl.where(mass > 0.0, mass, 1.0)), float("-inf")))
 
 
 def prefill_block_scores_triton(q_idx: torch.Tensor, k_idx: torch.Tensor, prompt_len: torch.Tensor, block: int,

@@ -38,6 +38,8 @@ def forced_blocks_mask(nb: int, q_lo: torch.Tensor, q_hi: torch.Tensor, *, block
     n_valid = q_hi // block + 1
     first_local = (q_lo - local_window + 1).clamp_min(0) // block
     valid = b < n_valid[..., None]
+    if local_window <= 0:
+        first_local = torch.full_like(first_local, nb)
     forced = ((b < sink_blocks) | (b >= first_local[..., None])) & valid
     return valid, forced
 

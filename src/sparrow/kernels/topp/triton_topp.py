@@ -58,7 +58,10 @@ def _topp_kernel(
     n = tl.program_id(0).to(tl.int64)
     q_lo, q_hi = _row_bounds(n, A0, A1, H_INNER, INNER, MODE, QBLOCK)
     n_valid = tl.minimum(q_hi // BLOCK + 1, NB)
-    first_local = tl.maximum(q_lo - LOCAL_WINDOW + 1, 0) // BLOCK
+    if LOCAL_WINDOW > 0:
+        first_local = tl.maximum(q_lo - LOCAL_WINDOW + 1, 0) // BLOCK
+    else:
+        first_local = n_valid  # no local window: nothing forced
     offs = tl.arange(0, CHUNK)
     row = SCORES + n * stride_s
 

@@ -1,0 +1,153 @@
+import copy
+
+import pytest
+import torch
+
+from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig, rtpurbo_attention, rtpurbo_backends
+from sparrow.calibrate import (
+    fit_indexer,
+    head_scores,
+    indexer_from_model,
+    load_rtpurbo,
+    main,
+    profile_heads,
+    refresh_indexer,
+    repeat_span_sequences,
+    save_rtpurbo,
+)
+from sparrow.models import use_attention
+from tests.helpers import random_tiny
+
+
+def test_repeat_span_sequences():
+    seqs = repeat_span_sequences(3, 200, 50, span=20, offset=8, seed=1)
+    for s in seqs:
+        assert s.tokens.shape == (200,) and int(s.tokens.max()) < 50
+        assert torch.equal(s.tokens[8:28], s.tokens[180:200]) and (s.first, s.second, s.span) == (8, 180, 20)
+    with pytest.raises(ValueError):
+        repeat_span_sequences(1, 30, 50, span=20)
+
+
+def test_profile_finds_a_planted_copy_head():
+    """Make kv head 1 of layer 1 attend by content (q = k for every token): its queries on the second copy
+    find the first copy, so it must score highest."""
+    model = random_tiny("qwen2", std=0.05)
+    attn = model.layers[1].attn
+    with torch.no_grad():
+        d = attn.head_dim
+        attn.k_proj.weight[d:2 * d] = attn.q_proj.weight[2 * d:3 * d] = 4.0 * torch.randn(d, 64)
+        attn.q_proj.weight[3 * d:4 * d] = attn.k_proj.weight[d:2 * d]
+        attn.pos_embeddings = None  # no RoPE in this layer: pure content matching
+    seqs = repeat_span_sequences(2, 160, 64, span=16, seed=0)
+    scores = head_scores(model, seqs)
+    assert scores.shape == (2, 2) and (scores >= 0).all() and (scores <= 1).all()
+    assert scores.argmax() == 3 and scores[1, 1] > 1.5 * scores.flatten()[:3].max()
+    prof = profile_heads(model, seqs, 0.25)
+    assert prof.retrieval.tolist() == [[False, False], [False, True]]
+    assert prof.meta["seq_len"] == 160
+
+
+def test_fit_indexer_reduces_kl_and_round_trips(tmp_path):
+    model = random_tiny("qwen2")
+    prof = HeadProfile.from_scores(torch.tensor([[1.0, 0.0], [0.5, 0.7]]), 0.75)
+    seqs = repeat_span_sequences(3, 128, 64, seed=2)
+    w, rep = fit_indexer(model, prof, seqs, steps=60, dim=16, queries_per_seq=48, block=16, lr=1e-2)
+    assert sorted(w.q) == [0, 1] and w.q[1].shape == (2, 2 * 16, 16) and w.k[0].shape == (1, 16, 16)
+    assert len(rep.heads) == 3
+    assert rep.mean("kl_final") < rep.mean("kl_init")
+    assert all(0 <= h.recall <= 1 and 0 < h.density <= 1 for h in rep.heads)
+    assert "recall" in rep.table()
+    save_rtpurbo(tmp_path, prof, w, config=RTPurboConfig(window=64), report=rep.summary())
+    p2, w2, cfg = load_rtpurbo(tmp_path, with_config=True)
+    assert torch.equal(p2.retrieval, prof.retrieval) and cfg.window == 64
+    assert all(torch.equal(w2.q[l], w.q[l]) and torch.equal(w2.k[l], w.k[l]) for l in w.q)
+    sparse = use_attention(copy.deepcopy(model), rtpurbo_attention(p2, w2, RTPurboConfig(window=64)))
+    b = rtpurbo_backends(sparse)[1]
+    assert b.retrieval_heads == (0, 1) and torch.equal(b.indexer_k.detach(), w.k[1])
+    prof_back, w_back = indexer_from_model(sparse)
+    assert torch.equal(prof_back.retrieval, prof.retrieval) and torch.equal(w_back.q[0], w.q[0])
+    before = b.indexer_q.detach().clone()
+    rep2 = refresh_indexer(sparse, seqs[:1], steps=3, queries_per_seq=16)
+    assert len(rep2.heads) == 3 and not torch.equal(before, b.indexer_q.detach())
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="calibrate"):
+        load_rtpurbo(tmp_path)
+    prof = HeadProfile.from_scores(torch.tensor([[1.0, 0.0]]), 0.5)
+    from sparrow.attention.rtpurbo import IndexerWeights
+
+    with pytest.raises(ValueError, match="no weights"):
+        save_rtpurbo(tmp_path, prof, IndexerWeights())
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    model = random_tiny("qwen2")
+    ckpt = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt))
+    rc = main(["--model", "tiny_qwen2", "--checkpoint", str(ckpt), "--seq-len", "128", "--num-seqs", "2",
+               "--steps", "5", "--block", "16", "--ratio", "0.5", "--queries-per-seq", "32", "--no-progress",
+               "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "retrieval heads (2 of 4" in out and "recall" in out
+    prof, w, cfg = load_rtpurbo(tmp_path, with_config=True)
+    assert prof.retrieval.sum() == 2 and cfg.window == 128  # for_context(128): never below two decode blocks
+
+
+def _planted_copy_model():
+    """A tiny model whose layer-1 kv head 1 retrieves by content (q = k per token, no RoPE), with its values
+    amplified so that what it reads matters for the logits."""
+    model = random_tiny("qwen2", std=0.05, max_seq_len=512)
+    attn = model.layers[1].attn
+    with torch.no_grad():
+        d = attn.head_dim
+        attn.k_proj.weight[d:2 * d] = attn.q_proj.weight[2 * d:3 * d] = 4.0 * torch.randn(d, 64)
+        attn.q_proj.weight[3 * d:4 * d] = attn.k_proj.weight[d:2 * d]
+        attn.pos_embeddings = None
+        attn.v_proj.weight[d:2 * d] *= 20
+    return model
+
+
+def _decode_error(model, profile, indexer, cfg):
+    """Prefill a repeated-span sequence up to 12 tokens before its end, decode the last 12 teacher-forced:
+    max |logit - dense logit| and the retrieval heads' measured density."""
+    from sparrow.attention import CacheSpec, DecodeMeta, PrefillMeta
+    from sparrow.attention.rtpurbo import collect_selection_stats
+    from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
+
+    m = use_attention(copy.deepcopy(model), rtpurbo_attention(profile, indexer, cfg))
+    for b in rtpurbo_backends(m):
+        b.enable_stats()
+    s = repeat_span_sequences(1, 320, 64, span=16, seed=5)[0].tokens
+    caches = [b.init_cache(CacheSpec(1, 320, 2, 32), dtype=torch.float32, device=torch.device("cpu"))
+              for b in rtpurbo_backends(m)]
+    n = 320 - 12
+    outs = []
+    with torch.no_grad():
+        prefill_hidden(m, s[None, :n], caches, PrefillMeta(torch.tensor([0]), torch.tensor([n])))
+        for g in range(12):
+            meta = DecodeMeta(torch.tensor([0]), torch.tensor([0]), torch.tensor([n]), torch.tensor([g]))
+            outs.append(logits_from_hidden(m, decode_hidden(m, s[None, n + g:n + g + 1], caches, meta))[0, 0])
+        dense = model(s[None])[0, n:]
+    return float((torch.stack(outs) - dense).abs().max()), collect_selection_stats(m)["decode_ret_density"]
+
+
+def test_calibrated_rtpurbo_tracks_dense_on_a_retrieval_model():
+    """End to end on a model with a real retrieval head: the profile finds it, the indexer reaches high
+    recall of the dense top-p set, and sparse decode (16-token window, top-p 0.9) stays close to dense where
+    dropping the retrieval head (local heads only) does not."""
+    model = _planted_copy_model()
+    prof = profile_heads(model, repeat_span_sequences(1, 320, 64, span=16, seed=0), 0.25)
+    assert prof.retrieval.tolist() == [[False, False], [False, True]]
+    w, rep = fit_indexer(model, prof, repeat_span_sequences(3, 320, 64, span=16, seed=1), steps=50, block=16,
+                         queries_per_seq=96, lr=1e-2)
+    assert rep.mean("recall") > 0.9 and rep.mean("density") < 0.8
+    cfg = RTPurboConfig(decode_block=16, prefill_block=16, ret_window=16, window=16, top_p=0.9, impl="reference",
+                        prefill_impl="reference")
+    err, density = _decode_error(model, prof, w, cfg)
+    err_local, _ = _decode_error(model, HeadProfile.uniform(2, 2, False), None, cfg)
+    assert density < 0.8
+    assert err < 0.4 * err_local

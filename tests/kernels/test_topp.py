@@ -1,0 +1,114 @@
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparrow.kernels.topp import topp_select, topp_select_dense
+from sparrow.kernels.topp.api import blocks_to_mask, mask_to_blocks
+from sparrow.kernels.topp.reference import topp_mask_reference
+
+
+def check_minimal_topp(scores: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor, p: float, tol: float = 1e-5):
+    """Assert ``keep`` is the smallest set of valid entries whose softmax mass reaches ``p`` (up to ties).
+
+    Three facts: only valid entries are kept; the kept mass is >= p; and the set is a prefix of the
+    descending order — every kept score is >= every dropped score — that would fall below p without its
+    smallest member (so no smaller set reaches p: any set of that size has at most the kept mass).
+    """
+    x = torch.where(valid, scores.double(), float("-inf"))
+    mass = torch.softmax(x, -1).nan_to_num(0.0)
+    for n in range(scores.shape[0]):
+        k, v, m, s = keep[n], valid[n], mass[n], x[n]
+        assert not (k & ~v).any(), "kept an invalid entry"
+        if not v.any():
+            continue
+        kept_mass = float(m[k].sum())
+        assert kept_mass >= p - tol, f"row {n}: kept mass {kept_mass} < {p}"
+        if p >= 1.0:
+            assert torch.equal(k, v)
+            continue
+        dropped = v & ~k
+        if dropped.any():
+            assert float(s[k].min()) >= float(s[dropped].max()) - 1e-6, f"row {n}: not a top set"
+        smallest = float(m[k].min())
+        assert kept_mass - smallest < p + tol, f"row {n}: removing the smallest kept entry still reaches {p}"
+
+
+rows = st.integers(1, 5)
+cols = st.integers(1, 40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=rows, nb=cols, p=st.floats(0.05, 1.0), scale=st.floats(0.1, 8.0), seed=st.integers(0, 10_000))
+def test_reference_selection_is_minimal(n, nb, p, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, nb, generator=g) * scale
+    valid = torch.rand(n, nb, generator=g) < 0.8
+    check_minimal_topp(s, valid, topp_mask_reference(s, valid, p), p)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=rows, nb=st.integers(1, 130), p=st.floats(0.05, 1.0), scale=st.floats(0.1, 8.0), seed=st.integers(0, 10_000))
+def test_triton_selection_is_minimal_and_matches_reference(n, nb, p, scale, seed):
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(n, nb, generator=g) * scale
+    block = 4
+    q_hi = torch.randint(0, nb * block, (n,), generator=g)
+    valid = torch.arange(nb)[None] <= (q_hi // block)[:, None]
+    kw = dict(block=block, sink_blocks=0, local_window=0)
+    tri = topp_select_dense(s, q_hi, q_hi, p, impl="triton", **kw)
+    check_minimal_topp(s, valid, tri, p)
+    ref = topp_select_dense(s, q_hi, q_hi, p, impl="reference", **kw)
+    assert torch.equal(tri, ref)  # continuous random scores: no ties
+
+
+@pytest.mark.parametrize("broken", ["drop-last", "add-extra", "ascending"])
+def test_minimality_check_rejects_broken_selections(broken):
+    """Negative control: the property check must fail on selections that are not the minimal top-p set."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(4, 20, generator=g) * 3
+    valid = torch.ones(4, 20, dtype=torch.bool)
+    p = 0.7
+    keep = topp_mask_reference(s, valid, p)
+    check_minimal_topp(s, valid, keep, p)
+    bad = keep.clone()
+    if broken == "drop-last":  # too small: below p
+        for n in range(4):
+            kept = torch.nonzero(keep[n]).flatten()
+            bad[n, kept[s[n, kept].argmin()]] = False
+    elif broken == "add-extra":  # reaches p but is not the smallest
+        for n in range(4):
+            dropped = torch.nonzero(~keep[n]).flatten()
+            bad[n, dropped[s[n, dropped].argmax()]] = True
+    else:  # the right size, wrong members
+        bad = topp_mask_reference(-s, valid, p)
+    with pytest.raises(AssertionError):
+        check_minimal_topp(s, valid, bad, p)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_forced_blocks_and_p1(impl):
+    s = torch.full((3, 12), -50.0)
+    s[:, 5] = 10.0  # all the mass in block 5
+    q_hi = torch.tensor([47, 30, 9])  # blocks of 4 tokens: rows see 12, 8, 3 blocks
+    q_lo = q_hi - torch.tensor([0, 3, 0])
+    keep = topp_select_dense(s, q_lo, q_hi, 0.9, block=4, sink_blocks=1, local_window=6, impl=impl)
+    expect = torch.zeros(3, 12, dtype=torch.bool)
+    expect[0, [0, 5, 10, 11]] = True  # sink, top-p, window [42, 47]
+    expect[1, [0, 5, 6, 7]] = True  # window [22, 30] -> blocks 5..7
+    expect[2, [0, 1, 2]] = True  # block 5 not visible; window [4, 9] -> blocks 1, 2; top-p among 0..2
+    assert torch.equal(keep, expect)
+    all_ = topp_select_dense(s, q_hi, q_hi, 1.0, block=4, impl=impl)
+    assert torch.equal(all_, torch.arange(12)[None] <= (q_hi // 4)[:, None])
+
+
+def test_block_list_round_trip_and_validation():
+    m = torch.rand(5, 17) < 0.4
+    idx, cnt = mask_to_blocks(m)
+    assert torch.equal(blocks_to_mask(idx, cnt, 17), m)
+    for n in range(5):
+        assert idx[n, : cnt[n]].tolist() == torch.nonzero(m[n]).flatten().tolist()
+    with pytest.raises(ValueError, match="top_p"):
+        topp_select(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 0.0, block=1)
+    with pytest.raises(ValueError, match="expected"):
+        topp_select(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), 0.5, block=1)
