@@ -217,6 +217,12 @@ class RolloutEngine:
     def toggle(self) -> ToggleController | None:
         return None if self._spec is None else self._spec.toggle
 
+    @toggle.setter
+    def toggle(self, toggle: ToggleController) -> None:
+        if self._spec is None:
+            raise ValueError("a toggle needs a drafter")
+        self._spec.toggle = toggle
+
     # ------------------------------------------------------------------------------------ setup
     @property
     def cache_spec(self) -> CacheSpec:

@@ -169,8 +169,8 @@ class CostModel:
             params: sampling parameters whose processing the steps use (default ``SamplingParams()``).
             contexts: two mean context lengths to measure at (default: about 1/16 and 3/4 of the engine's
                 ``max_prompt_len + max_new_tokens``).
-            draft_lengths: two draft lengths for the verify fit (default ``(1, max_draft)``, or
-                ``(max_draft,)`` doubled when ``max_draft == 1``).
+            draft_lengths: draft lengths for the verify fit (default ``(2, max_draft)``; with one length the
+                verify cost is taken as independent of ``k``).
             buckets: batch buckets to measure (default: all of the engine's).
             steps: timed repetitions per point (after one untimed warm-up / capture).
             cache_dir: where cost models are cached (``None``: no cache).
@@ -189,8 +189,7 @@ class CostModel:
         top = c.max_prompt_len + c.max_new_tokens
         if contexts is None:
             contexts = (max(2, top // 16), max(3, (3 * top) // 4))
-        lo_k = 1 if c.max_draft > 1 else c.max_draft
-        draft_lengths = tuple(draft_lengths or (lo_k, c.max_draft))
+        draft_lengths = tuple(draft_lengths or (min(2, c.max_draft), c.max_draft))
         if len(contexts) != 2 or contexts[0] >= contexts[1] or contexts[0] < 2 or contexts[1] > top:
             raise ValueError(f"contexts must be two increasing lengths in [2, {top}], got {contexts}")
         if any(not 1 <= k <= c.max_draft for k in draft_lengths):

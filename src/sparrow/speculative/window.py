@@ -13,7 +13,6 @@ exactness does not depend on it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape
 from sparrow.attention.dense import DenseKVCache, write_rows
@@ -80,12 +79,17 @@ class WindowedDraftAttention(AttentionBackend):
         A, Hq, T, D = q.shape
         write_rows(cache.gen_k, cache.gen_v, k, v, meta.row_slot, meta.cached_len)
         vpos, valid = window_positions(meta.prefix_len, meta.cached_len, T, max(self.window, T), self.sink)
-        kw, vw = gather_window(cache, meta, vpos)
+        kw, vw = gather_window(cache, meta, vpos)  # [A, Hkv, N, D]
         qpos = (meta.prefix_len + meta.cached_len)[:, None] + torch.arange(T, device=q.device)[None, :]  # [A, T]
         mask = valid[:, None, :] & (vpos[:, None, :] <= qpos[:, :, None])  # [A, T, N]
-        gqa = self.shape.num_heads != self.shape.num_kv_heads
-        return F.scaled_dot_product_attention(q, kw.to(q.dtype), vw.to(q.dtype), attn_mask=mask[:, None],
-                                              enable_gqa=gqa)
+        # grouped-query attention without repeating K/V: query head h reads kv head h // q_per_kv
+        Hkv, G = self.shape.num_kv_heads, self.shape.q_per_kv
+        qg = q.reshape(A, Hkv, G * T, D)
+        scores = torch.matmul(qg, kw.to(q.dtype).transpose(-1, -2)).float() * (D ** -0.5)  # [A, Hkv, G*T, N]
+        mask_g = mask[:, None, None, :, :].expand(A, 1, G, T, mask.shape[-1]).reshape(A, 1, G * T, -1)
+        probs = torch.softmax(scores.masked_fill(~mask_g, float("-inf")), dim=-1)
+        out = torch.matmul(probs.to(q.dtype), vw.to(q.dtype))  # [A, Hkv, G*T, D]
+        return out.reshape(A, Hq, T, D)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", window={self.window}, sink={self.sink}"
