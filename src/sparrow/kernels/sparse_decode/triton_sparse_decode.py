@@ -65,10 +65,10 @@ def _score_kernel(
         j = b0 * BLOCK + offs_tok
         vis = j <= pos
         in_p = j < plen
-        kp = tl.load(pbase + j[:, None] * stride_pl + offs_r[None, :], mask=(vis & in_p)[:, None], other=0.0)
-        kg = tl.load(gbase + (j - plen)[:, None] * stride_gl + offs_r[None, :], mask=(vis & (j >= plen))[:, None],
-                     other=0.0)
-        s = tl.sum((kp.to(tl.float32) + kg.to(tl.float32)) * qv[None, :], 1)
+        ptrs = tl.where(in_p[:, None], pbase + j[:, None] * stride_pl + offs_r[None, :],
+                        gbase + (j - plen)[:, None] * stride_gl + offs_r[None, :])
+        k = tl.load(ptrs, mask=vis[:, None], other=0.0)
+        s = tl.sum(k.to(tl.float32) * qv[None, :], 1)
         s = tl.where(vis, s, float("-inf"))
         s2 = tl.reshape(s, (BB, BLOCK))
         mx = tl.max(s2, 1)
@@ -146,15 +146,22 @@ def _ret_attn_kernel(
     gv_base = GV + rslot * stride_gs + hr * stride_gh
     for i in range(i_start, i_end):
         b = tl.load(SEL_IDX + n * stride_si + i).to(tl.int64)
-        j = b * BLOCK + offs_n
+        j0 = b * BLOCK
+        j = j0 + offs_n
         vis = j <= pos
-        mp = (vis & (j < plen))[:, None]
-        mg = (vis & (j >= plen))[:, None]
-        jp = j[:, None] * stride_pl + offs_d[None, :]
-        jg = (j - plen)[:, None] * stride_gl + offs_d[None, :]
-        k = tl.load(pk_base + jp, mask=mp, other=0.0) + tl.load(gk_base + jg, mask=mg, other=0.0)
-        v = tl.load(pv_base + jp, mask=mp, other=0.0) + tl.load(gv_base + jg, mask=mg, other=0.0)
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, vis[None, :] & m_valid[:, None], qk_scale)
+        # a block lies in the prompt, in the generation, or (once per row) across both: one load per part
+        if j0 < plen:
+            mp = vis & (j < plen)
+            jp = j[:, None] * stride_pl + offs_d[None, :]
+            k = tl.load(pk_base + jp, mask=mp[:, None], other=0.0)
+            v = tl.load(pv_base + jp, mask=mp[:, None], other=0.0)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mp[None, :] & m_valid[:, None], qk_scale)
+        if j0 + BLOCK > plen:
+            mg = vis & (j >= plen)
+            jg = (j - plen)[:, None] * stride_gl + offs_d[None, :]
+            k = tl.load(gk_base + jg, mask=mg[:, None], other=0.0)
+            v = tl.load(gv_base + jg, mask=mg[:, None], other=0.0)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mg[None, :] & m_valid[:, None], qk_scale)
     o_row = a * stride_oa + heads * stride_oh + t * stride_ot + split * stride_os
     l_row = a * stride_la + heads * stride_lh + t * stride_lt + split
     _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
@@ -215,16 +222,20 @@ def _local_attn_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + offs_n
-        kv_mask = j < end
-        mp = (kv_mask & (j < plen))[:, None]
-        mg = (kv_mask & (j >= plen))[:, None]
-        jp = (SINKS + j % WP)[:, None] * stride_pl + offs_d[None, :]
-        jg = ((j - plen) % WG)[:, None] * stride_gl + offs_d[None, :]
-        k = tl.load(p_base_k + jp, mask=mp, other=0.0) + tl.load(g_base_k + jg, mask=mg, other=0.0)
-        v = tl.load(p_base_v + jp, mask=mp, other=0.0) + tl.load(g_base_v + jg, mask=mg, other=0.0)
-        visible = (kv_mask[None, :] & (j[None, :] <= q_hi[:, None]) & (j[None, :] >= q_lo[:, None])
+        visible = ((j < end)[None, :] & (j[None, :] <= q_hi[:, None]) & (j[None, :] >= q_lo[:, None])
                    & m_valid[:, None])
-        acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible, qk_scale)
+        if j0 < plen:  # prompt positions, from the prefix slot's ring
+            mp = (j < end) & (j < plen)
+            jp = (SINKS + j % WP)[:, None] * stride_pl + offs_d[None, :]
+            k = tl.load(p_base_k + jp, mask=mp[:, None], other=0.0)
+            v = tl.load(p_base_v + jp, mask=mp[:, None], other=0.0)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mp[None, :], qk_scale)
+        if j0 + BLOCK_N > plen:  # generated positions, from the row's ring
+            mg = (j < end) & (j >= plen)
+            jg = ((j - plen) % WG)[:, None] * stride_gl + offs_d[None, :]
+            k = tl.load(g_base_k + jg, mask=mg[:, None], other=0.0)
+            v = tl.load(g_base_v + jg, mask=mg[:, None], other=0.0)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mg[None, :], qk_scale)
     o_row = a * stride_oa + heads * stride_oh + t_of_m * stride_ot + split * stride_os
     l_row = a * stride_la + heads * stride_lh + t_of_m * stride_lt + split
     _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
@@ -320,7 +331,7 @@ def sparse_decode_triton(
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
             qk_scale, Hr,
             T=T, QPK=qpk, D=D, BLOCK_M=max(16, triton.next_power_of_2(qpk)), BLOCK=block, NUM_SPLITS=ns_ret,
-            MIN_BLOCKS=ret_min_blocks,
+            MIN_BLOCKS=ret_min_blocks, num_warps=8 if D >= 128 else 4,
         )
     if Hl:
         block_m = max(16, triton.next_power_of_2(T * qpk))
@@ -334,6 +345,7 @@ def sparse_decode_triton(
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
             qk_scale,
             T=T, QPK=qpk, D=D, BLOCK_M=block_m, BLOCK_N=64 if D <= 64 or block_m <= 64 else 32,
+            num_warps=8 if D >= 128 else 4,
             NUM_SPLITS=ns_loc, MIN_CHUNK=local_min_chunk, SINKS=num_sinks,
             SINK_P2=max(16, triton.next_power_of_2(max(num_sinks, 1))), WINDOW=window, WP=max(Wp, 1), WG=Wg,
         )

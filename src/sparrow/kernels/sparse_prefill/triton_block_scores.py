@@ -25,7 +25,7 @@ def _block_mass_kernel(
     R: tl.constexpr, BLOCK: tl.constexpr,
 ):
     ph = tl.program_id(0)
-    qb = tl.program_id(1)
+    qb = tl.num_programs(1) - 1 - tl.program_id(1)  # longest rows first: a shorter tail
     p = ph // H
     h = ph % H
     plen = tl.load(PLEN + p)

@@ -1,0 +1,93 @@
+"""The RTPurbo Triton kernels compile for an sm_90 GPU (offline, no device needed), at the shapes the H200
+benchmarks use (bf16, head_dim 128, 8 query heads per kv head, indexer dim 16, 64/128-token blocks).
+
+Catches what the interpreter accepts but the compiler rejects (tl.dot shapes, dtype mismatches, loop-carried
+type changes). Runs in a subprocess without ``TRITON_INTERPRET``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = r'''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+try:
+    import triton.backends.nvidia  # noqa: F401
+except ImportError:
+    print("SKIP no CUDA backend"); sys.exit(0)
+from sparrow.kernels.topp import triton_topp as tp
+from sparrow.kernels.sparse_decode import triton_sparse_decode as sd
+from sparrow.kernels.sparse_prefill import triton_block_scores as bs
+
+
+def compile_(fn, args, constexprs, **options):
+    sig = {k: v for k, v in args.items()}
+    for k in constexprs:
+        sig[k] = "constexpr"
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    assert "ptx" in k.asm
+    print("ok", fn.__name__, k.metadata.shared)
+
+
+i64, i32, f32 = "i64", "i32", "fp32"
+P64, P32, PF, PB = "*i64", "*i32", "*fp32", "*bf16"
+for mode, ncol in ((0, 4096), (1, 4096), (2, 1024)):
+    for keep_all in (False, True):
+        compile_(tp._topp_kernel,
+                 dict(SCORES=PF, SEL_IDX=P32, SEL_CNT=P32, A0=P64, A1=P64, NB=i32, stride_s=i32, stride_i=i32,
+                      H_INNER=i32, INNER=i32, top_p=f32),
+                 dict(MODE=mode, BLOCK=64, QBLOCK=128, SINK_BLOCKS=1, LOCAL_WINDOW=128, CHUNK=ncol, ITERS=32,
+                      KEEP_ALL=keep_all), num_warps=8)
+strides = lambda *names: {n: i64 for n in names}
+for T in (1, 2):
+    compile_(sd._score_kernel,
+             dict(QI=PB, PIK=PB, GIK=PB, ROW_SLOT=P64, PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64, BS=PF,
+                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                            "stride_gs", "stride_gh", "stride_gl", "stride_bn"), H_RET=i32),
+             dict(T=T, R=16, BLOCK=64, BB=8, NUM_SPLITS=128, MIN_BLOCKS=16))
+    compile_(sd._ret_attn_kernel,
+             dict(Q=PB, PK=PB, PV=PB, GK=PB, GV=PB, SEL_IDX=P32, SEL_CNT=P32, RET_HEADS=P64, ROW_SLOT=P64,
+                  PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64, O_PART=PF, LSE_PART=PF,
+                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                            "stride_gs", "stride_gh", "stride_gl", "stride_si", "stride_oa", "stride_oh",
+                            "stride_ot", "stride_os", "stride_la", "stride_lh", "stride_lt"),
+                  qk_scale=f32, H_RET=i32),
+             dict(T=T, QPK=8, D=128, BLOCK_M=16, BLOCK=64, NUM_SPLITS=64, MIN_BLOCKS=4), num_warps=8)
+    compile_(sd._local_attn_kernel,
+             dict(Q=PB, PLK=PB, PLV=PB, GLK=PB, GLV=PB, LOC_HEADS=P64, ROW_SLOT=P64, PREFIX_SLOT=P64,
+                  PREFIX_LEN=P64, CACHED_LEN=P64, O_PART=PF, LSE_PART=PF,
+                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                            "stride_gs", "stride_gh", "stride_gl", "stride_oa", "stride_oh", "stride_ot",
+                            "stride_os", "stride_la", "stride_lh", "stride_lt"), qk_scale=f32),
+             dict(T=T, QPK=8, D=128, BLOCK_M=8 * T if 8 * T >= 16 else 16, BLOCK_N=64, NUM_SPLITS=32,
+                  MIN_CHUNK=256, SINKS=4, SINK_P2=16, WINDOW=8192, WP=8192, WG=8256), num_warps=8)
+    compile_(sd._merge_kernel,
+             dict(O_PART=PF, LSE_PART=PF, OUT=PB, HEAD_IS_RET=P32,
+                  **strides("stride_oa", "stride_oh", "stride_ot", "stride_os", "stride_la", "stride_lh",
+                            "stride_lt", "stride_a", "stride_h", "stride_t")),
+             dict(QPK=8, D=128, NS_RET=64, NS_LOC=32, SPLITS_P2=64))
+compile_(bs._block_mass_kernel,
+         dict(QI=PB, KI=PB, PLEN=P64, OUT=PF,
+              **strides("stride_qp", "stride_qh", "stride_qs", "stride_kp", "stride_kh", "stride_ks", "stride_op",
+                        "stride_oh", "stride_oq"), H=i32),
+         dict(R=16, BLOCK=128), num_warps=8)
+'''
+
+
+def test_rtpurbo_kernels_compile_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    if "SKIP" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("ok ") == 6 + 2 * 4 + 1
