@@ -314,24 +314,42 @@ def main() -> None:
                        max_new_tokens=args.max_new, max_draft=args.max_draft, sync_every=args.sync_every,
                        compile=cuda, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),
                        batch_buckets=buckets)
-    dcfg = DrafterConfig(weight=args.weight, window=args.window or None, sink=args.sink)
-    drafter = QuantizedSelfDrafter(model, dcfg)
-    engine = RolloutEngine(model, cfg, drafter=drafter)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, stop_token_ids=(EOS,), seed=0)
-    log(f"drafter: {drafter!r}; weight bytes {drafter.weight_nbytes() / 2**20:.0f} MiB vs target "
-        f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20:.0f} MiB; "
-        f"KV cache {engine.cache_nbytes() / 2**30 if engine.caches else 0:.1f} GiB")
-
     results: list[dict] = []
     extra: dict = {"classes": classes, "class_mean_lengths": task.means, "task_entropy_nats": task_entropy(task)}
 
-    t = time.perf_counter()
-    prep = engine._spec.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
-    log(f"compiled and captured the decode / draft / cycle steps for all buckets in {prep:.1f}s "
-        f"(KV cache {engine.cache_nbytes() / 2**30:.1f} GiB)")
-    costs = CostModel.calibrate(engine, params, draft_lengths=(min(args.lengths), max(args.lengths)),
-                                steps=args.calib_steps, cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
-    extra["calibration_s"] = time.perf_counter() - t - prep
+    # drafter variants to try, in order: a failure to compile / capture one falls back to the next
+    window = args.window or None
+    variants = [(args.weight, window)]
+    for v in (("none", window), (args.weight, None), ("none", None)):
+        if v not in variants:
+            variants.append(v)
+    engine = drafter = costs = None
+    for weight, win in variants:
+        try:
+            drafter = QuantizedSelfDrafter(model, DrafterConfig(weight=weight, window=win, sink=args.sink))
+            engine = RolloutEngine(model, cfg, drafter=drafter)
+            log(f"drafter: {drafter!r}; weight bytes {drafter.weight_nbytes() / 2**20:.0f} MiB vs target "
+                f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20:.0f} MiB")
+            t = time.perf_counter()
+            prep = engine._spec.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
+            log(f"compiled and captured the decode / draft / cycle steps for all buckets in {prep:.1f}s "
+                f"(KV cache {engine.cache_nbytes() / 2**30:.1f} GiB)")
+            costs = CostModel.calibrate(engine, params, draft_lengths=(min(args.lengths), max(args.lengths)),
+                                        steps=args.calib_steps,
+                                        cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
+            extra["prepare_s"], extra["calibration_s"] = prep, time.perf_counter() - t - prep
+            break
+        except Exception:  # noqa: BLE001 - report, free the engine, try a simpler drafter
+            traceback.print_exc()
+            log(f"drafter weight={weight} window={win} failed; trying the next variant")
+            engine = drafter = costs = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    if costs is None:
+        raise RuntimeError("no drafter variant could be compiled and calibrated")
+    extra["drafter"] = repr(drafter)
     log(f"calibrated costs in {costs.meta.get('seconds', 0.0):.1f}s (contexts {costs.meta.get('contexts')})")
     ctx_mid = (args.min_prompt + args.max_prompt) / 2
     cal_rows = []
