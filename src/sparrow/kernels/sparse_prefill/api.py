@@ -65,17 +65,18 @@ def select_prefill_blocks(q_idx, k_idx, prompt_len, cfg: SparsePrefillConfig, *,
     return mask_to_blocks(sel.reshape(P * H * nb, nb))
 
 
-_compiled_flex = None
+_compiled_flex: dict = {}
 
 
-def flex_attention_compiled():
-    """``torch.compile``d :func:`flex_attention` (one per process; eager flex would build dense scores)."""
-    global _compiled_flex
-    if _compiled_flex is None:
+def flex_attention_compiled(dynamic: bool | None = None):
+    """``torch.compile``d :func:`flex_attention`, one per ``dynamic`` setting (eager flex would build dense
+    scores). ``dynamic=None`` specialises on the first shapes and turns dynamic when they change;
+    ``dynamic=True`` compiles one graph for every sequence length and head count."""
+    if dynamic not in _compiled_flex:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex
+        _compiled_flex[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return _compiled_flex[dynamic]
 
 
 def sparse_prefill_attention(
@@ -93,6 +94,7 @@ def sparse_prefill_attention(
     impl: Impl = "auto",
     score_impl: ScoreImpl = "auto",
     return_selection: bool = False,
+    flex_dynamic: bool | None = None,
 ):
     """RTPurbo causal attention over right-padded prompts.
 
@@ -104,6 +106,7 @@ def sparse_prefill_attention(
         impl: ``"flex"`` (block-sparse FlexAttention, compiled), ``"reference"`` (dense masks + SDPA),
             ``"auto"`` (flex on CUDA). score_impl: block scores + top-p, ``"triton"`` or ``"reference"``.
         return_selection: also return the retrieval selection, ``(ids [P*H_ret*Qb, KVb], cnt)``.
+        flex_dynamic: ``dynamic`` of the compiled FlexAttention (see :func:`flex_attention_compiled`).
 
     Returns: [P, Hq, S, D] (rows past ``prompt_len`` unspecified).
     """
@@ -131,7 +134,7 @@ def sparse_prefill_attention(
     Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
     Hkv = Hr + Hl
     qpk = Hq // Hkv
-    flex = flex_attention_compiled()
+    flex = flex_attention_compiled(flex_dynamic)
     q5 = q.view(P, Hkv, qpk, S, D)
     out = torch.empty((P, Hkv, qpk, S, D), dtype=q.dtype, device=q.device)
     selection = None
