@@ -119,6 +119,7 @@ def train(model, task: SyntheticTask, seconds: float, seq_len: int, batch: int, 
     """Train ``model`` in place on task streams for ``seconds`` (AdamW, warm-up, cosine to 10 %)."""
     g = torch.Generator(device=device).manual_seed(1)
     params = [p for p in model.parameters()]
+    flags = [p.requires_grad for p in params]  # restored after training: compiled steps guard on them
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -150,8 +151,8 @@ def train(model, task: SyntheticTask, seconds: float, seq_len: int, batch: int, 
         if steps % 25 == 0 or steps == 1:
             losses.append((steps, loss.item()))
             log(f"  train step {steps}: loss {losses[-1][1]:.3f} (lr {cur_lr:.2e})")
-    for p in params:
-        p.requires_grad_(False)
+    for p, f in zip(params, flags):
+        p.requires_grad_(f)
         p.grad = None
     del opt
     model.eval()
@@ -284,6 +285,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--random", action="store_true", help="also run a latency-only phase on random weights first")
     p.add_argument("--calib-steps", type=int, default=6)
+    p.add_argument("--compile", action="store_true", help="compile the steps off CUDA too (a slow smoke test)")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     if args.quick:
@@ -312,7 +314,7 @@ def main() -> None:
     buckets = tuple(b for b in (2**i for i in range(1, 20)) if b < rows) + (rows,)  # no bucket 1: one compile
     cfg = EngineConfig(max_rows=rows, max_prompts=args.prompts, max_prompt_len=args.max_prompt,
                        max_new_tokens=args.max_new, max_draft=args.max_draft, sync_every=args.sync_every,
-                       compile=cuda, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),
+                       compile=cuda or args.compile, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),
                        batch_buckets=buckets)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, stop_token_ids=(EOS,), seed=0)
     results: list[dict] = []
