@@ -93,14 +93,15 @@ class CostModel:
         return self._per_bucket(self.draft, bucket, ctx)
 
     def verify_step(self, bucket: float, ctx: float, k: int) -> float:
-        """Seconds of one verify step with ``k`` drafts per row (rejection sampling included)."""
+        """Seconds of one verify step with ``k`` drafts per row (rejection sampling included); never below a
+        target step, which does a subset of its work (timing noise in ``cycle - k * draft`` could say so)."""
         bs = self.buckets
 
         def at(b: int) -> float:
             ks = sorted(self.verify[b])
             return _interp(ks, [_lin(self.verify[b][x], ctx) for x in ks], k)
 
-        return max(1e-7, _interp(bs, [at(b) for b in bs], bucket))
+        return max(self.target_step(bucket, ctx), _interp(bs, [at(b) for b in bs], bucket))
 
     def cycle(self, bucket: float, ctx: float, k: int) -> float:
         """Seconds of one speculative cycle: ``k`` draft steps and one verify step."""
