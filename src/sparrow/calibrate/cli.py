@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, type=Path,
                    help="Hugging Face model directory, or a .safetensors / .pt state dict of the Sparrow model")
     p.add_argument("--model-type", default="QWEN2", help="torchtune ModelType of an HF checkpoint (QWEN2, LLAMA3_2)")
-    p.add_argument("--max-seq-len", type=int, default=None, help="model context (RoPE table); default seq-len")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="model context (RoPE table; sets the saved window): default the builder's, at least seq-len")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: beside the checkpoint)")
     p.add_argument("--ratio", type=float, default=0.15, help="fraction of (layer, kv head) pairs kept as retrieval heads")
     p.add_argument("--seq-len", type=int, default=4096, help="calibration sequence length")
@@ -75,12 +76,28 @@ def load_model(name: str, checkpoint: Path, *, max_seq_len: int, model_type: str
     return model.to(device=device, dtype=dtype).eval()
 
 
+def _context(args) -> int:
+    """The model context: ``--max-seq-len``, else the builder's default, and never below ``--seq-len``."""
+    if args.max_seq_len:
+        return max(args.max_seq_len, args.seq_len)
+    import inspect
+
+    import sparrow.models as models
+
+    builder = getattr(models, args.model, None)
+    if not callable(builder):
+        return args.seq_len  # load_model reports the unknown name
+    default = inspect.signature(builder).parameters.get("max_seq_len")
+    base = default.default if default is not None and isinstance(default.default, int) else args.seq_len
+    return max(base, args.seq_len)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     progress = not args.no_progress
     t0 = time.perf_counter()
-    model = load_model(args.model, args.checkpoint, max_seq_len=args.max_seq_len or args.seq_len,
-                       model_type=args.model_type, device=args.device, dtype=DTYPES[args.dtype])
+    model = load_model(args.model, args.checkpoint, max_seq_len=_context(args), model_type=args.model_type,
+                       device=args.device, dtype=DTYPES[args.dtype])
     for p in model.parameters():
         p.requires_grad_(False)
     vocab = model.tok_embeddings.num_embeddings
@@ -95,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                   seed=args.seed, progress=progress)
     print(report.table())
     out = args.out or (args.checkpoint if args.checkpoint.is_dir() else args.checkpoint.parent)
-    config = RTPurboConfig.for_context(args.max_seq_len or args.seq_len, retrieval_ratio=args.ratio,
-                                       indexer_dim=args.indexer_dim, top_p=args.top_p)
+    config = RTPurboConfig.for_context(model.max_seq_len, retrieval_ratio=args.ratio, indexer_dim=args.indexer_dim,
+                                       top_p=args.top_p)
     summary = dict(report.summary(), seq_len=args.seq_len, num_seqs=args.num_seqs, seconds=time.perf_counter() - t0,
                    heads=[vars(h) for h in report.heads])
     save_rtpurbo(out, profile, indexer, config=config, report=summary)
