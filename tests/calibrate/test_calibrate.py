@@ -64,6 +64,10 @@ def test_fit_indexer_reduces_kl_and_round_trips(tmp_path):
     sparse = use_attention(copy.deepcopy(model), rtpurbo_attention(p2, w2, RTPurboConfig(window=64)))
     b = rtpurbo_backends(sparse)[1]
     assert b.retrieval_heads == (0, 1) and torch.equal(b.indexer_k.detach(), w.k[1])
+    from sparrow.calibrate import rtpurbo_from_checkpoint
+
+    again = use_attention(copy.deepcopy(model), rtpurbo_from_checkpoint(tmp_path, top_p=0.5))
+    assert rtpurbo_backends(again)[1].config.top_p == 0.5 and rtpurbo_backends(again)[1].config.window == 64
     prof_back, w_back = indexer_from_model(sparse)
     assert torch.equal(prof_back.retrieval, prof.retrieval) and torch.equal(w_back.q[0], w.q[0])
     before = b.indexer_q.detach().clone()

@@ -20,9 +20,9 @@ from sparrow.calibrate.indexer import (
     indexer_from_model,
     refresh_indexer,
 )
-from sparrow.calibrate.io import load_rtpurbo, save_rtpurbo
+from sparrow.calibrate.io import load_rtpurbo, rtpurbo_from_checkpoint, save_rtpurbo
 from sparrow.calibrate.profile import CalibrationSequence, head_scores, profile_heads, repeat_span_sequences
 
 __all__ = ["capture_attention", "main", "HeadReport", "IndexerReport", "apply_indexer", "fit_indexer",
-           "indexer_from_model", "refresh_indexer", "load_rtpurbo", "save_rtpurbo", "CalibrationSequence",
+           "indexer_from_model", "refresh_indexer", "load_rtpurbo", "rtpurbo_from_checkpoint", "save_rtpurbo", "CalibrationSequence",
            "head_scores", "profile_heads", "repeat_span_sequences"]

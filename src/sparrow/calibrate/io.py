@@ -79,3 +79,14 @@ def load_rtpurbo(directory: str | Path, *, with_config: bool = False):
         return profile, indexer
     cfg = doc.get("config")
     return profile, indexer, (RTPurboConfig(**cfg) if cfg else None)
+
+
+def rtpurbo_from_checkpoint(directory: str | Path, **overrides):
+    """An attention factory (``LayerShape -> RTPurboAttention``) from the artefacts in ``directory``: the saved
+    profile and indexer, the saved config (or the defaults) with ``overrides`` applied (e.g. ``top_p=0.95``).
+    For recipe configs and :func:`sparrow.models.use_attention`."""
+    from sparrow.attention.rtpurbo import rtpurbo_attention
+
+    profile, indexer, cfg = load_rtpurbo(directory, with_config=True)
+    base = dataclasses.asdict(cfg) if cfg is not None else {}
+    return rtpurbo_attention(profile, indexer, RTPurboConfig(**{**base, **overrides}))
