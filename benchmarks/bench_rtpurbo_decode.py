@@ -199,6 +199,21 @@ def summarise(rows: list[dict]) -> list[dict]:
     return out
 
 
+def check_against_reference(dev, dtype, hq, hkv, d, window) -> float:
+    """Relative error of the Triton pipeline vs the PyTorch reference on a small case of this device."""
+    from sparrow.kernels.sparse_decode import SparseDecodeConfig, sparse_decode_attention
+
+    c = Case(2048, 2, hq, hkv, d, min(window, 512), 64, dtype, dev)
+    b = c.backend(1)
+    cache = c.cache(1, hot_indexer_keys(2, 2048, 0.05, 64, c.u, seed=3))
+    q_idx, _ = b.index(c.q, c.k_new)
+    cfg = SparseDecodeConfig(0.9, 64, 4, min(window, 512), 128)
+    args = (c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, b.ret_idx, b.loc_idx, b.head_is_ret, cfg)
+    out = sparse_decode_attention(*args, impl="triton").float()
+    ref = sparse_decode_attention(*args, impl="reference").float()
+    return float((out - ref).norm() / ref.norm())
+
+
 def run(args) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -214,6 +229,8 @@ def run(args) -> None:
     block = 64
     rows: list[dict] = []
     t_start = time.perf_counter()
+    check = check_against_reference(dev, dtype, hq, hkv, d, window)
+    print(f"Triton vs reference, relative error {check:.2e}" + ("" if check < 2e-2 else "  <-- TOO LARGE"), flush=True)
     for L in lengths:
         for B in batches:
             try:
@@ -229,6 +246,7 @@ def run(args) -> None:
     summary = summarise(ok)
     config = dict(heads=hq, kv_heads=hkv, head_dim=d, dtype=str(dtype), window=window, sinks=4, block=block,
                   top_p=0.9, indexer_dim=16, quick=args.quick, seconds=time.perf_counter() - t_start,
+                  triton_vs_reference_rel_err=check,
                   note="rtpurbo@15% = 0.6 t(1 retrieval kv head) + 0.4 t(0); times per layer per decode step")
     write_json(NAME, config, rows, out_dir=args.out, extra={"summary": summary})
     print()
