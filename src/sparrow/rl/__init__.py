@@ -1,0 +1,19 @@
+"""Reinforcement learning pieces: synthetic tasks, tokenizer, data pipelines, rewards, GRPO losses,
+training log-probs and checkpoints. The recipe ``sparrow_grpo`` composes them."""
+
+from sparrow.rl.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from sparrow.rl.data import ListSource, TaskSource, prompt_loader, read_jsonl
+from sparrow.rl.grpo import GRPOConfig, aggregation_weights, group_advantages, grpo_loss, importance_weights
+from sparrow.rl.logprobs import hidden_states, response_logprobs
+from sparrow.rl.rewards import CharAccuracy, CombinedReward, ExactMatch, FormatReward, MathAnswer, Reward, extract_final_answer
+from sparrow.rl.rollout_batch import RolloutBatch, build_rollout_batch
+from sparrow.rl.tasks import Example, KVRetrieval, NeedleQA, VariableTracking
+from sparrow.rl.tokenizer import CharTokenizer
+
+__all__ = [
+    "CharAccuracy", "CharTokenizer", "CombinedReward", "Example", "ExactMatch", "FormatReward", "GRPOConfig", "KVRetrieval",
+    "ListSource", "MathAnswer", "NeedleQA", "Reward", "RolloutBatch", "TaskSource", "VariableTracking",
+    "aggregation_weights", "build_rollout_batch", "extract_final_answer", "group_advantages", "grpo_loss",
+    "hidden_states", "importance_weights", "latest_checkpoint", "load_checkpoint", "prompt_loader", "read_jsonl",
+    "response_logprobs", "restore_rng_state", "save_checkpoint",
+]

@@ -58,8 +58,9 @@ def _to_signed(x: torch.Tensor, ebits: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """(a * c) mod 2^32 for 0 <= a < 2^32 without int64 overflow."""
-    return (a * (c & 0xFFFF) + (((a * (c >> 16)) & 0xFFFF) << 16)) & M32
+    """(a * c) mod 2^32 for 0 <= a, c < 2^32: int64 products wrap modulo 2^64 (two's complement) on
+    every PyTorch backend, and the low 32 bits of the wrapped product are the low 32 bits of a * c."""
+    return (a * c) & M32
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,375 @@
+"""GRPO for long-context tasks with Sparrow's rollout engine.
+
+    tune run sparrow_grpo --config recipes/configs/tiny_kv_retrieval.yaml [key=value ...]
+    tune run --nproc_per_node 2 sparrow_grpo --config ... # rank 0 trains, the other ranks roll out
+
+One step: sample ``group_size`` completions of ``prompts_per_step`` prompts with the rollout copy of the
+policy (bf16, the configured attention backend) -> rewards -> group-normalised advantages -> log-probs
+of the trainer (fp32 master weights, dense attention) -> ``ppo_epochs`` x ``minibatches`` clipped policy
+updates with truncated importance sampling against the rollout's behaviour log-probs -> the new weights go
+to the rollout copy through the configured weight codec (``sparrow.sync``), bit-exactly, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torchtune import config
+from tqdm import tqdm
+
+import sparrow.sync as ssync
+from sparrow.models import load_model_state, use_attention
+from sparrow.rl import (
+    GRPOConfig,
+    ListSource,
+    TaskSource,
+    aggregation_weights,
+    build_rollout_batch,
+    group_advantages,
+    grpo_loss,
+    latest_checkpoint,
+    load_checkpoint,
+    prompt_loader,
+    read_jsonl,
+    response_logprobs,
+    restore_rng_state,
+    save_checkpoint,
+)
+from sparrow.rl.recipe_utils import (
+    RECIPE_KEYS,
+    check_config,
+    exchange_rollouts,
+    plot_history,
+    state_fingerprint,
+    sync_tensors,
+)
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+
+class GRPORecipe:
+    """setup -> train -> save_checkpoint -> cleanup, as in torchtune's recipes."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        check_config(cfg, RECIPE_KEYS)  # unknown keys fail here, before anything runs
+        self.cfg = cfg
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.is_trainer = self.rank == 0
+        self.is_rollout = self.world == 1 or self.rank > 0
+        self.device = torch.device(cfg.device)
+        self.output_dir = Path(cfg.output_dir)
+        self.step = 0
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------------------------------- setup
+    def setup(self, cfg: DictConfig) -> None:
+        if self.world > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
+        torch.manual_seed(cfg.seed)
+        self.grpo = GRPOConfig(**cfg.loss)
+        self.group = cfg.group_size
+        self.prompts_per_step = cfg.prompts_per_step
+        n_roll = max(1, self.world - 1)
+        if self.prompts_per_step % n_roll:
+            raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over the {n_roll} "
+                             "rollout ranks")
+        self.sampling = dict(cfg.sampling)
+        self.tokenizer = config.instantiate(cfg.tokenizer)
+        self.reward_fn = config.instantiate(cfg.reward)
+
+        # data: every rank draws the same batches; rollout ranks take disjoint slices of the prompts
+        max_prompt = cfg.engine.max_prompt_len
+        if cfg.get("dataset") is not None:
+            rows = read_jsonl(cfg.dataset)
+            source, eval_rows = ListSource(rows, seed=cfg.seed), rows[: cfg.eval.prompts]
+        else:
+            task = config.instantiate(cfg.task)
+            source = TaskSource(task, seed=cfg.seed)
+            eval_rows = [task.example(cfg.seed + 10_007, i) for i in range(cfg.eval.prompts)]
+        self.loader = prompt_loader(source, self.tokenizer, batch_size=self.prompts_per_step, max_prompt_len=max_prompt)
+        self.data_iter = iter(self.loader)
+        self.eval_set = [(self.tokenizer.encode(e.prompt), e.answer) for e in eval_rows]
+        too_long = [i for i, (p, _) in enumerate(self.eval_set) if len(p) > max_prompt]
+        if too_long:
+            raise ValueError(f"prompt of {len(self.eval_set[too_long[0]][0])} tokens is longer than "
+                             f"engine.max_prompt_len ({max_prompt})")
+
+        # models: the fp32 trainer (dense attention) and the bf16 rollout copy (configured attention)
+        torch.manual_seed(cfg.seed)  # every rank draws the same initial weights
+        model = config.instantiate(cfg.model).to(self.device)
+        if cfg.get("init_std") is not None:  # training from scratch: small random weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0.0, cfg.init_std)
+        if cfg.get("checkpoint") is not None:
+            load_model_state(model, _read_weights(Path(cfg.checkpoint), "starting checkpoint"))
+        if self.is_trainer:
+            self.model = model
+            self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        if cfg.resume_from_checkpoint:
+            ckpt = latest_checkpoint(self.output_dir / "checkpoints")
+            if self.is_trainer:
+                state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, restore_rng=False)
+            else:
+                load_model_state(model, _read_weights(ckpt / "model.safetensors", "checkpoint"))
+                import json
+
+                state = json.loads((ckpt / "state.json").read_text())
+            self.step = state["step"]
+            self.history = state.get("history", [])
+            self.loader.load_state_dict(state["data"])
+            self.data_iter = iter(self.loader)
+        if self.is_rollout:
+            self.rollout_model = config.instantiate(cfg.model)
+            use_attention(self.rollout_model, config.instantiate(cfg.attention))
+            self.rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
+            with torch.no_grad():  # version 0 of the sync: both sides start from the same bf16 bits
+                src = dict(model.named_parameters())
+                for n, p in sync_tensors(self.rollout_model).items():
+                    p.copy_(src[n])
+            self.engine = RolloutEngine(self.rollout_model, EngineConfig(**cfg.engine))
+            self.receiver = ssync.SyncReceiver(sync_tensors(self.rollout_model), verify=cfg.sync.verify)
+        if not self.is_trainer:
+            del model
+        else:
+            self.sender = ssync.SyncSender(
+                {n: t.detach().to(torch.bfloat16) for n, t in sync_tensors(self.model).items()},
+                codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes, anchor_every=cfg.sync.anchor_every,
+            )
+        if cfg.resume_from_checkpoint:  # last: building the rollout copy above drew random numbers
+            restore_rng_state(ckpt)
+        self.transport = (ssync.InProcessTransport() if self.world == 1
+                          else ssync.DistributedTransport(src=0, device=self.device))
+        if self.is_trainer:
+            self.metric_logger = config.instantiate(cfg.metric_logger)
+            self.metric_logger.log_config(cfg)
+
+    # ------------------------------------------------------------------------------------------- train
+    def _rollout(self, batch: list[dict[str, Any]]):
+        """Generate on this rank's share of the prompts; returns (prompts, samples, rewards)."""
+        share = len(batch) // max(1, self.world - 1)
+        lo = 0 if self.world == 1 else (self.rank - 1) * share
+        mine = batch[lo: lo + share] if self.world > 1 else batch
+        prompts = [b["prompt_ids"] for b in mine]
+        params = SamplingParams(**self.sampling, stop_token_ids=tuple([self.tokenizer.eos_id]),
+                                seed=self.cfg.seed * 1_000_003 + self.step)
+        out = self.engine.generate(prompts, self.group, params)
+        rewards = torch.tensor([
+            self.reward_fn(mine[i // self.group]["answer"],
+                           self.tokenizer.decode([t for t in s.tokens.tolist() if t != self.tokenizer.eos_id]))
+            for i, s in enumerate(out.samples)
+        ], dtype=torch.float32)
+        return prompts, out, rewards
+
+    def _train_on(self, rb) -> dict[str, float]:
+        cfg, model = self.cfg, self.model
+        rb = rb.to(self.device)
+        N = rb.tokens.shape[0]
+        temperature = self.sampling.get("temperature", 1.0) or 1.0
+        lp_kwargs = dict(max_response_len=rb.max_response_len, temperature=temperature,
+                         chunk_size=cfg.logprob_chunk)
+        updates = cfg.ppo_epochs * cfg.minibatches
+        t0 = time.perf_counter()
+        if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)
+            with torch.no_grad():
+                old = torch.cat([response_logprobs(model, rb.tokens[s], rb.prompt_len[s], rb.response_len[s],
+                                                   **lp_kwargs) for s in self._micro(range(N))])
+        t_logprob = time.perf_counter() - t0
+        metrics: dict[str, float] = {}
+        mb_size = N // cfg.minibatches
+        for epoch in range(cfg.ppo_epochs):
+            perm = torch.randperm(N, device=self.device) if cfg.ppo_epochs > 1 else torch.arange(N, device=self.device)
+            for m in range(cfg.minibatches):
+                idx = perm[m * mb_size:(m + 1) * mb_size]
+                weights = aggregation_weights(rb.mask[idx], self.grpo)
+                self.optimizer.zero_grad(set_to_none=True)
+                for s in self._micro(range(len(idx))):
+                    ids = idx[s]
+                    sub = rb.select(ids)
+                    with self._autocast():
+                        lp = response_logprobs(model, sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
+                    o = old[ids] if updates > 1 else lp.detach()
+                    loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s],
+                                           self.grpo)
+                    loss.backward()
+                    for k, v in mets.items():
+                        metrics[k] = metrics.get(k, 0.0) + float(v) * len(ids) / (N * cfg.ppo_epochs)
+                    metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach()) / (cfg.ppo_epochs * cfg.minibatches)
+                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                metrics["grad_norm"] = float(gn)
+                self.optimizer.step()
+        metrics["time/logprob_s"] = t_logprob
+        metrics["time/train_s"] = time.perf_counter() - t0 - t_logprob
+        return metrics
+
+    def _micro(self, rng):
+        n = len(rng)
+        size = self.cfg.micro_batch_size
+        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.cfg.trainer_precision == "bf16-mixed":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def _sync(self) -> dict[str, float]:
+        """Trainer -> rollout weights through the codec (the only path by which weights change)."""
+        stats: dict[str, float] = {}
+        if self.is_trainer:
+            new = {n: t.detach().to(torch.bfloat16) for n, t in sync_tensors(self.model).items()}
+            s = self.sender.send(new, self.transport)
+            stats = {"sync/wire_bytes": s.wire_bytes, "sync/dense_bytes": s.dense_bytes,
+                     "sync/density": s.density, "sync/ratio": s.ratio, "time/sync_s": s.total_s}
+        if self.is_rollout:
+            r = self.receiver.receive(self.transport)
+            stats["time/sync_apply_s"] = r.total_s
+        if self.cfg.sync.check_bitwise and self.step % self.cfg.sync.check_bitwise == 0:
+            self._check_sync()
+        return stats
+
+    def _check_sync(self) -> None:
+        """The rollout copy must hold exactly the trainer's bf16 bits (every rank compared)."""
+        if self.world == 1:
+            mine = sync_tensors(self.rollout_model)
+            ok = all(torch.equal(t.detach().to(torch.bfloat16).view(torch.int16), mine[n].view(torch.int16))
+                     for n, t in sync_tensors(self.model).items())
+        else:
+            named = ({n: t.detach().to(torch.bfloat16) for n, t in sync_tensors(self.model).items()}
+                     if self.is_trainer else sync_tensors(self.rollout_model))
+            fp = torch.tensor([state_fingerprint(named)], dtype=torch.int64, device=self.device)
+            allfp = [torch.zeros_like(fp) for _ in range(self.world)]
+            dist.all_gather(allfp, fp)
+            ok = all(int(f) == int(allfp[0]) for f in allfp[1:])
+        if not ok:
+            raise RuntimeError(f"step {self.step}: rollout weights differ from the trainer's bf16 weights")
+
+    def evaluate(self) -> float:
+        """Greedy accuracy on the held-out set (rollout side; rank 1 reports in distributed runs)."""
+        prompts = [p for p, _ in self.eval_set]
+        out = self.engine.generate(prompts, 1, SamplingParams(
+            temperature=0.0, max_new_tokens=self.sampling["max_new_tokens"], stop_token_ids=(self.tokenizer.eos_id,)))
+        hits = [self.reward_fn(a, self.tokenizer.decode([t for t in s.tokens.tolist() if t != self.tokenizer.eos_id]))
+                for s, (_, a) in zip(out.samples, self.eval_set)]
+        return sum(hits) / len(hits)
+
+    def train(self) -> None:
+        cfg = self.cfg
+        bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not self.is_trainer, dynamic_ncols=True,
+                   desc="grpo")
+        if self.step == 0 and cfg.eval.every:
+            self._log_eval()
+        while self.step < cfg.total_steps:
+            t_step = time.perf_counter()
+            batch = next(self.data_iter)
+            metrics: dict[str, float] = {}
+            t0 = time.perf_counter()
+            local = self._rollout(batch) if self.is_rollout else None
+            if self.world == 1:
+                prompts, gen, rewards = local
+                samples = gen.samples
+                metrics.update({"time/prefill_s": gen.stats.prefill_s, "time/decode_s": gen.stats.decode_s})
+            else:
+                prompts, samples, rewards = exchange_rollouts(batch, local, self.group, self.world, self.rank,
+                                                              self.device, self.sampling["max_new_tokens"])
+            metrics["time/rollout_s"] = time.perf_counter() - t0
+            self.step += 1
+            if self.is_trainer:
+                adv = group_advantages(rewards.view(-1, self.group), self.grpo.advantage_scale).flatten()
+                rb = build_rollout_batch(prompts, samples, self.group, rewards, adv, pad_id=self.tokenizer.pad_id)
+                metrics.update(self._train_on(rb))
+                lengths = rb.response_len.float()
+                n_tokens = int(rb.response_len.sum())
+                metrics.update({
+                    "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+                    "reward/success_rate": float((rewards >= 1.0).float().mean()),
+                    "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
+                    "rollout/tokens_per_s": n_tokens / max(metrics["time/rollout_s"], 1e-9),
+                })
+            metrics.update(self._sync())
+            metrics["time/step_s"] = time.perf_counter() - t_step
+            if cfg.eval.every and self.step % cfg.eval.every == 0:
+                metrics.update(self._log_eval(log=False))
+            if self.is_trainer:
+                self.history.append({"step": self.step, "reward": metrics["reward/mean"],
+                                     "wall_s": metrics["time/step_s"], **({"eval": metrics["eval/accuracy"]}
+                                                                          if "eval/accuracy" in metrics else {})})
+                self.metric_logger.log_dict(metrics, step=self.step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}",
+                                roll=f"{metrics['time/rollout_s']:.1f}s", train=f"{metrics['time/train_s']:.1f}s",
+                                sync=f"{metrics['time/sync_s']:.2f}s")
+            if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+            _maybe_inject_fault(self.rank, self.step)
+        bar.close()
+
+    def _log_eval(self, log: bool = True) -> dict[str, float]:
+        acc = self.evaluate() if self.is_rollout else 0.0
+        if self.world > 1:  # rank 1 holds the answer; share it
+            t = torch.tensor([acc], dtype=torch.float64, device=self.device)
+            dist.broadcast(t, src=1)
+            acc = float(t)
+        m = {"eval/accuracy": acc}
+        if self.is_trainer:
+            if log:
+                self.metric_logger.log_dict(m, step=self.step)
+                self.history.append({"step": self.step, "eval": acc})
+            tqdm.write(f"step {self.step}: greedy accuracy on {len(self.eval_set)} held-out prompts = {acc:.3f}")
+        return m
+
+    # ---------------------------------------------------------------------------------------- save / end
+    def save_checkpoint(self) -> None:
+        if not self.is_trainer:
+            return
+        save_checkpoint(self.output_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+                        state={"data": self.loader.state_dict(), "history": self.history,
+                               "config": OmegaConf.to_container(self.cfg, resolve=True)})
+
+    def cleanup(self) -> None:
+        if self.is_trainer:
+            self.metric_logger.close()
+            if self.history and self.cfg.plot:
+                plot_history(self.history, self.output_dir / "reward_curve.png", title=str(self.cfg.get("name", "")))
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _read_weights(path: Path, what: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
+    return load_file(str(path))
+
+
+def _maybe_inject_fault(rank: int, step: int) -> None:
+    """Failure drill for the distributed tests: SPARROW_FAULT=<rank>:<step> kills that rank there."""
+    spec = os.environ.get("SPARROW_FAULT")
+    if spec and spec == f"{rank}:{step}":
+        os._exit(17)
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    recipe = GRPORecipe(cfg)
+    recipe.setup(cfg)
+    recipe.train()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,129 @@
+"""Prompt pipelines on ``torchdata.nodes``: synthetic task streams and JSONL datasets, tokenized and batched.
+
+Every node keeps its position in ``get_state()``, so the :class:`~torchdata.nodes.Loader` returned by
+:func:`prompt_loader` resumes exactly from a checkpoint (``loader.state_dict()`` / ``load_state_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Protocol
+
+from torchdata.nodes import Batcher, BaseNode, Loader, Mapper
+
+from sparrow.rl.tasks import Example
+
+
+class Task(Protocol):
+    def example(self, seed: int, index: int) -> Example: ...
+
+
+class Tokenizer(Protocol):
+    eos_id: int
+
+    def encode(self, text: str, add_bos: bool = True, add_eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TaskSource(BaseNode[Example]):
+    """Endless stream ``task.example(seed, 0), task.example(seed, 1), ...``; state: the next index."""
+
+    def __init__(self, task: Task, seed: int = 0) -> None:
+        super().__init__()
+        self.task, self.seed, self._i = task, int(seed), 0
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._i = int(initial_state["index"]) if initial_state else 0
+
+    def next(self) -> Example:
+        ex = self.task.example(self.seed, self._i)
+        self._i += 1
+        return ex
+
+    def get_state(self) -> dict[str, Any]:
+        return {"index": self._i}
+
+
+def read_jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Example]:
+    """Read and validate a JSONL file of ``{"prompt": ..., "answer": ...}`` rows.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a line that is not JSON, not an object, or lacks a non-empty prompt or an answer (the
+            message gives the line number); an empty file.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"dataset file {p} does not exist")
+    rows = []
+    with p.open() as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{p}:{n}: expected a JSON object, got {type(row).__name__}")
+            prompt, answer = row.get(prompt_key), row.get(answer_key)
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{p}:{n}: row has no {prompt_key!r} text")
+            if answer is None or (isinstance(answer, str) and not answer.strip()):
+                raise ValueError(f"{p}:{n}: row has no {answer_key!r}")
+            rows.append(Example(prompt, str(answer), p.stem, len(rows)))
+    if not rows:
+        raise ValueError(f"{p} holds no rows")
+    return rows
+
+
+class ListSource(BaseNode[Example]):
+    """Cycles through ``rows`` in a fresh seeded order every epoch; state: (epoch, position)."""
+
+    def __init__(self, rows: list[Example], seed: int = 0, shuffle: bool = True) -> None:
+        super().__init__()
+        self.rows, self.seed, self.shuffle = rows, int(seed), shuffle
+        self._epoch, self._pos, self._order = 0, 0, list(range(len(rows)))
+
+    def _reorder(self) -> None:
+        self._order = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{self._epoch}").shuffle(self._order)
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._epoch = int(initial_state["epoch"]) if initial_state else 0
+        self._pos = int(initial_state["position"]) if initial_state else 0
+        self._reorder()
+
+    def next(self) -> Example:
+        if self._pos >= len(self.rows):
+            self._epoch, self._pos = self._epoch + 1, 0
+            self._reorder()
+        ex = self.rows[self._order[self._pos]]
+        self._pos += 1
+        return ex
+
+    def get_state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "position": self._pos}
+
+
+def tokenize(ex: Example, tokenizer: Tokenizer, max_prompt_len: int) -> dict[str, Any]:
+    ids = tokenizer.encode(ex.prompt, add_bos=True, add_eos=False)
+    if len(ids) > max_prompt_len:
+        raise ValueError(f"{ex.task} example {ex.index}: prompt of {len(ids)} tokens is longer than "
+                         f"max_prompt_len ({max_prompt_len})")
+    return {"prompt_ids": ids, "answer": ex.answer, "task": ex.task, "index": ex.index}
+
+
+def prompt_loader(source: BaseNode[Example], tokenizer: Tokenizer, *, batch_size: int,
+                  max_prompt_len: int) -> Loader:
+    """Tokenize ``source`` and batch it (lists of dicts with ``prompt_ids``, ``answer``, ``task``, ``index``)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    node = Mapper(source, lambda ex: tokenize(ex, tokenizer, max_prompt_len))
+    return Loader(Batcher(node, batch_size=batch_size, drop_last=True))

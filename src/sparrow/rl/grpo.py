@@ -1,0 +1,164 @@
+"""GRPO: group-normalised advantages, the clipped policy loss, loss aggregation, KL terms and the
+truncated importance-sampling correction for the rollout/trainer mismatch.
+
+Notation, per response token ``t`` of sequence ``i``:
+
+* ``logp``  — log π_θ(y_t | ...), the policy being optimised (with gradient);
+* ``old``   — log π_old, the trainer's policy when the batch was sampled (dense attention, no grad);
+* ``behav`` — log μ, the behaviour policy the rollout engine actually sampled from (bf16 copy,
+  sparse attention, speculative decoding...): what the engine reports per token.
+
+The policy-gradient term uses the PPO ratio π_θ/π_old with separate low/high clipping; the mismatch
+between μ and π_old is corrected by the truncated importance weight w = π_old/μ (per token, or per
+sequence as a product), either clipped at ``C`` (``truncate``) or dropped above ``C`` (``mask``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_sum_constant"]
+
+
+@dataclass(frozen=True)
+class GRPOConfig:
+    """Loss configuration (validated on construction).
+
+    Attributes:
+        clip_low, clip_high: the ratio is clipped to ``[1 - clip_low, 1 + clip_high]``.
+        aggregation: ``token_mean`` (all tokens of the minibatch weigh the same),
+            ``seq_mean_token_mean`` (mean over sequences of each sequence's token mean) or
+            ``seq_sum_constant`` (Dr. GRPO: token sum divided by sequences x ``max_response_len``).
+        max_response_len: the constant of ``seq_sum_constant`` (required for it).
+        advantage_scale: ``group`` divides by the group's reward std; ``none`` only centres.
+        kl_beta: weight of the k3 KL to a frozen reference policy (0 disables it; no reference is kept).
+        is_level: ``token``, ``sequence`` or ``none`` (no mismatch correction).
+        is_threshold: ``C`` of the truncated importance weight.
+        is_mode: ``truncate`` (w = min(w, C)) or ``mask`` (w = 0 where w > C).
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    aggregation: Aggregation = "token_mean"
+    max_response_len: int | None = None
+    advantage_scale: Literal["group", "none"] = "group"
+    kl_beta: float = 0.0
+    is_level: Literal["token", "sequence", "none"] = "token"
+    is_threshold: float = 2.0
+    is_mode: Literal["truncate", "mask"] = "truncate"
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.clip_low < 1) or self.clip_high < 0:
+            raise ValueError(f"clip_low must be in [0, 1) and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.aggregation not in ("token_mean", "seq_mean_token_mean", "seq_sum_constant"):
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; expected token_mean, "
+                             "seq_mean_token_mean or seq_sum_constant")
+        if self.aggregation == "seq_sum_constant" and not self.max_response_len:
+            raise ValueError("aggregation 'seq_sum_constant' needs max_response_len")
+        if self.advantage_scale not in ("group", "none"):
+            raise ValueError(f"advantage_scale must be 'group' or 'none', got {self.advantage_scale!r}")
+        if self.kl_beta < 0:
+            raise ValueError(f"kl_beta must be >= 0, got {self.kl_beta}")
+        if self.is_level not in ("token", "sequence", "none"):
+            raise ValueError(f"is_level must be token, sequence or none, got {self.is_level!r}")
+        if self.is_threshold < 1:
+            raise ValueError(f"is_threshold must be >= 1, got {self.is_threshold}")
+        if self.is_mode not in ("truncate", "mask"):
+            raise ValueError(f"is_mode must be 'truncate' or 'mask', got {self.is_mode!r}")
+
+
+def group_advantages(rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6) -> torch.Tensor:
+    """rewards: [P, G] (G samples of each of P prompts) -> advantages [P, G]."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [prompts, group], got shape {tuple(rewards.shape)}")
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred
+    if scale == "group":
+        return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+    raise ValueError(f"scale must be 'group' or 'none', got {scale!r}")
+
+
+def aggregation_weights(mask: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
+    """Per-token weights [N, L] that turn per-token losses into the minibatch loss (sum of weight x loss).
+
+    Computed once per minibatch so micro-batches of it accumulate to exactly the same loss.
+    """
+    m = mask.float()
+    n_seq = max(1, int((m.sum(1) > 0).sum()))
+    if cfg.aggregation == "token_mean":
+        return m / m.sum().clamp_min(1.0)
+    if cfg.aggregation == "seq_mean_token_mean":
+        return m / (m.sum(1, keepdim=True).clamp_min(1.0) * n_seq)
+    return m / (n_seq * float(cfg.max_response_len))
+
+
+def importance_weights(old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig):
+    """Truncated IS weights w = π_old/μ [N, L] and the fraction of tokens (or sequences) above C."""
+    log_ratio = (old - behav).masked_fill(~mask, 0.0)
+    if cfg.is_level == "none":
+        return torch.ones_like(old), old.new_zeros(())
+    if cfg.is_level == "sequence":
+        w = log_ratio.sum(1, keepdim=True).clamp(max=60.0).exp().expand_as(old)
+        over = w[:, 0] > cfg.is_threshold
+        frac = over.float().mean() if len(over) else old.new_zeros(())
+    else:
+        w = log_ratio.clamp(max=60.0).exp()
+        over_t = (w > cfg.is_threshold) & mask
+        frac = over_t.sum() / mask.sum().clamp_min(1)
+    w = w.clamp(max=cfg.is_threshold) if cfg.is_mode == "truncate" else w * (w <= cfg.is_threshold)
+    return w.detach(), frac
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old: torch.Tensor,
+    behav: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    cfg: GRPOConfig,
+    ref: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO loss of one (micro-)batch.
+
+    Args:
+        logp: [N, L] log-probs of the response tokens under the policy being trained (with grad).
+        old: [N, L] the same under π_old (no grad). behav: [N, L] the rollout engine's log-probs.
+        advantages: [N] per sequence. mask: [N, L] bool, True on response tokens.
+        weights: [N, L] from :func:`aggregation_weights` (over the whole minibatch).
+        ref: [N, L] reference-policy log-probs, required when ``cfg.kl_beta > 0``.
+
+    Returns: (loss, metrics) — metrics are detached scalars: ``policy_clip_frac``, ``is_clip_frac``,
+    ``mismatch_kl`` (k3 estimate of KL(μ || π_old) per token), ``ratio_mean``, ``kl_ref``.
+    """
+    if cfg.kl_beta > 0 and ref is None:
+        raise ValueError("kl_beta > 0 needs reference log-probs")
+    n_tok = mask.sum().clamp_min(1)
+    log_ratio = (logp - old).masked_fill(~mask, 0.0)
+    ratio = log_ratio.exp()
+    adv = advantages[:, None].to(logp.dtype)
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    pg = -torch.minimum(ratio * adv, clipped * adv)
+    w_is, is_frac = importance_weights(old, behav, mask, cfg)
+    token_loss = pg * w_is
+    kl_ref = logp.new_zeros(())
+    if cfg.kl_beta > 0:
+        d = (ref - logp).masked_fill(~mask, 0.0)
+        k3 = d.exp() - d - 1.0
+        token_loss = token_loss + cfg.kl_beta * k3
+        kl_ref = (k3 * mask).sum().detach() / n_tok
+    loss = (token_loss * weights).sum()
+    with torch.no_grad():
+        d = (old - behav).masked_fill(~mask, 0.0)
+        metrics = {
+            "policy_clip_frac": (((ratio - clipped).abs() > 0) & mask).sum() / n_tok,
+            "is_clip_frac": is_frac.detach(),
+            "mismatch_kl": ((d.exp() - d - 1.0) * mask).sum() / n_tok,
+            "ratio_mean": (ratio * mask).sum() / n_tok,
+            "kl_ref": kl_ref,
+        }
+    return loss, metrics

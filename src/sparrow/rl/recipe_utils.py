@@ -1,0 +1,137 @@
+"""Helpers of the ``sparrow_grpo`` recipe: config checking, rollout exchange between ranks, sync views,
+fingerprints and the reward-curve plot."""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from sparrow.rl.grpo import GRPOConfig
+from sparrow.rollout.engine import EngineConfig, Sample
+
+COMPONENT = "component"  # any keyword arguments: the component's constructor validates them
+
+RECIPE_KEYS: dict[str, Any] = {
+    "name": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
+    "dist_timeout_s": None, "tokenizer": COMPONENT, "task": COMPONENT, "dataset": None, "reward": COMPONENT,
+    "model": COMPONENT, "attention": COMPONENT, "checkpoint": None, "optimizer": COMPONENT,
+    "metric_logger": COMPONENT,
+    "engine": {f.name for f in dataclasses.fields(EngineConfig)},
+    "sampling": {"temperature", "top_p", "top_k", "max_new_tokens"},
+    "loss": {f.name for f in dataclasses.fields(GRPOConfig)},
+    "sync": {"codec", "bucket_bytes", "anchor_every", "verify", "check_bitwise"},
+    "eval": {"every", "prompts"},
+    "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
+    "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "total_steps": None,
+    "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None,
+}
+OPTIONAL = {"name", "task", "dataset", "checkpoint", "init_std"}
+
+
+def check_config(cfg: DictConfig, spec: Mapping[str, Any]) -> None:
+    """Raise ValueError naming every unknown or missing key (nested sections included)."""
+    unknown, missing = [], []
+    for key in cfg:
+        if key not in spec:
+            unknown.append(str(key))
+        elif isinstance(spec[key], set) and cfg[key] is not None:
+            unknown += [f"{key}.{k}" for k in cfg[key] if k not in spec[key]]
+        elif spec[key] == COMPONENT and cfg[key] is not None and "_component_" not in cfg[key]:
+            raise ValueError(f"config key {key!r} needs a _component_")
+    missing = [k for k in spec if k not in cfg and k not in OPTIONAL]
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+    if missing:
+        raise ValueError(f"missing config keys: {', '.join(missing)}")
+    if cfg.get("task") is None and cfg.get("dataset") is None:
+        raise ValueError("the config needs a task or a dataset")
+
+
+def sync_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights that travel trainer -> rollout: the model's parameters (attention-backend parameters,
+    such as an indexer, are the rollout side's own)."""
+    return {n: p for n, p in model.named_parameters() if ".backend." not in n}
+
+
+def state_fingerprint(named: Mapping[str, torch.Tensor]) -> int:
+    """A 64-bit fingerprint of the bit patterns of ``named`` (order-independent in the dict, name-bound)."""
+    from sparrow.kernels.sync.api import hash_bits
+    from sparrow.kernels.sync.common import bits_view
+
+    acc = 0
+    for name in sorted(named):
+        t = named[name].detach().contiguous()
+        lanes = hash_bits(bits_view(t)).tolist()  # host sync: a verification step, not the hot path
+        tag = zlib.crc32(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())  # stable across processes
+        for v in (tag, lanes[0], lanes[1]):
+            acc = ((acc ^ v) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return acc - (1 << 64) if acc >= 1 << 63 else acc
+
+
+def exchange_rollouts(batch, local, group: int, world: int, rank: int, device: torch.device, max_new: int):
+    """Gather every rollout rank's samples and rewards on rank 0 (an all-gather of padded tensors).
+
+    Returns (prompts, samples, rewards) on rank 0 and (None, None, None) elsewhere.
+    """
+    share = len(batch) // (world - 1)
+    rows = share * group
+    tok = torch.full((rows, max_new), -1, dtype=torch.int64)
+    lp = torch.zeros((rows, max_new), dtype=torch.float32)
+    meta = torch.zeros((rows, 3), dtype=torch.float32)  # length, reward, finished-by-stop
+    if local is not None:
+        _, gen, rewards = local
+        for i, s in enumerate(gen.samples):
+            tok[i, : s.length] = s.tokens
+            lp[i, : s.length] = s.logprobs
+            meta[i] = torch.tensor([s.length, float(rewards[i]), 1.0 if s.finish_reason == "stop" else 0.0])
+    parts = []
+    for t in (tok, lp, meta):
+        t = t.to(device)
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t)
+        parts.append([o.cpu() for o in out[1:]])
+    if rank != 0:
+        return None, None, None
+    samples, rewards = [], []
+    for r in range(world - 1):
+        for i in range(rows):
+            n = int(parts[2][r][i, 0])
+            samples.append(Sample(r * share + i // group, i % group, parts[0][r][i, :n].clone(),
+                                  parts[1][r][i, :n].clone(), "stop" if parts[2][r][i, 2] > 0 else "length"))
+            rewards.append(float(parts[2][r][i, 1]))
+    return [b["prompt_ids"] for b in batch], samples, torch.tensor(rewards, dtype=torch.float32)
+
+
+def plot_history(history: list[dict[str, float]], png: Path, title: str = "") -> None:
+    """Reward (and greedy eval accuracy, when measured) against steps."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dependency; keep training results regardless
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tr = [h for h in history if "reward" in h]
+    ev = [h for h in history if "eval" in h]
+    if tr:
+        ax.plot([h["step"] for h in tr], [h["reward"] for h in tr], lw=1, alpha=0.5, label="sampled reward (T=1)")
+        k = max(1, len(tr) // 15)
+        sm = [sum(h["reward"] for h in tr[max(0, i - k + 1): i + 1]) / len(tr[max(0, i - k + 1): i + 1])
+              for i in range(len(tr))]
+        ax.plot([h["step"] for h in tr], sm, lw=2, label=f"sampled reward, mean of {k}")
+    if ev:
+        ax.plot([h["step"] for h in ev], [h["eval"] for h in ev], "o-", label="greedy accuracy (held out)")
+    ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

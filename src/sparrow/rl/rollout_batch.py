@@ -1,0 +1,60 @@
+"""Turning engine samples into padded training tensors, and rewards into advantages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from sparrow.rollout.engine import Sample
+
+
+@dataclass
+class RolloutBatch:
+    """N = prompts x group sequences, padded.
+
+    tokens: [N, S] prompt + response, right-padded with ``pad_id``.
+    prompt_len, response_len: [N] int64.
+    behaviour_logprobs: [N, L] the engine's log-probs of each response token (0 past the response).
+    mask: [N, L] bool, True on response tokens. rewards, advantages: [N] float32.
+    """
+
+    tokens: torch.Tensor
+    prompt_len: torch.Tensor
+    response_len: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    mask: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def max_response_len(self) -> int:
+        return self.mask.shape[1]
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        return RolloutBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+    def select(self, idx: torch.Tensor | slice) -> "RolloutBatch":
+        return RolloutBatch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+
+def build_rollout_batch(prompts: Sequence[Sequence[int]], samples: Sequence[Sample], group: int,
+                        rewards: torch.Tensor, advantages: torch.Tensor, *, pad_id: int = 0) -> RolloutBatch:
+    """``samples`` prompt-major (sample j of prompt i at ``i * group + j``), as the engine returns them."""
+    N = len(samples)
+    if N != len(prompts) * group:
+        raise ValueError(f"{N} samples for {len(prompts)} prompts x group {group}")
+    plen = torch.tensor([len(prompts[i // group]) for i in range(N)], dtype=torch.int64)
+    rlen = torch.tensor([s.length for s in samples], dtype=torch.int64)
+    L = max(1, int(rlen.max()))
+    S = int((plen + rlen).max())
+    tokens = torch.full((N, S), pad_id, dtype=torch.int64)
+    behav = torch.zeros((N, L), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p = prompts[i // group]
+        tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
+        tokens[i, len(p): len(p) + s.length] = s.tokens
+        behav[i, : s.length] = s.logprobs
+    mask = torch.arange(L)[None, :] < rlen[:, None]
+    return RolloutBatch(tokens, plen, rlen, behav, mask, rewards.float(), advantages.float())

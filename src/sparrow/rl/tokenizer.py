@@ -1,0 +1,49 @@
+"""A character-level tokenizer for the synthetic tasks (no files, no network)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyz =;:?,.\n"
+
+
+class CharTokenizer:
+    """Maps the characters of the synthetic tasks to ids; ``vocab_size`` is padded to a multiple of 8.
+
+    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then :data:`CHARS`. Encoding is exact for
+    text made of those characters (upper case is folded to lower case); anything else raises ValueError.
+    """
+
+    pad_id, bos_id, eos_id, unk_id = 0, 1, 2, 3
+
+    def __init__(self) -> None:
+        self._to_id = {c: i + len(SPECIALS) for i, c in enumerate(CHARS)}
+        self._to_char = {i: c for c, i in self._to_id.items()}
+        n = len(SPECIALS) + len(CHARS)
+        self.vocab_size = (n + 7) // 8 * 8
+
+    @property
+    def stop_tokens(self) -> list[int]:
+        return [self.eos_id]
+
+    def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
+        ids = [self.bos_id] if add_bos else []
+        for ch in text.lower():
+            i = self._to_id.get(ch)
+            if i is None:
+                raise ValueError(f"character {ch!r} is not in the synthetic tokenizer's alphabet")
+            ids.append(i)
+        if add_eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in self._to_char:
+                out.append(self._to_char[i])
+            elif not skip_special:
+                out.append(SPECIALS[i] if i < len(SPECIALS) else "<unk>")
+        return "".join(out)

@@ -1,0 +1,94 @@
+"""The real CLI (`tune run sparrow_grpo`) on a tiny model: resume exactness, errors, distributed mode."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "recipes" / "configs" / "tiny_kv_retrieval.yaml"
+TUNE = str(Path(sys.executable).parent / "tune")
+TINY = [
+    "checkpoint=null", "init_std=0.02", "task.context_len=32", "engine.max_prompt_len=33", "engine.max_rows=16",
+    "engine.max_new_tokens=4", "sampling.max_new_tokens=4", "model.num_layers=1", "model.embed_dim=32",
+    "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_dim=64", "model.max_seq_len=40",
+    "group_size=4", "prompts_per_step=4", "eval.every=0", "plot=false", "optimizer.lr=1e-2",
+    "ppo_epochs=2", "minibatches=2", "reward._component_=sparrow.rl.CharAccuracy",
+]
+
+
+def run(out: Path, *overrides: str, nproc: int = 1, env: dict | None = None, timeout: int = 600):
+    cmd = [TUNE, "run"] + (["--nproc_per_node", str(nproc)] if nproc > 1 else []) + [
+        "sparrow_grpo", "--config", str(CONFIG), f"output_dir={out}", *TINY, *overrides]
+    e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def _bits(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v.view(torch.int32) if v.dtype == torch.float32 else v for k, v in load_file(str(path)).items()}
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    straight = run(tmp_path / "a", "total_steps=4", "checkpoint_every=2")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = run(tmp_path / "b", "total_steps=2", "checkpoint_every=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run(tmp_path / "b", "total_steps=4", "checkpoint_every=2", "resume_from_checkpoint=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    a, b = tmp_path / "a/checkpoints/step_000004", tmp_path / "b/checkpoints/step_000004"
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        wa, wb = _bits(a / f), _bits(b / f)
+        assert wa.keys() == wb.keys()
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), f
+    # and training did move the weights
+    w0 = _bits(tmp_path / "a/checkpoints/step_000002/model.safetensors")
+    w4 = _bits(a / "model.safetensors")
+    assert any(not torch.equal(w0[k], w4[k]) for k in w0)
+    state = json.loads((b / "state.json").read_text())
+    assert state["step"] == 4 and len(state["history"]) == 4
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["total_steps=1", "grpo_epochs=2"], "unknown config keys: grpo_epochs"),
+    (["total_steps=1", "loss.clip=0.1"], "unknown config keys: loss.clip"),
+    (["total_steps=1", "checkpoint=/nonexistent/model.safetensors"], "starting checkpoint .* does not exist"),
+    (["total_steps=1", "engine.max_prompt_len=20"], "longer than"),
+    (["total_steps=1", "resume_from_checkpoint=true"], "no checkpoint to resume from"),
+])
+def test_bad_input_fails_before_training(tmp_path, overrides, match):
+    import re
+
+    r = run(tmp_path / "o", *overrides)
+    assert r.returncode != 0
+    assert re.search(match, r.stderr), r.stderr[-2000:]
+    assert not (tmp_path / "o/checkpoints").exists()
+
+
+def test_dataset_row_without_answer(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "ab=12;?ab=", "answer": "12"}\n{"prompt": "cd=34;?cd="}\n')
+    r = run(tmp_path / "o", "total_steps=1", "task=null", f"dataset={data}")
+    assert r.returncode != 0 and "d.jsonl:2: row has no 'answer'" in r.stderr
+
+
+@pytest.mark.slow
+def test_distributed_trainer_and_rollout_rank(tmp_path):
+    r = run(tmp_path / "d", "total_steps=3", "checkpoint_every=3", "sync.check_bitwise=1", nproc=2)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (tmp_path / "d/checkpoints/step_000003/model.safetensors").is_file()
+    log = next((tmp_path / "d/logs").glob("*.txt")).read_text()
+    assert "sync/wire_bytes" in log
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_others(tmp_path):
+    t0 = time.time()
+    r = run(tmp_path / "f", "total_steps=50", "dist_timeout_s=30", nproc=2, env={"SPARROW_FAULT": "1:2"})
+    assert r.returncode != 0
+    assert time.time() - t0 < 150
