@@ -125,3 +125,18 @@ def test_bad_inputs():
         SamplingParams(temperature=-1.0)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_compiled_step_ignores_the_callers_grad_mode():
+    """A policy that is also being trained (requires_grad) must compile for inference: aot_autograd would
+    otherwise try to differentiate through the decode kernels."""
+    from functools import partial
+
+    from sparrow.attention import DenseAttention
+
+    model = random_tiny("qwen2", attention=partial(DenseAttention, impl="triton"))
+    model.requires_grad_(True)
+    eng = _engine(model, compile=True, compile_backend="aot_eager", max_rows=4)
+    eng.generate(_prompts(lens=[5]), 2, SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert torch.is_grad_enabled()
+    eng._compiled_step()(torch.tensor([0, 1, eng.scratch, eng.scratch]))  # outside generate's no_grad

@@ -470,7 +470,7 @@ class RolloutEngine:
 
     def _compiled_step(self):
         if self._step_fn is None:
-            fn = self._decode_step
+            fn = torch.no_grad()(self._decode_step)  # inference only, whatever the caller's grad mode
             if self.config.compile:
                 fn = torch.compile(fn, fullgraph=True, backend=self.config.compile_backend)
             self._step_fn = fn

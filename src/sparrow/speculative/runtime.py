@@ -162,7 +162,7 @@ class SpeculativeRunner:
     # ---------------------------------------------------------------------------------- running
     def _compiled_draft(self):
         if self._draft_fn is None:
-            fn = self.draft_step
+            fn = torch.no_grad()(self.draft_step)  # inference only, whatever the caller's grad mode
             if self.engine.config.compile:
                 fn = torch.compile(fn, fullgraph=True, backend=self.engine.config.compile_backend)
             self._draft_fn = fn
@@ -170,7 +170,7 @@ class SpeculativeRunner:
 
     def _compiled_verify(self):
         if self._verify_fn is None:
-            fn = self.verify_step
+            fn = torch.no_grad()(self.verify_step)
             if self.engine.config.compile:
                 fn = torch.compile(fn, fullgraph=True, backend=self.engine.config.compile_backend)
             self._verify_fn = fn
