@@ -46,6 +46,8 @@ from sparrow.rl import (
 )
 from sparrow.rl.recipe_utils import (
     RECIPE_KEYS,
+    build_speculation,
+    build_toggle,
     check_config,
     exchange_rollouts,
     plot_history,
@@ -141,7 +143,14 @@ class GRPORecipe:
                 src = dict(model.named_parameters())
                 for n, p in sync_tensors(self.rollout_model).items():
                     p.copy_(src[n])
-            self.engine = RolloutEngine(self.rollout_model, EngineConfig(**cfg.engine))
+            # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache
+            self.drafter, max_draft = build_speculation(cfg.get("speculative"), self.rollout_model)
+            engine_cfg = dict(cfg.engine) | ({"max_draft": max_draft} if max_draft else {})
+            self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
+            if self.drafter is not None:
+                self.engine.toggle = build_toggle(cfg.speculative, self.engine, self._sampling_params())
+            # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
+            self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
             self.receiver = ssync.SyncReceiver(sync_tensors(self.rollout_model), verify=cfg.sync.verify)
         if not self.is_trainer:
             del model
@@ -165,15 +174,45 @@ class GRPORecipe:
         lo = 0 if self.world == 1 else (self.rank - 1) * share
         mine = batch[lo: lo + share] if self.world > 1 else batch
         prompts = [b["prompt_ids"] for b in mine]
-        params = SamplingParams(**self.sampling, stop_token_ids=tuple([self.tokenizer.eos_id]),
-                                seed=self.cfg.seed * 1_000_003 + self.step)
-        out = self.engine.generate(prompts, self.group, params)
+        out = self.engine.generate(prompts, self.group, self._sampling_params())
         rewards = torch.tensor([
             self.reward_fn(mine[i // self.group]["answer"],
                            self.tokenizer.decode([t for t in s.tokens.tolist() if t != self.tokenizer.eos_id]))
             for i, s in enumerate(out.samples)
         ], dtype=torch.float32)
         return prompts, out, rewards
+
+    def _sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling, stop_token_ids=(self.tokenizer.eos_id,),
+                              seed=self.cfg.seed * 1_000_003 + self.step)
+
+    def _rollout_metrics(self, gen) -> dict[str, float]:
+        st = gen.stats
+        m = {"time/prefill_s": st.prefill_s, "time/decode_s": st.decode_s}
+        if self.drafter is not None:
+            m.update({"spec/acceptance": st.acceptance_rate or 0.0, "spec/tokens_per_cycle": st.tokens_per_cycle or 0.0,
+                      "spec/cycles": float(st.spec_cycles)})
+        if self.rtpurbo and not self.cfg.engine.get("compile", True):
+            from sparrow.attention.rtpurbo import collect_selection_stats
+
+            d = collect_selection_stats(self.rollout_model, reset=True)
+            m.update({f"attention/{k}": float(v) for k, v in d.items() if "density" in k})
+        return m
+
+    def _refresh_indexer(self, prompts, samples) -> dict[str, float]:
+        """A few distillation steps of the RTPurbo indexer on the latest rollouts (the policy drifts)."""
+        from sparrow.calibrate import refresh_indexer
+
+        rc = self.cfg.indexer_refresh
+        seqs = [torch.tensor(list(prompts[i // self.group]) + s.tokens.tolist())
+                for i, s in enumerate(samples[: rc.sequences])]
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            report = refresh_indexer(self.rollout_model, seqs, steps=rc.steps)
+        out = {"time/indexer_refresh_s": time.perf_counter() - t0}
+        summary = report.summary()
+        out.update({"attention/indexer_recall": summary["recall"], "attention/indexer_density": summary["density"]})
+        return out
 
     def _train_on(self, rb) -> dict[str, float]:
         cfg, model = self.cfg, self.model
@@ -281,8 +320,10 @@ class GRPORecipe:
             if self.world == 1:
                 prompts, gen, rewards = local
                 samples = gen.samples
-                metrics.update({"time/prefill_s": gen.stats.prefill_s, "time/decode_s": gen.stats.decode_s})
+                metrics.update(self._rollout_metrics(gen))
             else:
+                if local is not None:
+                    metrics.update(self._rollout_metrics(local[1]))
                 prompts, samples, rewards = exchange_rollouts(batch, local, self.group, self.world, self.rank,
                                                               self.device, self.sampling["max_new_tokens"])
             metrics["time/rollout_s"] = time.perf_counter() - t0
@@ -300,6 +341,14 @@ class GRPORecipe:
                     "rollout/tokens_per_s": n_tokens / max(metrics["time/rollout_s"], 1e-9),
                 })
             metrics.update(self._sync())
+            if self.is_rollout and self.drafter is not None:  # the drafter follows the new weights
+                t0 = time.perf_counter()
+                self.drafter.refresh()
+                metrics["time/drafter_refresh_s"] = time.perf_counter() - t0
+            rc = cfg.get("indexer_refresh")
+            if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
+                local_prompts, local_samples = (local[0], local[1].samples)
+                metrics.update(self._refresh_indexer(local_prompts, local_samples))
             metrics["time/step_s"] = time.perf_counter() - t_step
             if cfg.eval.every and self.step % cfg.eval.every == 0:
                 metrics.update(self._log_eval(log=False))
@@ -346,6 +395,15 @@ class GRPORecipe:
                 plot_history(self.history, self.output_dir / "reward_curve.png", title=str(self.cfg.get("name", "")))
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _uses_rtpurbo(model, record: bool) -> bool:
+    from sparrow.attention.rtpurbo import RTPurboAttention
+
+    backends = [b for b in (layer.attn.backend for layer in model.layers) if isinstance(b, RTPurboAttention)]
+    for b in backends:
+        b.enable_stats(record)
+    return bool(backends)
 
 
 def _read_weights(path: Path, what: str) -> dict[str, torch.Tensor]:

@@ -92,3 +92,40 @@ def test_a_dead_rank_stops_the_others(tmp_path):
     r = run(tmp_path / "f", "total_steps=50", "dist_timeout_s=30", nproc=2, env={"SPARROW_FAULT": "1:2"})
     assert r.returncode != 0
     assert time.time() - t0 < 150
+
+
+def _tiny_rtpurbo_dir(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny model checkpoint (TINY's shape) and its calibrated RTPurbo profile + indexer."""
+    from safetensors.torch import save_file
+
+    from sparrow.attention import RTPurboConfig
+    from sparrow.calibrate import fit_indexer, profile_heads, repeat_span_sequences, save_rtpurbo
+    from sparrow.models import tiny_qwen2
+
+    torch.manual_seed(0)
+    model = tiny_qwen2(vocab_size=48, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
+                       intermediate_dim=64, max_seq_len=40)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02 if p.dim() >= 2 else 1.0)
+    ckpt = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt))
+    profile = profile_heads(model, repeat_span_sequences(1, 36, 48), ratio=1.0)
+    indexer, _ = fit_indexer(model, profile, repeat_span_sequences(4, 36, 48, seed=1), steps=3, dim=4)
+    out = tmp_path / "rtpurbo"
+    save_rtpurbo(out, profile, indexer, config=RTPurboConfig.for_context(40, indexer_dim=4))
+    return ckpt, out
+
+
+@pytest.mark.slow
+def test_sparse_speculative_rollouts_dense_training(tmp_path):
+    """RTPurbo rollouts + a quantized self-drafter + codec sync: trains, logs the mismatch, stays bit-exact."""
+    ckpt, rt = _tiny_rtpurbo_dir(tmp_path)
+    r = run(tmp_path / "s", "total_steps=3", f"checkpoint={ckpt}", "attention._component_=sparrow.attention.rtpurbo",
+            f"attention.path={rt}", "indexer_refresh.every=2", "indexer_refresh.steps=2", "indexer_refresh.sequences=4",
+            "speculative.drafter._component_=sparrow.speculative.DrafterConfig", "speculative.drafter.weight=int8",
+            "speculative.toggle=always", "speculative.num_draft=2", "sync.check_bitwise=1", "checkpoint_every=3")
+    assert r.returncode == 0, r.stderr[-4000:]
+    log = next((tmp_path / "s/logs").glob("*.txt")).read_text()
+    for key in ("mismatch_kl", "is_clip_frac", "spec/acceptance", "attention/decode_ret_density",
+                "time/indexer_refresh_s", "time/drafter_refresh_s"):
+        assert key in log, key

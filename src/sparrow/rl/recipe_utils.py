@@ -30,8 +30,9 @@ RECIPE_KEYS: dict[str, Any] = {
     "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
     "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "total_steps": None,
     "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None,
+    "speculative": None, "indexer_refresh": {"every", "steps", "sequences"},
 }
-OPTIONAL = {"name", "task", "dataset", "checkpoint", "init_std"}
+OPTIONAL = {"name", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any]) -> None:
@@ -135,3 +136,40 @@ def plot_history(history: list[dict[str, float]], png: Path, title: str = "") ->
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis"}
+
+
+def build_speculation(spec_cfg, rollout_model):
+    """The drafter and the engine's ``max_draft`` for the ``speculative`` config section (None: none)."""
+    from torchtune import config as tt_config
+
+    from sparrow.speculative import QuantizedSelfDrafter
+
+    if spec_cfg is None:
+        return None, 0
+    unknown = [k for k in spec_cfg if k not in SPECULATIVE_KEYS]
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join('speculative.' + k for k in unknown)}")
+    if spec_cfg.toggle not in ("always", "threshold", "cost_model"):
+        raise ValueError(f"speculative.toggle must be always, threshold or cost_model, got {spec_cfg.toggle!r}")
+    drafter = QuantizedSelfDrafter(rollout_model, tt_config.instantiate(spec_cfg.drafter))
+    lengths = tuple(spec_cfg.get("draft_lengths") or (spec_cfg.get("num_draft", 4),))
+    return drafter, max(lengths + (spec_cfg.get("num_draft", 4),))
+
+
+def build_toggle(spec_cfg, engine, params):
+    """The toggle of the ``speculative`` section; ``cost_model`` calibrates on ``engine`` (cached per model
+    shape and device)."""
+    from sparrow.speculative import AdaptiveDraft, AlwaysOn, CostModel, CostModelToggle, ThresholdToggle
+
+    lengths = tuple(spec_cfg.get("draft_lengths") or ())
+    adaptive = AdaptiveDraft(lengths=lengths) if len(lengths) > 1 else None
+    if spec_cfg.toggle == "always":
+        return AlwaysOn(spec_cfg.get("num_draft", 4))
+    if spec_cfg.toggle == "threshold":
+        return ThresholdToggle(spec_cfg.max_active, spec_cfg.get("num_draft", 4), adaptive=adaptive)
+    costs = CostModel.calibrate(engine, params)
+    return CostModelToggle(costs, margin=spec_cfg.get("margin", 0.05), hysteresis=spec_cfg.get("hysteresis", 0.03),
+                           adaptive=adaptive or AdaptiveDraft())

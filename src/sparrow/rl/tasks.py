@@ -55,13 +55,16 @@ class KVRetrieval:
         context_len: prompt length in characters (pairs are added until it is reached).
         key_len, value_len: characters per key / digits per value (difficulty: shorter keys are more
             confusable).
-        min_pairs: at least this many pairs even if the context is longer.
+        min_pairs: at least this many pairs.
+        vary_pairs: draw the number of pairs uniformly from ``[min_pairs, as many as fit]`` (the rest of the
+            context is filler) instead of always filling the context: a curriculum of easier examples.
     """
 
     context_len: int = 256
     key_len: int = 3
     value_len: int = 3
     min_pairs: int = 2
+    vary_pairs: bool = False
 
     def __post_init__(self) -> None:
         pair = self.key_len + self.value_len + 2
@@ -70,12 +73,18 @@ class KVRetrieval:
                              f"{pair} characters plus the question")
         if self.key_len < 1 or self.value_len < 1:
             raise ValueError("key_len and value_len must be >= 1")
+        most = max(self.min_pairs, (self.context_len - self.key_len - 2) // pair)
+        if most > 26**self.key_len:
+            raise ValueError(f"context_len {self.context_len} holds {most} pairs but keys of {self.key_len} "
+                             f"letters allow only {26 ** self.key_len} distinct keys")
 
     def example(self, seed: int, index: int) -> Example:
         r = _rng(seed, index, "kv")
         pair = self.key_len + self.value_len + 2
         budget = self.context_len - (self.key_len + 2)
         n = max(self.min_pairs, budget // pair)
+        if self.vary_pairs:
+            n = r.randint(self.min_pairs, n)
         keys: list[str] = []
         seen = set()
         while len(keys) < n:
