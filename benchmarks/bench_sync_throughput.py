@@ -9,6 +9,11 @@ by the copy bandwidth measured in the same run:
 * encode: read old + new bits (4 bytes / parameter), write the changed snapshot elements and the payload;
 * apply: read the payload, read + write the changed elements.
 
+Receivers are timed with ``verify=False`` (``apply_ms``), ``verify="full"`` (``apply_ms_hash``: every range
+hashed before writing) and ``verify="incremental"`` (``apply_ms_inc``: running hashes, O(changes)). Each
+row also carries a per-stage breakdown (``encode_stages*``, ``apply_stages*``: ``gpu_ms`` between
+``StageTimer`` marks measured with CUDA events, and ``cpu_ms`` of the host between the same marks).
+
 Usage: ``python benchmarks/bench_sync_throughput.py`` (CUDA) or ``--quick`` (tiny, any device).
 Writes ``docs/benchmarks/sync_throughput.json``; ``plot()`` draws ``sync_throughput.png``.
 """
@@ -26,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sync_payload import device, perturb  # noqa: E402
 from runner import base_parser, copy_bandwidth_gbs, measure, print_table, write_json  # noqa: E402
 
-from sparrow.sync import SyncReceiver, SyncSender  # noqa: E402
+from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
+from sparrow.sync.stats import StageTimer  # noqa: E402
 
 NAME = "sync_throughput"
 
@@ -35,52 +41,87 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.int16)
 
 
+def _stages(run, setup, timer, reps: int) -> dict:
+    """Mean per-stage ``gpu_ms`` / ``cpu_ms`` of ``reps`` timed runs (StageTimer marks; CUDA events)."""
+    acc: dict = {}
+    for _ in range(reps):
+        setup()
+        timer.start()
+        run()
+        for k, v in timer.result().items():
+            d = acc.setdefault(k, {"gpu_ms": 0.0, "cpu_ms": 0.0})
+            d["gpu_ms"] += v["gpu_ms"] / reps
+            d["cpu_ms"] += v["cpu_ms"] / reps
+    return {k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in acc.items()}
+
+
 def run_density(base: dict, density: float, gen, *, iters: int, bucket_bytes: int) -> dict:
     new = {k: perturb(v, density, gen) for k, v in base.items()}
     n = sum(v.numel() for v in base.values())
+    dev = next(iter(base.values())).device
     row: dict = {"density": density, "params": n}
+    reps = max(2, iters // 2)
     for with_hash in (False, True):
         sender = SyncSender(base, codec="auto", bucket_bytes=bucket_bytes, with_hash=with_hash)
 
         def reset_sender() -> None:
             for k, v in base.items():
                 sender.snapshot[k].copy_(v)
+            sender.rehash()  # the snapshot was written by hand: refresh its running hashes (untimed)
 
         t_enc = measure(lambda: list(sender.encode(new)), setup=reset_sender, warmup=2, iters=iters)
+        sender.timer = StageTimer(dev)
+        enc_stages = _stages(lambda: list(sender.encode(new)), reset_sender, sender.timer, reps)
+        sender.timer = None
         reset_sender()
         encoded = list(sender.encode(new))
         buckets = [b for b, _ in encoded]
+        ranges = [(e.name, e.start, e.length) for b in buckets for e in parse_bucket(b).entries]
         base_version = encoded[0][1].base_version
         rx_t = {k: v.clone() for k, v in base.items()}
-        state: dict = {}
-
-        def reset_rx() -> None:
-            for k, v in base.items():
-                rx_t[k].copy_(v)
-            state["rx"] = SyncReceiver(rx_t, verify=with_hash, version=base_version)
-
-        def apply() -> None:
-            for b in buckets:
-                state["rx"].apply_bucket(b)
-
-        t_app = measure(apply, setup=reset_rx, warmup=2, iters=iters)
-        reset_rx()
-        apply()
-        ok = all(torch.equal(_bits(rx_t[k]), _bits(new[k])) for k in base)
-        if not ok:
-            raise AssertionError(f"receiver differs from sender at density {density} (with_hash={with_hash})")
         suffix = "_hash" if with_hash else ""
         row[f"encode_ms{suffix}"] = t_enc["median_ms"]
-        row[f"apply_ms{suffix}"] = t_app["median_ms"]
         row[f"encode_p20_p80{suffix}"] = [t_enc["p20_ms"], t_enc["p80_ms"]]
-        row[f"apply_p20_p80{suffix}"] = [t_app["p20_ms"], t_app["p80_ms"]]
+        row[f"encode_stages{suffix}"] = enc_stages
+        modes = ("full", "incremental") if with_hash else (False,)
+        for verify in modes:
+            state: dict = {}
+
+            def reset_rx() -> None:
+                for k, v in base.items():
+                    rx_t[k].copy_(v)
+                state["rx"] = SyncReceiver(rx_t, verify=verify, version=base_version)
+                if verify == "incremental":  # steady state: running hashes of the base already known
+                    state["rx"].rehash(ranges)
+
+            def apply() -> None:
+                for b in buckets:
+                    state["rx"].apply_bucket(b)
+
+            t_app = measure(apply, setup=reset_rx, warmup=2, iters=iters)
+            timer = StageTimer(dev)
+
+            def setup_timed() -> None:
+                reset_rx()
+                state["rx"].timer = timer
+
+            app_stages = _stages(apply, setup_timed, timer, reps)
+            reset_rx()
+            apply()
+            ok = all(torch.equal(_bits(rx_t[k]), _bits(new[k])) for k in base)
+            if not ok:
+                raise AssertionError(f"receiver differs from sender at density {density} (verify={verify})")
+            key = {False: "", "full": "_hash", "incremental": "_inc"}[verify]
+            row[f"apply_ms{key}"] = t_app["median_ms"]
+            row[f"apply_p20_p80{key}"] = [t_app["p20_ms"], t_app["p80_ms"]]
+            row[f"apply_stages{key}"] = app_stages
         if not with_hash:
             m = sum(int((_bits(base[k]) != _bits(new[k])).sum()) for k in base)
             row["changed"] = m
             row["wire_bytes"] = sum(b.numel() for b in buckets)
             row["buckets"] = len(buckets)
-            row["bitexact"] = ok
-        del sender, buckets, encoded, rx_t, state
+            row["bitexact"] = True
+        del sender, buckets, encoded, rx_t
     del new
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -116,6 +157,7 @@ def main() -> None:
         r["apply_floor_ms"] = app_floor / (copy_gbs * 1e9) * 1e3
         r["x_floor"] = (r["encode_ms"] + r["apply_ms"]) / r["floor_ms"]
         r["x_floor_hash"] = (r["encode_ms_hash"] + r["apply_ms_hash"]) / r["floor_ms"]
+        r["x_floor_inc"] = (r["encode_ms_hash"] + r["apply_ms_inc"]) / r["floor_ms"]
         r["encode_model_gbs"] = 2 * n / (r["encode_ms"] * 1e-3) / 1e9
         r["apply_model_gbs"] = 2 * n / (r["apply_ms"] * 1e-3) / 1e9
         r["ratio_vs_dense"] = 2 * n / pay
@@ -125,8 +167,14 @@ def main() -> None:
               "copy_gbs": copy_gbs, "wall_s": time.perf_counter() - t0,
               "floor": "encode: 4 B/param read + 2 B/change + payload; apply: payload + 4 B/change; / copy_gbs"}
     write_json(NAME, config, rows, out_dir=args.out)
+    for r in rows:  # per-stage breakdown (CUDA events between StageTimer marks)
+        print(f"density {r['density']}:")
+        for key in ("encode_stages", "encode_stages_hash", "apply_stages", "apply_stages_hash", "apply_stages_inc"):
+            parts = ", ".join(f"{k} {v['gpu_ms']:.3f}/{v['cpu_ms']:.3f}" for k, v in r[key].items())
+            print(f"  {key:20s} (gpu/cpu ms) {parts}")
     print_table(rows, ["density", "changed", "wire_bytes", "ratio_vs_dense", "encode_ms", "apply_ms",
-                       "encode_ms_hash", "apply_ms_hash", "floor_ms", "x_floor", "x_floor_hash",
+                       "encode_ms_hash", "apply_ms_hash", "apply_ms_inc", "floor_ms", "x_floor", "x_floor_hash",
+                       "x_floor_inc",
                        "encode_model_gbs", "apply_model_gbs", "copy_gbs"])
 
 

@@ -40,16 +40,25 @@ def compile_(fn, signature, constexprs, **options):
 
 E = 16
 p64, p32 = "*i64", "*i32"
+TPP = 8
+full = dict(n_ptr=p64, start_ptr=p64, tile_cum_ptr=p64, prog_cum_ptr=p64, prog_slice_ptr=p32)
 cases = [
-    (tk._hash_group_kernel, dict(addr_ptr=p64, n_ptr=p64, start_ptr=p64, tile_cum_ptr=p64, tile_slice_ptr=p32,
-                                 out_ptr=p64), dict(EBITS=E, BLOCK=1024), {}),
-    (tk._diff_count_group_kernel, dict(old_addr_ptr=p64, new_addr_ptr=p64, n_ptr=p64, start_ptr=p64,
-                                       tile_cum_ptr=p64, tile_slice_ptr=p32, counts_ptr=p32, maskw_ptr=p32,
-                                       hash_ptr=p64), dict(EBITS=E, TILE=DIFF_TILE, HASH=True), {}),
-    (tk._diff_collect_group_kernel, dict(old_addr_ptr=p64, new_addr_ptr=p64, n_ptr=p64, tile_cum_ptr=p64,
-                                         tile_slice_ptr=p32, offsets_ptr=p64, maskw_ptr=p32, pos_ptr=p32,
-                                         val_ptr=p32), dict(EBITS=E, TILE=DIFF_TILE, DELTA=True, UPDATE_OLD=True),
-     {}),
+    (tk._hash_group_kernel, dict(addr_ptr=p64, **full, out_ptr=p32), dict(EBITS=E, TILE=DIFF_TILE, TPP=TPP, ALIGNED=True), {}),
+    (tk._hash_group_kernel, dict(addr_ptr=p64, **full, out_ptr=p32), dict(EBITS=32, TILE=DIFF_TILE, TPP=TPP, ALIGNED=False), {}),
+    (tk._diff_count_group_kernel, dict(old_addr_ptr=p64, new_addr_ptr=p64, **full, counts_ptr=p32, maskw_ptr=p32,
+                                       slice_counts_ptr=p32, hash_ptr=p32),
+     dict(EBITS=E, TILE=DIFF_TILE, TPP=TPP, HASH=True, ALIGNED=True), {}),
+    (tk._diff_count_group_kernel, dict(old_addr_ptr=p64, new_addr_ptr=p64, **full, counts_ptr=p32, maskw_ptr=p32,
+                                       slice_counts_ptr=p32, hash_ptr=p32),
+     dict(EBITS=E, TILE=DIFF_TILE, TPP=TPP, HASH=False, ALIGNED=False), {}),
+    (tk._diff_collect_group_kernel, dict(old_addr_ptr=p64, new_addr_ptr=p64, **full, prog0="i64", counts_ptr=p32,
+                                         offsets_ptr=p64, rec_base="i64", maskw_ptr=p32, pos_ptr=p32, val_ptr=p32,
+                                         hash_ptr=p32),
+     dict(EBITS=E, TILE=DIFF_TILE, TPP=TPP, DELTA=True, UPDATE_OLD=True, HASH=True), {}),
+    (tk._diff_collect_group_kernel, dict(old_addr_ptr=p64, new_addr_ptr=p64, **full, prog0="i64", counts_ptr=p32,
+                                         offsets_ptr=p64, rec_base="i64", maskw_ptr=p32, pos_ptr=p32, val_ptr=p32,
+                                         hash_ptr=p32),
+     dict(EBITS=32, TILE=DIFF_TILE, TPP=TPP, DELTA=False, UPDATE_OLD=False, HASH=True), {}),
     (tk._pack_group_kernel, dict(pos_ptr=p32, val_ptr=p32, m_ptr=p64, rec_off_ptr=p64, block_cum_ptr=p64,
                                  nslices="i32", slots_ptr=p32, sizes_ptr=p64, meta_ptr=p32, scratch_ptr=p32),
      dict(EBITS=E, R=RANK_BLOCK, SLOT=slot_words(E), WT=128, SEARCH_STEPS=12, STEPS=4), dict(num_warps=8)),
@@ -59,10 +68,11 @@ cases = [
     (tk._unpack_group_kernel, dict(words_ptr=p32, word_off_ptr=p64, total_ptr=p64, n_ptr=p64, m_ptr=p64,
                                    rec_off_ptr=p64, block_cum_ptr=p64, nslices="i32", pos_ptr=p32, val_ptr=p32,
                                    err_ptr=p32), dict(EBITS=E, R=RANK_BLOCK, STEPS=4), dict(num_warps=8)),
-    (tk._apply_group_kernel, dict(addr_ptr=p64, rec_off_ptr=p64, m_ptr=p64, tile_cum_ptr=p64, nslices="i32",
-                                  pos_ptr=p32, val_ptr=p32), dict(EBITS=E, BLOCK=1024, DELTA=True, NEGATE=True,
-                                                                  STEPS=4), {}),
 ]
+for delta, neg, hsh, eb in ((True, True, False, E), (True, False, True, E), (False, False, True, 32)):
+    cases.append((tk._apply_group_kernel, dict(addr_ptr=p64, rec_off_ptr=p64, m_ptr=p64, tile_cum_ptr=p64,
+                                               nslices="i32", pos_ptr=p32, val_ptr=p32, start_ptr=p64, hash_ptr=p32),
+                  dict(EBITS=eb, BLOCK=1024, DELTA=delta, NEGATE=neg, STEPS=4, HASH=hsh), {}))
 for fn, sig, consts, opts in cases:
     compile_(fn, sig, consts, **opts)
 '''
@@ -76,4 +86,4 @@ def test_kernels_compile_sm90():
     if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 7
+    assert proc.stdout.count("ok ") == 12

@@ -10,7 +10,8 @@ Layout (little-endian)::
 
 The manifest holds the run id, base / target version, bucket index, ``last`` and ``anchor`` flags, and
 per entry: tensor name, dtype, shape, element range (start, length), codec, body offset / length,
-changed-element count and the 64-bit hash of the target bits of the range. The body hash is computed
+changed-element count and the 64-bit hashes of the range's bits before (``base_hash``) and after
+(``hash``) the sync (format 2; format 1 had only the target hash). The body hash is computed
 on the bucket's device (no host copy of the body).
 """
 
@@ -29,11 +30,12 @@ from .base import CODEC_NAMES, check_body_length
 from .errors import CorruptPayloadError, TruncatedPayloadError
 
 BUCKET_MAGIC = b"SPWSYNC\x01"
-BUCKET_FORMAT = 1
+BUCKET_FORMAT = 2  # 2: entries carry base_hash (incremental verification)
 TRAILER_MAGIC = b"SPWE"
 _HDR = struct.Struct("<8sIIQQQQQQ")
 HEADER_BYTES = _HDR.size  # 64
 TRAILER_BYTES = 16
+_PREFETCH = 1 << 16  # manifest bytes read together with the header
 assert HEADER_BYTES == 64
 
 
@@ -63,12 +65,14 @@ class EntryMeta:
     nbytes: int
     nchanged: int
     target_hash: int | None
+    base_hash: int | None = None  # sender's hash of the range's bits before this sync
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape), "start": self.start,
                 "length": self.length, "codec": self.codec, "offset": self.offset, "nbytes": self.nbytes,
                 "nchanged": self.nchanged,
-                "hash": None if self.target_hash is None else f"{self.target_hash:016x}"}
+                "hash": None if self.target_hash is None else f"{self.target_hash:016x}",
+                "base_hash": None if self.base_hash is None else f"{self.base_hash:016x}"}
 
 
 def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -138,7 +142,10 @@ def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> Parse
     size = bucket.numel()
     if size < HEADER_BYTES + TRAILER_BYTES:
         raise TruncatedPayloadError(f"bucket truncated: {size} bytes < {HEADER_BYTES + TRAILER_BYTES}")
-    head = _bytes_of(bucket[:HEADER_BYTES])
+    # one device -> host read for the header, (usually) the whole manifest and the trailer
+    k = min(size, HEADER_BYTES + _PREFETCH)
+    raw = _bytes_of(torch.cat([bucket[:k], bucket[size - TRAILER_BYTES:]]))
+    head, pre, trailer = raw[:HEADER_BYTES], raw[:k], raw[k:]
     magic, fmt, mlen, blen, total, mhash, _, _, hhash = _HDR.unpack(head)
     if magic != BUCKET_MAGIC:
         raise CorruptPayloadError(f"not a sparrow sync bucket (magic {magic!r})")
@@ -152,13 +159,13 @@ def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> Parse
         if size < total:
             raise TruncatedPayloadError(f"bucket truncated: {size} bytes of {total}")
         raise TruncatedPayloadError(f"bucket has {size - total} trailing bytes beyond its {total} bytes")
-    mbytes = _bytes_of(bucket[HEADER_BYTES:HEADER_BYTES + mlen])
+    mend = HEADER_BYTES + align(mlen)
+    mall = pre[HEADER_BYTES:mend] if mend <= k else _bytes_of(bucket[HEADER_BYTES:mend])
+    mbytes, mpad = mall[:mlen], mall[mlen:]
     if hash_bytes(mbytes) != mhash:
         raise CorruptPayloadError("bucket manifest checksum mismatch")
-    mpad = _bytes_of(bucket[HEADER_BYTES + mlen:HEADER_BYTES + align(mlen)])
     if mpad.strip(b"\0"):
         raise CorruptPayloadError("bucket manifest padding is not zero")
-    trailer = _bytes_of(bucket[size - TRAILER_BYTES:])
     if trailer[8:] != TRAILER_MAGIC + b"\0" * 4:
         raise CorruptPayloadError("bucket trailer missing (bad end marker)")
     try:
@@ -210,12 +217,16 @@ def _check_manifest(man: Any, blen: int) -> tuple[BucketInfo, list[EntryMeta]]:
         _need(e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen,
               f"entry {k} body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
         end = e["offset"] + e["nbytes"]
-        h = e.get("hash")
-        try:
-            th = None if h is None else int(h, 16)
-        except (TypeError, ValueError):
-            raise CorruptPayloadError(f"bad bucket manifest: entry {k} hash {h!r}") from None
+        hashes = []
+        for key in ("hash", "base_hash"):
+            h = e.get(key)
+            try:
+                hashes.append(None if h is None else int(h, 16))
+            except (TypeError, ValueError):
+                raise CorruptPayloadError(f"bad bucket manifest: entry {k} {key} {h!r}") from None
+            _need(hashes[-1] is None or 0 <= hashes[-1] < 1 << 64, f"entry {k} {key} out of range")
+        th, bh = hashes
         check_body_length(e["codec"], dtype, e["length"], e["nchanged"], e["nbytes"])
         out.append(EntryMeta(e["name"], dtype, tuple(shape), e["start"], e["length"], e["codec"], e["offset"],
-                             e["nbytes"], e["nchanged"], th))
+                             e["nbytes"], e["nchanged"], th, bh))
     return info, out

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..kernels.sync import api as K
-from ..kernels.sync.common import BITS_DTYPE, SyncFormatError, bits_view, combine_hash, element_bits
+from ..kernels.sync.common import BITS_DTYPE, M32, SyncFormatError, bits_view, combine_hash, element_bits
 from ._util import as_u8
 from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length
 from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
@@ -60,72 +60,147 @@ def _coo_body(pos: torch.Tensor, newvals: torch.Tensor, bits_dtype: torch.dtype)
     return torch.cat([as_u8(pos), as_u8(vals.contiguous())])
 
 
+def _mark(timer, name: str) -> None:
+    if timer is not None:
+        timer.mark(name)
+
+
 def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = True, update_old: bool = False,
-                  copy_dense: bool = True, impl: str | None = None) -> list[EncodedSlice]:
+                  copy_dense: bool = True, impl: str | None = None, base_hashes: Sequence[int | None] | None = None,
+                  max_group_changes: int | None = None, timer=None) -> list[EncodedSlice]:
     """Encode a batch of slices with the built-in codec ``codec`` ("dense" | "coo" | "compact" | "auto").
 
-    Slices with the same bit width are processed as one group (one kernel launch per stage, whatever
-    the number of slices). Host syncs: one for all change counts (and hashes), one for all compact sizes.
-    ``update_old`` leaves every ``old`` equal to its ``new`` (the sender's snapshot update; only the
-    changed elements are written). ``copy_dense=False`` lets dense bodies alias ``new``.
+    Pipeline (Triton: one launch per stage per bit width, whatever the number of slices):
+
+    1. **scan** all slices (change counts, 1-bit masks; the full hash of the new bits only when it is
+       needed, see below); host sync 1 reads the counts;
+    2. per group of consecutive slices holding at most ``max_group_changes`` changes (bounds the
+       scratch: ~40 bytes per change): **collect** the records (+ snapshot update, + hash change),
+       **pack** the compact bodies;
+    3. host sync 2 reads every packed size and hash change at once.
+
+    Target hashes: with ``base_hashes[k]`` (the hash of ``jobs[k].old``, e.g. the sender's running hash of
+    its snapshot) the target hash is ``base + (hash change over the changed elements)``, fused into the
+    collect pass (O(changes)); slices without a base hash, and slices sent dense, get the full hash of
+    their new bits (O(elements)). ``update_old`` leaves every ``old`` equal to its ``new`` (only changed
+    elements are written). ``copy_dense=False`` lets dense bodies alias ``new``. ``timer`` (a
+    :class:`~sparrow.sync.stats.StageTimer`) gets a mark after each stage.
     """
     if codec not in (*CODEC_NAMES, "auto"):
         raise ValueError(f"unknown codec {codec!r}; expected one of dense, coo, compact, auto")
     if not jobs:
         return []
+    if base_hashes is not None and len(base_hashes) != len(jobs):
+        raise ValueError("base_hashes must have one entry per job")
     dev = jobs[0].old.device
     parts: dict[int, list[int]] = {}
     for k, j in enumerate(jobs):
         parts.setdefault(j.old.element_size(), []).append(k)
+    incremental = [with_hash and base_hashes is not None and base_hashes[k] is not None for k in range(len(jobs))]
+    # full hash in the scan only for slices that cannot be updated incrementally (e.g. a first sync / anchor)
+    scan_hash = {eb: with_hash and not all(incremental[k] for k in idx) for eb, idx in parts.items()}
     scans = {eb: K.group_diff_scan([jobs[k].old for k in idx], [jobs[k].new for k in idx],
-                                   hash_starts=[jobs[k].start for k in idx] if with_hash else None, impl=impl)
+                                   hash_starts=[jobs[k].start for k in idx] if scan_hash[eb] else None, impl=impl)
              for eb, idx in parts.items()}
-    order = [k for idx in parts.values() for k in idx]
+    _mark(timer, "scan")
     stat = [scans[eb].counts.to(torch.int64) for eb in parts]
-    if with_hash:
-        stat += [scans[eb].hashes.reshape(-1) for eb in parts]
-    host = torch.cat(stat).tolist()  # host sync 1: change counts and hash lanes of the whole batch
+    stat += [scans[eb].hashes.reshape(-1) for eb in parts if scan_hash[eb]]
+    host = torch.cat(stat).tolist()  # host sync 1: change counts (and full hash lanes where computed)
     counts = [0] * len(jobs)
     hashes: list[int | None] = [None] * len(jobs)
-    for pos_in_order, k in enumerate(order):
-        counts[k] = int(host[pos_in_order])
-        if with_hash:
-            base = len(jobs) + 2 * pos_in_order
-            hashes[k] = combine_hash(torch.tensor(host[base:base + 2]))
+    at = 0
+    for eb, idx in parts.items():
+        for k in idx:
+            counts[k] = int(host[at])
+            at += 1
+    for eb, idx in parts.items():
+        if scan_hash[eb]:
+            for k in idx:
+                hashes[k] = combine_hash(torch.tensor(host[at:at + 2]))
+                at += 2
+    _mark(timer, "sync_counts")
     plan = []
     for j, m in zip(jobs, counts):
         want = codec
         if codec == "auto":
             want = "dense" if m > AUTO_DENSE_FRACTION * j.old.numel() else "compact"
         plan.append(want)
+    # dense slices whose target hash is still unknown: full hash of the new bits (they cost O(n) anyway)
+    full_idx = [k for k in range(len(jobs)) if with_hash and hashes[k] is None and plan[k] == "dense"]
+    full_lanes = []
+    for eb in parts:
+        idx = [k for k in full_idx if jobs[k].old.element_size() == eb]
+        if idx:
+            full_lanes.append((idx, K.group_hash_bits([jobs[k].new for k in idx], [jobs[k].start for k in idx],
+                                                      impl=scans[eb].impl)))
+    cap = max_group_changes if max_group_changes is not None else 1 << 62
     records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     packed: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    deltas: list[tuple[list[int], torch.Tensor]] = []
+    values = "new" if codec == "coo" else "delta"
     for eb, idx in parts.items():
-        if all(plan[k] == "dense" for k in idx):
-            continue
-        values = "new" if codec == "coo" else "delta"
-        pos, val, rec_off = K.group_diff_collect([jobs[k].old for k in idx], [jobs[k].new for k in idx], scans[eb],
-                                                 [counts[k] for k in idx], values=values, update_old=update_old)
-        for k, off in zip(idx, rec_off):
-            records[k] = (pos[off:off + counts[k]], val[off:off + counts[k]])
-        cidx = [k for k in idx if plan[k] == "compact"]
-        if cidx:
-            if len(cidx) == len(idx):
-                cpos, cval = pos, val
-            else:
-                cpos = torch.cat([records[k][0] for k in cidx])
-                cval = torch.cat([records[k][1] for k in cidx])
-            out, wbase, nwords = K.group_pack_compact(cpos, cval, [counts[k] for k in cidx], 8 * eb,
-                                                      impl=scans[eb].impl)
-            packed.append((cidx, out, wbase, nwords))
+        olds = [jobs[k].old for k in idx]
+        news = [jobs[k].new for k in idx]
+        cnts = [counts[k] for k in idx]
+        starts = [jobs[k].start for k in idx]
+        dacc = K.hash_zeros(len(idx), dev) if any(incremental[k] for k in idx) else None
+        # runs of consecutive non-dense slices, cut so that a run holds at most `cap` changes
+        runs, a = [], 0
+        while a < len(idx):
+            if plan[idx[a]] == "dense":
+                a += 1
+                continue
+            b, tot = a, 0
+            while b < len(idx) and plan[idx[b]] != "dense" and (b == a or tot + cnts[b] <= cap):
+                tot += cnts[b]
+                b += 1
+            runs.append((a, b))
+            a = b
+        for a, b in runs:
+            pos, val, rec_off = K.group_diff_collect(olds, news, scans[eb], cnts, values=values,
+                                                     update_old=update_old, hash_starts=starts, hash_out=dacc,
+                                                     sub=(a, b))
+            sub_idx = idx[a:b]
+            for k, off in zip(sub_idx, rec_off):
+                records[k] = (pos[off:off + counts[k]], val[off:off + counts[k]])
+            _mark(timer, "collect")
+            cidx = [k for k in sub_idx if plan[k] == "compact"]
+            if cidx:
+                if len(cidx) == len(sub_idx):
+                    cpos, cval = pos, val
+                else:
+                    cpos = torch.cat([records[k][0] for k in cidx])
+                    cval = torch.cat([records[k][1] for k in cidx])
+                out, wbase, nwords = K.group_pack_compact(cpos, cval, [counts[k] for k in cidx], 8 * eb,
+                                                          impl=scans[eb].impl)
+                packed.append((cidx, out, wbase, nwords))
+            _mark(timer, "pack")
+        if dacc is not None:
+            deltas.append(([k for k in idx], dacc))
+    # host sync 2: packed sizes, hash changes and full hashes of dense slices, all at once
+    tail = [torch.stack([b, n], 1).reshape(-1) for _, _, b, n in packed]
+    tail += [d.to(torch.int64).reshape(-1) for _, d in deltas]
+    tail += [ln.reshape(-1) for _, ln in full_lanes]
+    host2 = torch.cat(tail).tolist() if tail else []
+    _mark(timer, "sync_sizes")
+    at = 0
     words_of: dict[int, torch.Tensor] = {}
-    if packed:
-        host2 = torch.cat([torch.stack([b, n], 1).reshape(-1) for _, _, b, n in packed]).tolist()  # host sync 2
-        at = 0
-        for cidx, out, _, _ in packed:
-            for k in cidx:
-                words_of[k] = out[host2[at]: host2[at] + host2[at + 1]]
-                at += 2
+    for cidx, out, _, _ in packed:
+        for k in cidx:
+            words_of[k] = out[host2[at]: host2[at] + host2[at + 1]]
+            at += 2
+    for idx, _ in deltas:
+        for k in idx:
+            if incremental[k] and hashes[k] is None and plan[k] != "dense":
+                base = int(base_hashes[k])  # type: ignore[index]
+                a = ((base & M32) + host2[at]) & M32
+                b = ((base >> 32) + host2[at + 1]) & M32
+                hashes[k] = (b << 32) | a
+            at += 2
+    for idx, _ in full_lanes:
+        for k in idx:
+            hashes[k] = combine_hash(torch.tensor(host2[at:at + 2]))
+            at += 2
     result: list[EncodedSlice] = []
     for k, (j, m) in enumerate(zip(jobs, counts)):
         ebits = 8 * j.old.element_size()
@@ -146,7 +221,10 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
             body = as_u8(j.new).clone() if copy_dense else as_u8(j.new)
             if update_old:
                 j.old.copy_(j.new)
+            if with_hash and hashes[k] is None:  # auto chose dense after collecting: hash it fully
+                hashes[k] = combine_hash(K.hash_bits(j.new, j.start, impl=impl))
         result.append(EncodedSlice(kind, int(m), body, hashes[k], sizes))
+    _mark(timer, "finish")
     return result
 
 
@@ -193,9 +271,14 @@ def decode_slice(codec: str, body: torch.Tensor, n: int, dtype: torch.dtype, nch
     raise CorruptPayloadError(f"unknown codec {codec!r}")
 
 
-def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, impl: str | None = None):
-    """Write a validated decode into the flat bit view ``bits``; returns what :func:`undo_decoded` needs."""
+def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, impl: str | None = None,
+                  hash_start: int | None = None, hash_out: torch.Tensor | None = None):
+    """Write a validated decode into the flat bit view ``bits``; returns what :func:`undo_decoded` needs.
+    ``hash_out`` (int32 ``[1, 2]``, sparse codecs only) receives the hash change of the written elements
+    at positions ``hash_start + i``."""
     if dec.codec == "dense":
+        if hash_out is not None:
+            raise ValueError("apply_decoded: hash_out is not supported for dense bodies (hash the body)")
         undo = bits.clone() if keep_undo else None
         bits.copy_(dec.new_bits)
         return undo
@@ -203,9 +286,9 @@ def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, i
         undo = None
         if keep_undo:
             undo = bits[dec.pos.to(torch.int64)].to(torch.int32) & ((1 << (8 * bits.element_size())) - 1)
-        K.apply_records(bits, dec.pos, dec.val, values="new", impl=impl)
+        K.apply_records(bits, dec.pos, dec.val, values="new", impl=impl, hash_start=hash_start, hash_out=hash_out)
         return undo
-    K.apply_records(bits, dec.pos, dec.val, values="delta", impl=impl)
+    K.apply_records(bits, dec.pos, dec.val, values="delta", impl=impl, hash_start=hash_start, hash_out=hash_out)
     return None
 
 

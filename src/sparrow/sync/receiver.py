@@ -9,7 +9,7 @@ from typing import Mapping
 import torch
 
 from ..kernels.sync import api as K
-from ..kernels.sync.common import SyncFormatError, bits_view, combine_hash, element_bits
+from ..kernels.sync.common import M32, SyncFormatError, bits_view, element_bits
 from .bucket import BucketInfo, parse_bucket
 from .codecs import apply_decoded, decode_slice, undo_decoded
 from .errors import (
@@ -42,8 +42,16 @@ class SyncReceiver:
             rollout model; contiguous, bf16 / fp16 / fp32, dtypes and shapes as on the sender).
         run_id: accept only this sender run (None: adopt the run id of the first bucket applied).
         version: the version the tensors hold now (0 = the sender's initial state).
-        verify: after applying a bucket, hash each written slice and compare with the sender's hash;
-            on mismatch restore the slice bits and raise :class:`HashMismatchError`.
+        verify: check the 64-bit hashes of the manifest (raise :class:`HashMismatchError` and leave the
+            tensors unchanged on a mismatch). ``True`` / ``"full"``: hash each range's current bits
+            before writing and compare with the sender's base hash (O(elements) read, any divergence of
+            the receiver's bits is caught), then check ``base + change == target`` with the hash
+            change fused into the apply (O(changes)). ``"incremental"``: the receiver keeps a running
+            hash of every range it has seen (hashed once in full, then updated from the changed
+            elements) and compares it with the base hash: O(changes) per sync, but writes to the
+            tensors made behind the receiver's back are only caught when they touch changed elements
+            or at the next full check (``audit_every``, anchors, :meth:`rehash`). ``False``: none.
+        audit_every: with ``verify="incremental"``, every N-th target version is verified in full.
         keep_records: keep decoded records between validation and apply when a bucket has at most this
             many changed elements (8 bytes each); larger buckets are decoded twice instead.
         impl: kernel implementation (None: Triton on CUDA, reference on CPU).
@@ -57,7 +65,8 @@ class SyncReceiver:
     """
 
     def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, run_id: str | None = None, version: int = 0,
-                 verify: bool = True, keep_records: int = 1 << 24, impl: str | None = None) -> None:
+                 verify: bool | str = True, keep_records: int = 1 << 24, impl: str | None = None,
+                 audit_every: int = 0) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self._bits: dict[str, torch.Tensor] = {}
         for name, t in named_tensors.items():
@@ -68,7 +77,14 @@ class SyncReceiver:
             self._bits[name] = bits_view(t.detach())
         self.run_id = run_id
         self.version = int(version)
+        if verify not in (True, False, "full", "incremental"):
+            raise ValueError(f"verify must be True, False, 'full' or 'incremental', got {verify!r}")
         self.verify = verify
+        self.audit_every = int(audit_every)
+        #: running hashes of ranges: ``{name: {(start, length): hash}}`` (incremental verification)
+        self._hashes: dict[str, dict[tuple[int, int], int]] = {}
+        #: optional :class:`~sparrow.sync.stats.StageTimer` (per-stage timing of ``apply_bucket``)
+        self.timer = None
         self.keep_records = keep_records
         self.impl = impl
         self.needs_resync = False
@@ -146,6 +162,9 @@ class SyncReceiver:
         body = pb.body
         if body.device != (dev := self._device()):
             body = body.to(dev)
+        timer = self.timer
+        if timer is not None:
+            timer.mark("parse")
         words = body.view(torch.int32) if body.numel() else torch.zeros(0, dtype=torch.int32, device=dev)
         ents = pb.entries
         views = [self._bits[e.name][e.start:e.start + e.length] for e in ents]
@@ -154,13 +173,18 @@ class SyncReceiver:
             if e.codec == "compact":
                 compact.setdefault(e.dtype.itemsize, []).append(k)
         keep = sum(e.nchanged for e in ents) <= self.keep_records
+        mode = self._mode(info)
+        checked = [k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None]
+        starts = [e.start for e in ents]
 
         def decode_group(idx: list[int]):
             eb = 8 * ents[idx[0]].dtype.itemsize
             spec = [(ents[k].offset // 4, ents[k].nbytes // 4, ents[k].length, ents[k].nchanged) for k in idx]
             return K.group_unpack_compact(words, spec, eb, impl=self.impl)
 
-        # phase 1: decode + validate everything; one host sync for all device-side checks
+        # phase 1: decode + validate everything and hash what must be hashed in full (current bits of the
+        # ranges in "full" mode or when no running hash is known; new bits of dense entries); one host
+        # sync for all device-side checks and hashes
         flags = [pb.body_bad.to(dev)]
         decoded: dict[int, tuple] = {}
         other: dict[int, object] = {}
@@ -180,26 +204,87 @@ class SyncReceiver:
                     other[k] = d
         except SyncFormatError as exc:
             raise CorruptPayloadError(f"bucket {info.index}: {exc}") from None
-        if bool(torch.stack(flags).any()):
-            if bool(flags[0]):
+        base_of: dict[int, int] = {}
+        hash_jobs: list[tuple[str, int, torch.Tensor]] = []  # ("cur" | "new", entry, bits)
+        for k in checked:
+            e = ents[k]
+            if e.codec != "dense" or (not info.anchor and e.base_hash is not None):
+                known = self._hashes.get(e.name, {}).get((e.start, e.length)) if mode == "incremental" else None
+                if known is None:
+                    hash_jobs.append(("cur", k, views[k]))
+                else:
+                    base_of[k] = known
+            if e.codec == "dense":
+                hash_jobs.append(("new", k, other[k].new_bits))
+        lanes = self._hash_ranges(hash_jobs, ents)
+        host = torch.cat([torch.stack(flags).reshape(-1).to(torch.int64)] + lanes).tolist()
+        if timer is not None:
+            timer.mark("decode_validate")
+        if any(host[:len(flags)]):
+            if host[0]:
                 raise CorruptPayloadError(f"bucket {info.index}: body checksum mismatch")
             raise CorruptPayloadError(f"bucket {info.index}: an entry failed validation (indices out of range, "
                                       "unordered, or malformed compact body)")
-        # phase 2: apply, keeping what is needed to undo; phase 3: verify the target hashes
-        undo: dict[int, object] = {}
+        at = len(flags)
+        new_of: dict[int, int] = {}
+        for kind, k, _ in hash_jobs:
+            h = ((int(host[at + 1]) & M32) << 32) | (int(host[at]) & M32)
+            at += 2
+            (base_of if kind == "cur" else new_of)[k] = h
+        for k in checked:
+            e = ents[k]
+            if not info.anchor and e.base_hash is not None and base_of[k] != e.base_hash:
+                self._drop_hash(e.name, e.start, e.length, keep_exact=mode == "incremental")
+                raise HashMismatchError(
+                    f"{e.name}[{e.start}:{e.start + e.length}]: the receiver's bits hash to {base_of[k]:016x}, the "
+                    f"sender's base to {e.base_hash:016x}: the receiver's base differs from the sender's. Nothing "
+                    "was written; a dense resync is needed")
+            if e.codec == "dense" and new_of[k] != e.target_hash:
+                raise HashMismatchError(
+                    f"{e.name}[{e.start}:{e.start + e.length}]: dense body hashes to {new_of[k]:016x}, target "
+                    f"{e.target_hash:016x}. Nothing was written; a dense resync is needed")
+        # phase 2: apply the sparse entries with the hash change fused in, check base + change == target
+        # (one host sync), undo on a mismatch; phase 3: write the dense entries (verified before writing)
         applied: list[int] = []
+        undo: dict[int, object] = {}
+        want = {k for k in checked if ents[k].codec != "dense"}
+        dacc = K.hash_zeros(len(ents), dev) if want else None
         with torch.no_grad():
             try:
                 for k, d in other.items():
-                    undo[k] = apply_decoded(views[k], d, keep_undo=self.verify, impl=self.impl)
+                    if d.codec == "dense":
+                        continue
+                    undo[k] = apply_decoded(views[k], d, keep_undo=True, impl=self.impl,
+                                            hash_start=starts[k] if k in want else None,
+                                            hash_out=dacc[k:k + 1] if k in want else None)
                     applied.append(k)
                 for eb, idx in compact.items():
                     pos, val = decoded[eb] if eb in decoded else decode_group(idx)[:2]
+                    sub = [k for k in idx]
+                    hacc = K.hash_zeros(len(sub), dev) if any(k in want for k in sub) else None
                     K.group_apply_records([views[k] for k in idx], pos, val, [ents[k].nchanged for k in idx],
-                                          impl=self.impl)
+                                          impl=self.impl, hash_starts=[starts[k] for k in idx], hash_out=hacc)
+                    if hacc is not None:
+                        dacc[idx] = hacc
                     applied.append(-eb)
-                if self.verify:
-                    self._verify(ents, views)
+                if timer is not None:
+                    timer.mark("apply")
+                if want:
+                    dl = dacc.tolist()
+                    for k in sorted(want):
+                        e = ents[k]
+                        base = base_of[k]
+                        a = ((base & M32) + dl[k][0]) & M32
+                        b = ((base >> 32) + dl[k][1]) & M32
+                        got = (b << 32) | a
+                        if got != e.target_hash:
+                            raise HashMismatchError(
+                                f"{e.name}[{e.start}:{e.start + e.length}]: target hash mismatch after apply "
+                                f"({got:016x} != {e.target_hash:016x}); the receiver's base differs from the "
+                                "sender's. The bucket was undone; a dense resync is needed")
+                        new_of[k] = got
+                    if timer is not None:
+                        timer.mark("verify")
             except BaseException:
                 for k in reversed(applied):
                     if k >= 0:
@@ -209,7 +294,17 @@ class SyncReceiver:
                         pos, val = decoded[-k] if -k in decoded else decode_group(idx)[:2]
                         K.group_apply_records([views[i] for i in idx], pos, val, [ents[i].nchanged for i in idx],
                                               negate=True, impl=self.impl)
+                for e in ents:  # running hashes of these ranges are no longer trusted
+                    self._drop_hash(e.name, e.start, e.length, keep_exact=False)
                 raise
+            for k, d in other.items():
+                if d.codec == "dense":
+                    apply_decoded(views[k], d, keep_undo=False, impl=self.impl)
+        # running hashes: the verified target hash of every written range (unknown ranges are dropped)
+        for k, e in enumerate(ents):
+            self._drop_hash(e.name, e.start, e.length, keep_exact=False)
+            if k in new_of:
+                self._hashes.setdefault(e.name, {})[(e.start, e.length)] = new_of[k]
         # success: advance the state
         if info.last:
             self.version = info.target_version
@@ -236,27 +331,63 @@ class SyncReceiver:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             stats.apply_s += time.perf_counter() - t0
+        if timer is not None:
+            timer.mark("finish")
         return info
 
-    def _verify(self, ents, views) -> None:
-        """Hash every written range and compare with the sender's hashes (one host sync)."""
-        groups: dict[int, list[int]] = {}
-        for k, e in enumerate(ents):
-            if e.target_hash is not None:
-                groups.setdefault(e.dtype.itemsize, []).append(k)
-        if not groups:
+    # -- hashes --------------------------------------------------------------------------------------
+
+    def _mode(self, info: BucketInfo) -> str | None:
+        if self.verify is False:
+            return None
+        if self.verify == "incremental":
+            if self.audit_every > 0 and info.target_version % self.audit_every == 0:
+                return "full"
+            return "incremental"
+        return "full"
+
+    def _hash_ranges(self, jobs, ents) -> list[torch.Tensor]:
+        """Full hashes (flattened int64 lanes, device) of the bit views of ``jobs``, one launch per bit width."""
+        if not jobs:
+            return []
+        by_bits: dict[int, list[int]] = {}
+        for i, (_, _, b) in enumerate(jobs):
+            by_bits.setdefault(b.element_size(), []).append(i)
+        rows: list[torch.Tensor | None] = [None] * len(jobs)
+        for idx in by_bits.values():
+            ln = K.group_hash_bits([jobs[i][2] for i in idx], [ents[jobs[i][1]].start for i in idx], impl=self.impl)
+            for r, i in enumerate(idx):
+                rows[i] = ln[r]
+        return [torch.stack(rows).reshape(-1)]  # type: ignore[arg-type]
+
+    def _drop_hash(self, name: str, start: int, length: int, *, keep_exact: bool) -> None:
+        """Forget running hashes of ranges of ``name`` overlapping ``[start, start + length)``."""
+        d = self._hashes.get(name)
+        if not d:
             return
-        order = [k for idx in groups.values() for k in idx]
-        lanes = torch.cat([K.group_hash_bits([views[k] for k in idx], [ents[k].start for k in idx], impl=self.impl)
-                           for idx in groups.values()]).tolist()
-        for k, ln in zip(order, lanes):
-            e = ents[k]
-            got = combine_hash(torch.tensor(ln))
-            if got != e.target_hash:
-                raise HashMismatchError(
-                    f"{e.name}[{e.start}:{e.start + e.length}]: target hash mismatch after apply "
-                    f"({got:016x} != {e.target_hash:016x}); the receiver's base differs from the sender's. "
-                    "The bucket was undone; a dense resync is needed")
+        for (s0, n0) in list(d):
+            if s0 < start + length and start < s0 + n0 and not (keep_exact and (s0, n0) == (start, length)):
+                del d[(s0, n0)]
+
+    def rehash(self, ranges=None) -> None:
+        """Reset the running hashes used by ``verify="incremental"``.
+
+        Without arguments every running hash is forgotten (the next sync hashes the ranges it touches in
+        full): call this after writing to the tensors outside the receiver. ``ranges`` (``(name, start,
+        length)`` triples, e.g. the entries of a manifest) are hashed now from the current bits instead,
+        one pass over those ranges."""
+        self._hashes.clear()
+        if not ranges:
+            return
+        ranges = [(str(n), int(s), int(ln)) for n, s, ln in ranges]
+        by_bits: dict[int, list[tuple[str, int, int]]] = {}
+        for r in ranges:
+            by_bits.setdefault(self._bits[r[0]].element_size(), []).append(r)
+        for rs in by_bits.values():
+            lanes = K.group_hash_bits([self._bits[n][s:s + ln] for n, s, ln in rs], [s for _, s, _ in rs],
+                                      impl=self.impl).tolist()
+            for (n, s, ln), h in zip(rs, lanes):
+                self._hashes.setdefault(n, {})[(s, ln)] = ((int(h[1]) & M32) << 32) | (int(h[0]) & M32)
 
     def _device(self) -> torch.device:
         return next(iter(self._bits.values())).device if self._bits else torch.device("cpu")

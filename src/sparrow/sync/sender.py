@@ -8,7 +8,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ..kernels.sync.common import MAX_SLICE_ELEMS, bits_view, element_bits
+from ..kernels.sync import api as K
+from ..kernels.sync.common import M32, MAX_SLICE_ELEMS, bits_view, element_bits
 from .bucket import BucketInfo, EntryMeta, build_bucket
 from .codecs import SliceJob, encode_slices
 from .errors import ShapeMismatchError
@@ -30,7 +31,9 @@ class SyncSender:
             ``bucket_bytes`` of dense data, so only a COO slice at high density can exceed it).
         run_id: identifies this sender's version sequence (default: random).
         anchor_every: every N-th sync is a dense anchor (0: only when asked for / ``initial_anchor``).
-        with_hash: put the 64-bit hash of each slice's target bits in the manifest (receivers verify).
+        with_hash: put the 64-bit hashes of each slice's base and target bits in the manifest (receivers
+            verify). The sender hashes its snapshot once and then updates each slice's hash from the
+            changed elements only (fused into the diff), so hashing costs O(changes) per sync.
         max_slice_elems: tensors larger than this are split into slices (bounds scratch memory).
         initial_anchor: make the first sync dense.
         impl: kernel implementation (None: Triton on CUDA, reference on CPU).
@@ -65,11 +68,44 @@ class SyncSender:
         self._slices: list[tuple[str, int, int]] = []
         for name, t in self.snapshot.items():
             cap = max(1, min(max_slice_elems, MAX_SLICE_ELEMS, self.bucket_bytes // t.element_size()))
+            if cap >= 1024:
+                cap -= cap % 8  # keep slices 16-byte aligned (vectorised kernels)
             n = t.numel()
             if n == 0:
                 self._slices.append((name, 0, 0))
             for s in range(0, n, cap):
                 self._slices.append((name, s, min(cap, n - s)))
+        #: collect / pack work on groups of slices holding at most this many changes (bounds scratch)
+        self.max_group_changes = max(1, self.bucket_bytes // 4)
+        #: optional :class:`~sparrow.sync.stats.StageTimer` (per-stage timing of ``encode``)
+        self.timer = None
+        self._hash: list[int | None] = [None] * len(self._slices)
+        if with_hash:
+            self.rehash()
+
+    def rehash(self) -> None:
+        """Recompute the running hash of every snapshot slice from its bits (one pass over the snapshot).
+
+        The sender keeps the 64-bit hash of each slice of its snapshot and updates it from the changed
+        elements only; call this after modifying ``snapshot`` by hand (the next manifest's base hashes
+        and target hashes are derived from these)."""
+        if not self.with_hash:
+            return
+        by_bits: dict[int, list[int]] = {}
+        for i, (name, _, _) in enumerate(self._slices):
+            by_bits.setdefault(self.snapshot[name].element_size(), []).append(i)
+        lanes, order = [], []
+        with torch.no_grad():
+            for idx in by_bits.values():
+                views = [bits_view(self.snapshot[self._slices[i][0]])[self._slices[i][1]:
+                                                                      self._slices[i][1] + self._slices[i][2]]
+                         for i in idx]
+                lanes.append(K.group_hash_bits(views, [self._slices[i][1] for i in idx], impl=self.impl))
+                order += idx
+        if order:
+            host = torch.cat(lanes).tolist()
+            for i, ln in zip(order, host):
+                self._hash[i] = ((int(ln[1]) & M32) << 32) | (int(ln[0]) & M32)
 
     def request_resync(self) -> None:
         """Make the next sync a dense anchor."""
@@ -119,46 +155,41 @@ class SyncSender:
         index = 0
         pending: list[tuple[EntryMeta, torch.Tensor]] = []
         pending_bytes = 0
-        # group slices by dense input size so the encoder's scratch stays bounded
-        groups: list[list[tuple[str, int, int]]] = [[]]
-        gbytes = 0
-        for sl in self._slices:
-            nb = sl[2] * self.snapshot[sl[0]].element_size()
-            if groups[-1] and gbytes + nb > self.bucket_bytes:
-                groups.append([])
-                gbytes = 0
-            groups[-1].append(sl)
-            gbytes += nb
+        timer = self.timer
+        if timer is not None:
+            timer.start()
         # From here on the snapshot moves to `target`: reserve the version and make the next sync an
         # anchor unless this one completes (a failed sync must never be followed by a delta).
         self.version = target
         self._force_anchor = True
-        for gi, group in enumerate(groups):
-            t0 = time.perf_counter()
-            jobs = []
-            for name, s, n in group:
-                snap_bits = bits_view(self.snapshot[name])
-                jobs.append(SliceJob(snap_bits[s:s + n], new_bits[name][s:s + n], s))
-            with torch.no_grad():
-                enc = encode_slices(jobs, codec, with_hash=self.with_hash, update_old=True, copy_dense=False,
-                                    impl=self.impl)
-            stats.encode_s += time.perf_counter() - t0
-            for (name, s, n), e in zip(group, enc):
-                snap = self.snapshot[name]
-                meta = EntryMeta(name, snap.dtype, tuple(snap.shape), s, n, e.codec, 0, e.body.numel(),
-                                 e.nchanged, e.target_hash)
-                stats.entries += 1
-                stats.numel += n
-                stats.changed += e.nchanged
-                stats.dense_bytes += n * snap.element_size()
-                stats.payload_bytes += e.body.numel()
-                stats.count(e.codec, e.body.numel())
-                if pending and pending_bytes + e.body.numel() > self.bucket_bytes:
-                    yield self._finish(pending, base, target, index, False, is_anchor, stats)
-                    index += 1
-                    pending, pending_bytes = [], 0
-                pending.append((meta, e.body))
-                pending_bytes += e.body.numel()
+        t0 = time.perf_counter()
+        jobs = []
+        for name, s, n in self._slices:
+            snap_bits = bits_view(self.snapshot[name])
+            jobs.append(SliceJob(snap_bits[s:s + n], new_bits[name][s:s + n], s))
+        base_hashes = list(self._hash) if (self.with_hash and not is_anchor) else None
+        with torch.no_grad():
+            enc = encode_slices(jobs, codec, with_hash=self.with_hash, update_old=True, copy_dense=False,
+                                impl=self.impl, base_hashes=base_hashes, max_group_changes=self.max_group_changes,
+                                timer=timer)
+        stats.encode_s += time.perf_counter() - t0
+        for i, ((name, s, n), e) in enumerate(zip(self._slices, enc)):
+            snap = self.snapshot[name]
+            meta = EntryMeta(name, snap.dtype, tuple(snap.shape), s, n, e.codec, 0, e.body.numel(),
+                             e.nchanged, e.target_hash, self._hash[i] if self.with_hash else None)
+            self._hash[i] = e.target_hash
+            stats.entries += 1
+            stats.numel += n
+            stats.changed += e.nchanged
+            stats.dense_bytes += n * snap.element_size()
+            stats.payload_bytes += e.body.numel()
+            stats.count(e.codec, e.body.numel())
+            if pending and pending_bytes + e.body.numel() > self.bucket_bytes:
+                yield self._finish(pending, base, target, index, False, is_anchor, stats)
+                index += 1
+                pending, pending_bytes = [], 0
+            pending.append((meta, e.body))
+            pending_bytes += e.body.numel()
         yield self._finish(pending, base, target, index, True, is_anchor, stats)
         self._force_anchor = False
 
@@ -167,6 +198,8 @@ class SyncSender:
         info = BucketInfo(self.run_id, base, target, index, last, anchor)
         device = next(iter(self.snapshot.values())).device if self.snapshot else torch.device("cpu")
         bucket = build_bucket(info, entries, device=device)
+        if self.timer is not None:
+            self.timer.mark("bucket")
         stats.buckets += 1
         stats.wire_bytes += bucket.numel()
         stats.encode_s += time.perf_counter() - t0

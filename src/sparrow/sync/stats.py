@@ -53,3 +53,52 @@ class SyncStats:
         d["ratio"] = self.ratio
         d["density"] = self.density
         return d
+
+
+class StageTimer:
+    """Per-stage timing of one encode / apply (used by ``benchmarks/bench_sync_throughput.py``).
+
+    ``mark(name)`` closes the stage that began at the previous mark (or :meth:`start`) and names it. On
+    CUDA each mark records an event on the current stream, so a stage's ``gpu_ms`` is the device time
+    between two marks (device idle time while the host works or waits is included, which is the point:
+    it shows where the wall time goes); ``cpu_ms`` is the host time between the same marks. Stages with
+    the same name accumulate. Attach one as ``SyncSender.timer`` / ``SyncReceiver.timer``.
+    """
+
+    def __init__(self, device: "torch.device | str | None" = None) -> None:
+        import torch
+
+        self._torch = torch
+        dev = torch.device(device) if device is not None else None
+        self.cuda = dev is not None and dev.type == "cuda"
+        self._marks: list[tuple[str, Any, float]] = []
+
+    def _event(self):
+        if not self.cuda:
+            return None
+        ev = self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def start(self) -> None:
+        import time
+
+        self._marks = [("", self._event(), time.perf_counter())]
+
+    def mark(self, name: str) -> None:
+        import time
+
+        if not self._marks:
+            self.start()
+        self._marks.append((name, self._event(), time.perf_counter()))
+
+    def result(self) -> dict[str, dict[str, float]]:
+        """``{stage: {"gpu_ms", "cpu_ms"}}`` (synchronises the device)."""
+        if self.cuda:
+            self._torch.cuda.synchronize()
+        out: dict[str, dict[str, float]] = {}
+        for (_, e0, t0), (name, e1, t1) in zip(self._marks, self._marks[1:]):
+            d = out.setdefault(name, {"gpu_ms": 0.0, "cpu_ms": 0.0})
+            d["cpu_ms"] += (t1 - t0) * 1e3
+            d["gpu_ms"] += e0.elapsed_time(e1) if self.cuda else (t1 - t0) * 1e3
+        return out

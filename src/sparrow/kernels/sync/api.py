@@ -17,6 +17,7 @@ functions are groups of one.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -35,7 +36,10 @@ from .common import (
 Impl = Literal["reference", "triton"]
 Values = Literal["delta", "new"]
 
-_BLOCK = 1024  # elements per program of the hash / apply kernels
+_BLOCK = 1024  # records per program of the apply kernel
+#: Tiles (of ``DIFF_TILE`` elements) per program of the full-data kernels (scan, collect, hash).
+TPP = 8
+_LAYOUT_CACHE = 64
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,6 +100,11 @@ def _cum(counts: Sequence[int]) -> list[int]:
     return out
 
 
+def _aligned(ts: Sequence[torch.Tensor]) -> bool:
+    """All slices start 16-byte aligned and have a multiple of 8 elements (vectorised full-data kernels)."""
+    return all(t.data_ptr() % 16 == 0 and t.numel() % 8 == 0 for t in ts)
+
+
 def _check_bits(name: str, t: torch.Tensor) -> int:
     if t.dtype not in (torch.int16, torch.int32):
         raise TypeError(f"{name}: expected an int16/int32 bit view, got {t.dtype}")
@@ -125,18 +134,66 @@ def _check_group(ts: Sequence[torch.Tensor], name: str) -> int:
     return ebits.pop()
 
 
-def _tile_slices(tiles: Sequence[int], dev: torch.device) -> torch.Tensor:
-    """Slice index of every tile (int32 device array), built on the device without a host sync."""
-    total = sum(tiles)
-    return torch.repeat_interleave(torch.arange(len(tiles), device=dev, dtype=torch.int32),
-                                   _dev_i64(tiles, dev), output_size=total)
+@dataclass
+class _Layout:
+    """Tiling of a list of slices for the full-data kernels (scan, collect, hash): slice ``s`` has
+    ``tiles[s]`` tiles of ``DIFF_TILE`` elements, handled by ``progs[s]`` programs of ``TPP`` tiles each.
+    Device copies of the cumulative counts and the program -> slice table are cached per slicing."""
+
+    ns: tuple[int, ...]
+    tile_cum: list[int]
+    prog_cum: list[int]
+    n_d: torch.Tensor
+    tile_cum_d: torch.Tensor
+    prog_cum_d: torch.Tensor
+    prog_slice_d: torch.Tensor
+
+    @property
+    def tiles(self) -> int:
+        return self.tile_cum[-1]
+
+    @property
+    def programs(self) -> int:
+        return self.prog_cum[-1]
 
 
-def _segment_sums(part: torch.Tensor, cum: list[int], dev: torch.device) -> torch.Tensor:
-    """Per-slice sums of per-tile rows ``part`` [G, k] given cumulative tile counts (no host sync)."""
-    c = torch.cat([torch.zeros(1, part.shape[1], dtype=part.dtype, device=dev), torch.cumsum(part, 0)])
-    idx = _dev_i64(cum, dev)
-    return c[idx[1:]] - c[idx[:-1]]
+_LAYOUTS: "OrderedDict[tuple, _Layout]" = OrderedDict()
+
+
+def _layout(ns: Sequence[int], dev: torch.device) -> _Layout:
+    key = (str(dev), tuple(int(n) for n in ns))
+    lay = _LAYOUTS.get(key)
+    if lay is not None:
+        _LAYOUTS.move_to_end(key)
+        return lay
+    tiles = [_cdiv(n, DIFF_TILE) for n in key[1]]
+    progs = [_cdiv(t, TPP) for t in tiles]
+    tile_cum, prog_cum = _cum(tiles), _cum(progs)
+    table = _dev_i64(key[1] + tuple(tile_cum) + tuple(prog_cum), dev)
+    S = len(tiles)
+    slice_of = torch.repeat_interleave(torch.arange(S, dtype=torch.int32), torch.tensor(progs, dtype=torch.int64))
+    lay = _Layout(key[1], tile_cum, prog_cum, table[:S], table[S:2 * S + 1], table[2 * S + 1:],
+                  slice_of.to(dev) if dev.type != "cuda" else slice_of.pin_memory().to(dev, non_blocking=True))
+    _LAYOUTS[key] = lay
+    if len(_LAYOUTS) > _LAYOUT_CACHE:
+        _LAYOUTS.popitem(last=False)
+    return lay
+
+
+def _lanes64(lanes32: torch.Tensor) -> torch.Tensor:
+    """int32 [.., 2] lane accumulators (wrapped mod 2^32) -> int64 lanes in [0, 2^32)."""
+    return lanes32.to(torch.int64) & 0xFFFFFFFF
+
+
+def hash_zeros(nslices: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed int32 ``[nslices, 2]`` accumulator for the ``hash_out`` arguments (lanes mod 2^32)."""
+    return torch.zeros(nslices, 2, dtype=torch.int32, device=device)
+
+
+def _add_lanes(out: torch.Tensor, row: int, lanes: torch.Tensor) -> None:
+    """out[row] += lanes (mod 2^32) for an int32 accumulator and int64 lanes."""
+    v = (out[row].to(torch.int64) + lanes) & 0xFFFFFFFF
+    out[row] = (v - ((v >> 31) << 32)).to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,20 +202,26 @@ def _segment_sums(part: torch.Tensor, cum: list[int], dev: torch.device) -> torc
 
 def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl: str | None = None) -> torch.Tensor:
     """Hash lanes of each slice (int64 ``[S, 2]`` on the device, no host sync); slice ``s`` is hashed
-    at positions ``starts[s] + i``. Fold a row with :func:`~sparrow.kernels.sync.common.combine_hash`."""
+    at positions ``starts[s] + i``. Fold a row with :func:`~sparrow.kernels.sync.common.combine_hash`.
+
+    One launch for the whole group: each program hashes ``TPP`` tiles in registers and adds its two
+    32-bit sums into the slice's accumulator with atomics (integer sums mod 2^32: the result does not
+    depend on the order)."""
     ebits = _check_group(bits, "bits")
     dev = bits[0].device
+    if len(starts) != len(bits):
+        raise ValueError("bits and starts must have the same length")
     if resolve_impl(impl, bits[0]) == "reference":
         return torch.stack([_ref().hash_bits(b, st) for b, st in zip(bits, starts)])
-    tiles = [_cdiv(b.numel(), _BLOCK) for b in bits]
-    cum = _cum(tiles)
-    if cum[-1] == 0:
-        return torch.zeros(len(bits), 2, dtype=torch.int64, device=dev)
-    part = torch.empty(cum[-1], 2, dtype=torch.int64, device=dev)
-    _tk()._hash_group_kernel[(cum[-1],)](_addrs(bits, dev), _dev_i64([b.numel() for b in bits], dev),
-                                         _dev_i64(starts, dev), _dev_i64(cum, dev), _tile_slices(tiles, dev), part,
-                                         EBITS=ebits, BLOCK=_BLOCK)
-    return _segment_sums(part, cum, dev) & 0xFFFFFFFF
+    lay = _layout([b.numel() for b in bits], dev)
+    out = hash_zeros(len(bits), dev)
+    if lay.programs:
+        meta = _dev_i64([b.data_ptr() for b in bits] + [int(st) for st in starts], dev)
+        S = len(bits)
+        _tk()._hash_group_kernel[(lay.programs,)](meta[:S], lay.n_d, meta[S:], lay.tile_cum_d, lay.prog_cum_d,
+                                                  lay.prog_slice_d, out, EBITS=ebits, TILE=DIFF_TILE, TPP=TPP,
+                                                  ALIGNED=_aligned(bits))
+    return _lanes64(out)
 
 
 def hash_bits(bits: torch.Tensor, start: int = 0, *, impl: str | None = None) -> torch.Tensor:
@@ -182,8 +245,15 @@ class GroupScan:
     impl: Impl
     tile_counts: torch.Tensor | None = None
     mask_words: torch.Tensor | None = None
-    tile_cum: list[int] | None = None
-    tile_slice: torch.Tensor | None = None
+    layout: _Layout | None = None
+    _offsets: torch.Tensor | None = None
+
+    def offsets(self) -> torch.Tensor:
+        """Exclusive prefix sum of the tile counts (int64, on the device; computed once)."""
+        if self._offsets is None:
+            tc = self.tile_counts
+            self._offsets = torch.cumsum(tc, 0, dtype=torch.int64) - tc
+        return self._offsets
 
 
 @dataclass
@@ -198,7 +268,11 @@ class DiffScan:
 
 def group_diff_scan(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], *,
                     hash_starts: Sequence[int] | None = None, impl: str | None = None) -> GroupScan:
-    """Count the positions whose bit patterns differ, per slice (device-side; no host sync)."""
+    """Count the positions whose bit patterns differ, per slice (device-side; no host sync).
+
+    Triton: one launch for the whole group (``TPP`` tiles per program); per tile a change count and a
+    1-bit mask, per slice the count (and with ``hash_starts`` the hash lanes of the new bits) through
+    atomics."""
     if len(olds) != len(news):
         raise ValueError("olds and news must have the same length")
     for o, x in zip(olds, news):
@@ -212,39 +286,57 @@ def group_diff_scan(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], 
         if hash_starts is not None:
             h = torch.stack([_ref().hash_bits(x, st) for x, st in zip(news, hash_starts)])
         return GroupScan(counts, h, which)
-    tiles = [_cdiv(o.numel(), DIFF_TILE) for o in olds]
-    cum = _cum(tiles)
-    G = cum[-1]
-    counts_t = torch.zeros(max(G, 1), dtype=torch.int32, device=dev)
-    maskw = torch.empty(max(G, 1) * (DIFF_TILE // 32), dtype=torch.int32, device=dev)
+    S = len(olds)
+    lay = _layout([o.numel() for o in olds], dev)
+    G = lay.tiles
     do_hash = hash_starts is not None
-    hpart = torch.zeros(max(G, 1) if do_hash else 1, 2, dtype=torch.int64, device=dev)
-    tile_slice = _tile_slices(tiles, dev)
+    tile_counts = torch.empty(max(G, 1), dtype=torch.int32, device=dev)
+    maskw = torch.empty(max(G, 1) * (DIFF_TILE // 32), dtype=torch.int32, device=dev)
+    acc = torch.zeros(3 * S, dtype=torch.int32, device=dev)  # counts, then hash lanes
     if G:
-        _tk()._diff_count_group_kernel[(G,)](
-            _addrs(olds, dev), _addrs(news, dev), _dev_i64([o.numel() for o in olds], dev),
-            _dev_i64(hash_starts if do_hash else [0] * len(olds), dev), _dev_i64(cum, dev), tile_slice,
-            counts_t, maskw, hpart, EBITS=ebits, TILE=DIFF_TILE, HASH=do_hash)
-    counts = _segment_sums(counts_t[:G].to(torch.int64)[:, None], cum, dev)[:, 0]
-    h = _segment_sums(hpart[:G], cum, dev) & 0xFFFFFFFF if do_hash else None
-    return GroupScan(counts, h, which, counts_t[:G], maskw, cum, tile_slice)
+        meta = _dev_i64([o.data_ptr() for o in olds] + [x.data_ptr() for x in news]
+                        + (list(hash_starts) if do_hash else [0] * S), dev)
+        _tk()._diff_count_group_kernel[(lay.programs,)](
+            meta[:S], meta[S:2 * S], lay.n_d, meta[2 * S:], lay.tile_cum_d, lay.prog_cum_d, lay.prog_slice_d,
+            tile_counts, maskw, acc[:S], acc[S:], EBITS=ebits, TILE=DIFF_TILE, TPP=TPP, HASH=do_hash,
+            ALIGNED=_aligned(olds) and _aligned(news))
+    counts = acc[:S].to(torch.int64)
+    h = _lanes64(acc[S:].view(S, 2)) if do_hash else None
+    return GroupScan(counts, h, which, tile_counts[:G], maskw, lay)
 
 
 def group_diff_collect(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], scan: GroupScan,
-                       counts: Sequence[int], *, values: Values = "delta",
-                       update_old: bool = False) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                       counts: Sequence[int], *, values: Values = "delta", update_old: bool = False,
+                       hash_starts: Sequence[int] | None = None, hash_out: torch.Tensor | None = None,
+                       sub: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Second pass: the records of all slices, concatenated (``counts`` = the scan's counts, read by the
     caller with one host sync per group), and ``rec_off`` (where each slice's records start; positions
-    are relative to the slice). ``update_old`` writes the new bits of changed positions into ``olds``."""
+    are relative to the slice). ``update_old`` writes the new bits of changed positions into ``olds``.
+
+    ``sub = (a, b)``: only slices ``a .. b-1`` of the scanned group (records and ``rec_off`` of those).
+    ``hash_out`` (int32 ``[S, 2]``, see :func:`hash_zeros`; row ``s`` for slice ``s`` of the group):
+    adds the hash change ``lanes(new) - lanes(old)`` over the changed elements of each slice at
+    positions ``hash_starts[s] + i`` (the incremental hash update; fused, no extra pass)."""
     if values not in ("delta", "new"):
         raise ValueError(f"values must be 'delta' or 'new', got {values!r}")
     ebits = _check_group(olds, "olds")
     dev = olds[0].device
-    rec_off = _cum(counts)
+    a, b = sub if sub is not None else (0, len(olds))
+    if not 0 <= a <= b <= len(olds) or len(counts) != len(olds):
+        raise ValueError("group_diff_collect: bad sub range or counts length")
+    do_hash = hash_out is not None
+    if do_hash and (hash_starts is None or tuple(hash_out.shape) != (len(olds), 2) or hash_out.dtype != torch.int32):
+        raise ValueError("hash_out must be an int32 [S, 2] accumulator and needs hash_starts")
+    rec_off = _cum(counts[a:b])
     if scan.impl == "reference":
+        ref = _ref()
         pos, val = [], []
-        for o, x, m in zip(olds, news, counts):
-            p, v = _ref().diff_records(o, x, values, update_old)
+        for s in range(a, b):
+            o, x, m = olds[s], news[s], counts[s]
+            if do_hash:
+                p0 = torch.nonzero(o != x).reshape(-1)
+                _add_lanes(hash_out, s, ref.hash_delta(o[p0], x[p0], p0, int(hash_starts[s])))
+            p, v = ref.diff_records(o, x, values, update_old)
             if p.numel() != m:
                 raise RuntimeError(f"diff_collect: {p.numel()} changes found, {m} expected")
             pos.append(p)
@@ -254,13 +346,18 @@ def group_diff_collect(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor
     M = rec_off[-1]
     pos = torch.empty(M, dtype=torch.int32, device=dev)
     val = torch.empty(M, dtype=torch.int32, device=dev)
-    G = scan.tile_cum[-1]
-    if M and G:
-        offsets = torch.cumsum(scan.tile_counts, 0, dtype=torch.int64) - scan.tile_counts
-        _tk()._diff_collect_group_kernel[(G,)](
-            _addrs(olds, dev), _addrs(news, dev), _dev_i64([o.numel() for o in olds], dev),
-            _dev_i64(scan.tile_cum, dev), scan.tile_slice, offsets, scan.mask_words, pos, val, EBITS=ebits,
-            TILE=DIFF_TILE, DELTA=values == "delta", UPDATE_OLD=update_old)
+    lay = scan.layout
+    nprog = lay.prog_cum[b] - lay.prog_cum[a]
+    if M and nprog:
+        S = len(olds)
+        meta = _dev_i64([o.data_ptr() for o in olds] + [x.data_ptr() for x in news]
+                        + (list(hash_starts) if do_hash else [0] * S), dev)
+        rec_base = sum(counts[:a])
+        _tk()._diff_collect_group_kernel[(nprog,)](
+            meta[:S], meta[S:2 * S], lay.n_d, meta[2 * S:], lay.tile_cum_d, lay.prog_cum_d, lay.prog_slice_d,
+            lay.prog_cum[a], scan.tile_counts, scan.offsets(), rec_base, scan.mask_words, pos, val,
+            hash_out if do_hash else pos, EBITS=ebits, TILE=DIFF_TILE, TPP=TPP, DELTA=values == "delta",
+            UPDATE_OLD=update_old, HASH=do_hash)
     return pos, val, rec_off[:-1]
 
 
@@ -434,9 +531,14 @@ def check_positions(pos: torch.Tensor, n: int) -> None:
 
 def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val: torch.Tensor,
                         counts: Sequence[int], *, values: Values = "delta", negate: bool = False,
-                        impl: str | None = None) -> None:
+                        impl: str | None = None, hash_starts: Sequence[int] | None = None,
+                        hash_out: torch.Tensor | None = None) -> None:
     """Write concatenated records into several bit views in place (slice ``s`` takes the next
-    ``counts[s]`` records). Positions must already be validated. ``negate`` undoes a delta application."""
+    ``counts[s]`` records). Positions must already be validated. ``negate`` undoes a delta application.
+
+    ``hash_out`` (int32 ``[S, 2]``, see :func:`hash_zeros`) receives, per slice, the hash change
+    ``lanes(new) - lanes(old)`` of the written elements at positions ``hash_starts[s] + pos`` (fused
+    into the apply: the receiver's incremental verification touches only the changed elements)."""
     ebits = _check_group(targets, "targets")
     if values not in ("delta", "new"):
         raise ValueError(f"values must be 'delta' or 'new', got {values!r}")
@@ -446,26 +548,42 @@ def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val:
         raise ValueError("negate is only defined for delta records")
     if sum(counts) != pos.numel():
         raise ValueError(f"apply_records: counts sum to {sum(counts)}, got {pos.numel()} records")
+    do_hash = hash_out is not None
+    if do_hash and (hash_starts is None or tuple(hash_out.shape) != (len(targets), 2)
+                    or hash_out.dtype != torch.int32):
+        raise ValueError("hash_out must be an int32 [S, 2] accumulator and needs hash_starts")
     rec_off = _cum(counts)
     dev = targets[0].device
     if resolve_impl(impl, targets[0]) == "reference":
+        ref = _ref()
         for s, t in enumerate(targets):
             a, b = rec_off[s], rec_off[s + 1]
             if b > a:
-                _ref().apply_records(t, pos[a:b], val[a:b], values, negate)
+                p = pos[a:b].to(torch.int64)
+                old = t[p].clone() if do_hash else None
+                ref.apply_records(t, pos[a:b], val[a:b], values, negate)
+                if do_hash:
+                    _add_lanes(hash_out, s, ref.hash_delta(old, t[p], p, int(hash_starts[s])))
         return
     tiles = [_cdiv(m, _BLOCK) for m in counts]
     cum = _cum(tiles)
     if cum[-1] == 0:
         return
+    S = len(targets)
+    meta = _dev_i64([t.data_ptr() for t in targets] + rec_off[:-1] + list(counts) + cum
+                    + (list(hash_starts) if do_hash else [0] * S), dev)
     _tk()._apply_group_kernel[(cum[-1],)](
-        _addrs(targets, dev), _dev_i64(rec_off[:-1], dev), _dev_i64(counts, dev), _dev_i64(cum, dev),
-        len(targets), pos, val, EBITS=ebits, BLOCK=_BLOCK, DELTA=values == "delta", NEGATE=negate,
-        STEPS=_steps(len(targets)))
+        meta[:S], meta[S:2 * S], meta[2 * S:3 * S], meta[3 * S:4 * S + 1], S, pos, val, meta[4 * S + 1:],
+        hash_out if do_hash else pos, EBITS=ebits, BLOCK=_BLOCK, DELTA=values == "delta", NEGATE=negate,
+        STEPS=_steps(S), HASH=do_hash)
 
 
 def apply_records(bits: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, *, values: Values = "delta",
-                  negate: bool = False, impl: str | None = None) -> None:
+                  negate: bool = False, impl: str | None = None, hash_start: int | None = None,
+                  hash_out: torch.Tensor | None = None) -> None:
     """Write records into ``bits`` in place. Positions must already be validated (see
-    :func:`check_positions` / :func:`unpack_compact`). ``negate`` undoes a delta application."""
-    group_apply_records([bits], pos, val, [pos.numel()], values=values, negate=negate, impl=impl)
+    :func:`check_positions` / :func:`unpack_compact`). ``negate`` undoes a delta application.
+    ``hash_out`` (int32 ``[1, 2]``) receives the hash change of the written elements (positions
+    ``hash_start + pos``)."""
+    group_apply_records([bits], pos, val, [pos.numel()], values=values, negate=negate, impl=impl,
+                        hash_starts=None if hash_out is None else [hash_start or 0], hash_out=hash_out)

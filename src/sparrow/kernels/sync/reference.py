@@ -71,18 +71,32 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def hash_bits(bits: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Two 32-bit hash lanes (int64 tensor ``[2]``) of the bit patterns ``bits`` at positions ``start + i``.
+def hash_lanes(x_u: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element hash lanes (int64 tensors holding uint32 values) of unsigned bit patterns ``x_u`` at
+    positions ``pos`` (both int64): ``t = (x * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)``, lane A =
+    ``fmix32(t)``, lane B = ``fmix32(t ^ H_XOR_B)``."""
+    t = _mul32(x_u, H_MUL_X) ^ ((_mul32(pos, H_MUL_I) + H_ADD_I) & M32)
+    return _fmix32(t), _fmix32(t ^ H_XOR_B)
 
-    ``t_i = (x_i * H_MUL_X) ^ (pos_i * H_MUL_I + H_ADD_I)``, lane A = ``sum fmix32(t_i)``, lane B =
-    ``sum fmix32(t_i ^ H_XOR_B)`` (mod 2^32). Position-sensitive, additive over slices, not cryptographic.
+
+def hash_bits(bits: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Two 32-bit hash lanes (int64 tensor ``[2]``) of the bit patterns ``bits`` at positions ``start + i``:
+    the lane-wise sums (mod 2^32) of :func:`hash_lanes`. Position-sensitive, additive over elements
+    (so it can be updated from the changed elements alone), not cryptographic.
     """
     x = _unsigned(bits.reshape(-1))
     pos = torch.arange(start, start + x.numel(), device=x.device, dtype=_I64)
-    t = _mul32(x, H_MUL_X) ^ ((_mul32(pos, H_MUL_I) + H_ADD_I) & M32)
-    a = _fmix32(t).sum() & M32
-    b = _fmix32(t ^ H_XOR_B).sum() & M32
-    return torch.stack([a, b])
+    a, b = hash_lanes(x, pos)
+    return torch.stack([a.sum() & M32, b.sum() & M32])
+
+
+def hash_delta(old_bits: torch.Tensor, new_bits: torch.Tensor, pos: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Change of :func:`hash_bits` (lanes ``[2]``, mod 2^32) when the elements at positions ``pos`` (relative
+    to ``start``) go from ``old_bits`` to ``new_bits`` (bit patterns at those positions)."""
+    p = pos.to(_I64) + start
+    na, nb = hash_lanes(_unsigned(new_bits.reshape(-1)), p)
+    oa, ob = hash_lanes(_unsigned(old_bits.reshape(-1)), p)
+    return torch.stack([(na - oa).sum() & M32, (nb - ob).sum() & M32])
 
 
 def count_changes(base_bits: torch.Tensor, new_bits: torch.Tensor) -> int:

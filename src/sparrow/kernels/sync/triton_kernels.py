@@ -62,16 +62,6 @@ def _unsigned32(x, EBITS: tl.constexpr):
 
 
 @triton.jit
-def _hash_lanes(xu, pos, valid):
-    t = (xu * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)
-    a = _fmix32(t)
-    b = _fmix32(t ^ H_XOR_B)
-    sa = tl.sum(tl.where(valid, a.to(tl.int64), 0), axis=0)
-    sb = tl.sum(tl.where(valid, b.to(tl.int64), 0), axis=0)
-    return sa, sb
-
-
-@triton.jit
 def _delta_code(old, new, EBITS: tl.constexpr):
     """c = zigzag(new - old) - 1 as int64 (unsigned value < 2^EBITS)."""
     MASK: tl.constexpr = (1 << EBITS) - 1
@@ -133,25 +123,6 @@ def _pack_bitset(dst_ptr, nwords, h_ptr, count, WT: tl.constexpr, SEARCH_STEPS: 
 
 
 @triton.jit
-def _read_field(words_ptr, region, idx, width, mask):
-    """Field ``idx`` of ``width`` bits (int64 tensors) in the region starting at word ``region``."""
-    bitpos = idx * width
-    wi = region + (bitpos >> 5)
-    s = bitpos & 31
-    lo = tl.load(words_ptr + wi, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-    hi = tl.load(words_ptr + wi + 1, mask=mask & (s + width > 32), other=0).to(tl.int64) & 0xFFFFFFFF
-    return ((lo | (hi << 32)) >> s) & ((tl.full(idx.shape, 1, tl.int64) << width) - 1)
-
-
-
-
-# ---------------------------------------------------------------------------------------------------
-# Group kernels: one launch covers a list of slices (tensors or element ranges of tensors). Per-slice
-# data lives in small device arrays (base addresses, lengths, cumulative tile / block counts); each
-# program finds its slice by a binary search over a cumulative-count array.
-# ---------------------------------------------------------------------------------------------------
-
-@triton.jit
 def _find(cum_ptr, nslices, x, STEPS: tl.constexpr):
     """Largest s in [0, nslices) with cum[s] <= x (cum ascending, cum[0] = 0)."""
     lo = (x * 0).to(tl.int64)
@@ -174,72 +145,147 @@ def _bits_ptr(addr, EBITS: tl.constexpr):
 
 
 @triton.jit
-def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, tile_slice_ptr, out_ptr,
-                       EBITS: tl.constexpr, BLOCK: tl.constexpr):
-    tid = tl.program_id(0).to(tl.int64)
-    s = tl.load(tile_slice_ptr + tid).to(tl.int64)
-    bits = _bits_ptr(tl.load(addr_ptr + s), EBITS)
-    n = tl.load(n_ptr + s)
-    offs = (tid - tl.load(tile_cum_ptr + s)) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < n
-    x = tl.load(bits + offs, mask=valid, other=0)
-    pos = (offs + tl.load(start_ptr + s)).to(tl.uint32)
-    sa, sb = _hash_lanes(_unsigned32(x, EBITS), pos, valid)
-    tl.store(out_ptr + 2 * tid, sa)
-    tl.store(out_ptr + 2 * tid + 1, sb)
+def _lanes(xu, pos):
+    """The two uint32 hash lanes of each element (uint32 bit pattern ``xu`` at uint32 position ``pos``);
+    a range's hash is the lane-wise sum mod 2^32 (see ``reference.hash_bits``)."""
+    t = (xu * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)
+    return _fmix32(t), _fmix32(t ^ H_XOR_B)
 
 
 @triton.jit
-def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, tile_slice_ptr,
-                             counts_ptr, maskw_ptr, hash_ptr,
-                             EBITS: tl.constexpr, TILE: tl.constexpr, HASH: tl.constexpr):
-    tid = tl.program_id(0).to(tl.int64)
-    s = tl.load(tile_slice_ptr + tid).to(tl.int64)
-    old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
-    new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
+def _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE: tl.constexpr, TPP: tl.constexpr):
+    """Slice ``s`` of program ``pid``, the slice length, the program's first tile within the slice, that
+    tile's global index and the number of tiles of the program (<= TPP)."""
+    s = tl.load(prog_slice_ptr + pid).to(tl.int64)
     n = tl.load(n_ptr + s)
+    j0 = (pid - tl.load(prog_cum_ptr + s)) * TPP
+    t0 = tl.load(tile_cum_ptr + s) + j0
+    nt = tl.minimum((n + TILE - 1) // TILE - j0, TPP)
+    return s, n, j0, t0, nt
+
+
+@triton.jit
+def _tile_base(addr, tile_start, n, TILE: tl.constexpr, EBITS: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer to a tile's first element and the number of valid lanes (int32, <= TILE). With ALIGNED the
+    host guarantees 16-byte aligned slices whose lengths are multiples of 8, so loads vectorise (16 B per
+    thread) and masks stay uniform over each vector."""
+    ptr = _bits_ptr(addr, EBITS) + tile_start
+    rem = tl.minimum(n - tile_start, TILE).to(tl.int32)
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+        rem = tl.multiple_of(rem, 8)
+    return ptr, rem
+
+
+@triton.jit
+def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, prog_cum_ptr, prog_slice_ptr, out_ptr,
+                       EBITS: tl.constexpr, TILE: tl.constexpr, TPP: tl.constexpr, ALIGNED: tl.constexpr):
+    """Hash lanes of every slice: each program sums TPP tiles in registers (uint32, wrapping) and adds
+    its two sums into ``out[s]`` (int32 [S, 2], zero-initialised) with two atomics."""
+    pid = tl.program_id(0).to(tl.int64)
+    s, n, j0, t0, nt = _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE, TPP)
+    addr = tl.load(addr_ptr + s)
+    start = tl.load(start_ptr + s)
     lane = tl.arange(0, TILE)
-    offs = (tid - tl.load(tile_cum_ptr + s)) * TILE + lane
-    valid = offs < n
-    old = tl.load(old_p + offs, mask=valid, other=0)
-    new = tl.load(new_p + offs, mask=valid, other=0)
-    ch = (old != new) & valid
-    tl.store(counts_ptr + tid, tl.sum(ch.to(tl.int32), axis=0))
-    bitv = tl.where(ch, 1, 0).to(tl.uint32) << (lane & 31).to(tl.uint32)
-    words = tl.sum(tl.reshape(bitv, (TILE // 32, 32)), axis=1)
-    tl.store(maskw_ptr + tid * (TILE // 32) + tl.arange(0, TILE // 32), words.to(tl.int32, bitcast=True))
+    acc_a = tl.zeros((TILE,), tl.uint32)
+    acc_b = tl.zeros((TILE,), tl.uint32)
+    for k in range(0, nt):
+        ts = (j0 + k) * TILE
+        ptr, rem = _tile_base(addr, ts, n, TILE, EBITS, ALIGNED)
+        valid = lane < rem
+        x = tl.load(ptr + lane, mask=valid, other=0)
+        a, b = _lanes(_unsigned32(x, EBITS), (ts + start).to(tl.uint32) + lane.to(tl.uint32))
+        acc_a += tl.where(valid, a, 0)
+        acc_b += tl.where(valid, b, 0)
+    tl.atomic_add(out_ptr + 2 * s, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
+    tl.atomic_add(out_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, prog_cum_ptr,
+                             prog_slice_ptr, counts_ptr, maskw_ptr, slice_counts_ptr, hash_ptr,
+                             EBITS: tl.constexpr, TILE: tl.constexpr, TPP: tl.constexpr, HASH: tl.constexpr,
+                             ALIGNED: tl.constexpr):
+    """Per tile: change count and 1-bit change mask; per slice (atomics): change count and, with HASH,
+    the hash lanes of the new bits."""
+    pid = tl.program_id(0).to(tl.int64)
+    s, n, j0, t0, nt = _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE, TPP)
+    old_addr = tl.load(old_addr_ptr + s)
+    new_addr = tl.load(new_addr_ptr + s)
+    lane = tl.arange(0, TILE)
+    wl = tl.arange(0, TILE // 32)
+    acc_c = tl.zeros((TILE,), tl.int32)
+    acc_a = tl.zeros((TILE,), tl.uint32)
+    acc_b = tl.zeros((TILE,), tl.uint32)
     if HASH:
-        pos = (offs + tl.load(start_ptr + s)).to(tl.uint32)
-        sa, sb = _hash_lanes(_unsigned32(new, EBITS), pos, valid)
-        tl.store(hash_ptr + 2 * tid, sa)
-        tl.store(hash_ptr + 2 * tid + 1, sb)
+        start = tl.load(start_ptr + s)
+    for k in range(0, nt):
+        ts = (j0 + k) * TILE
+        old_p, rem = _tile_base(old_addr, ts, n, TILE, EBITS, ALIGNED)
+        new_p, _ = _tile_base(new_addr, ts, n, TILE, EBITS, ALIGNED)
+        valid = lane < rem
+        old = tl.load(old_p + lane, mask=valid, other=0)
+        new = tl.load(new_p + lane, mask=valid, other=0)
+        c = (old != new).to(tl.int32)  # masked lanes load 0 == 0
+        tl.store(counts_ptr + t0 + k, tl.sum(c, axis=0))
+        acc_c += c
+        bitv = c.to(tl.uint32) << (lane & 31).to(tl.uint32)
+        words = tl.sum(tl.reshape(bitv, (TILE // 32, 32)), axis=1)
+        tl.store(maskw_ptr + (t0 + k) * (TILE // 32) + wl, words.to(tl.int32, bitcast=True))
+        if HASH:
+            a, b = _lanes(_unsigned32(new, EBITS), (ts + start).to(tl.uint32) + lane.to(tl.uint32))
+            acc_a += tl.where(valid, a, 0)
+            acc_b += tl.where(valid, b, 0)
+    tl.atomic_add(slice_counts_ptr + s, tl.sum(acc_c, axis=0))
+    if HASH:
+        tl.atomic_add(hash_ptr + 2 * s, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
-def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, tile_cum_ptr, tile_slice_ptr, offsets_ptr,
-                               maskw_ptr, pos_ptr, val_ptr, EBITS: tl.constexpr, TILE: tl.constexpr,
-                               DELTA: tl.constexpr, UPDATE_OLD: tl.constexpr):
-    tid = tl.program_id(0).to(tl.int64)
-    s = tl.load(tile_slice_ptr + tid).to(tl.int64)
+def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, prog_cum_ptr,
+                               prog_slice_ptr, prog0, counts_ptr, offsets_ptr, rec_base, maskw_ptr, pos_ptr,
+                               val_ptr, hash_ptr, EBITS: tl.constexpr, TILE: tl.constexpr, TPP: tl.constexpr,
+                               DELTA: tl.constexpr, UPDATE_OLD: tl.constexpr, HASH: tl.constexpr):
+    """Records of the changed lanes (tiles without changes are skipped); with HASH the per-slice sum of
+    ``lanes(new) - lanes(old)`` over the changed elements (the incremental hash update)."""
+    pid = tl.program_id(0).to(tl.int64) + prog0
+    s, n, j0, t0, nt = _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE, TPP)
     old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
     new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
-    n = tl.load(n_ptr + s)
     lane = tl.arange(0, TILE)
-    offs = (tid - tl.load(tile_cum_ptr + s)) * TILE + lane
-    w = tl.load(maskw_ptr + tid * (TILE // 32) + (lane >> 5))
-    ch = (((w.to(tl.uint32, bitcast=True) >> (lane & 31).to(tl.uint32)) & 1) != 0) & (offs < n)
-    rank = tl.cumsum(ch.to(tl.int32), axis=0) - 1
-    dst = tl.load(offsets_ptr + tid) + rank
-    new = tl.load(new_p + offs, mask=ch, other=0)
-    if DELTA:
-        old = tl.load(old_p + offs, mask=ch, other=0)
-        val = _delta_code(old, new, EBITS)
-    else:
-        val = new.to(tl.int64) & ((1 << EBITS) - 1)
-    tl.store(pos_ptr + dst, offs.to(tl.int32), mask=ch)
-    tl.store(val_ptr + dst, val.to(tl.int32), mask=ch)
-    if UPDATE_OLD:
-        tl.store(old_p + offs, new, mask=ch)
+    acc_a = tl.zeros((TILE,), tl.uint32)
+    acc_b = tl.zeros((TILE,), tl.uint32)
+    if HASH:
+        start = tl.load(start_ptr + s)
+    for k in range(0, nt):
+        t = t0 + k
+        if tl.load(counts_ptr + t) > 0:
+            offs = (j0 + k) * TILE + lane
+            w = tl.load(maskw_ptr + t * (TILE // 32) + (lane >> 5))
+            ch = (((w.to(tl.uint32, bitcast=True) >> (lane & 31).to(tl.uint32)) & 1) != 0) & (offs < n)
+            rank = tl.cumsum(ch.to(tl.int32), axis=0) - 1
+            dst = tl.load(offsets_ptr + t) - rec_base + rank
+            new = tl.load(new_p + offs, mask=ch, other=0)
+            if DELTA or HASH:
+                old = tl.load(old_p + offs, mask=ch, other=0)
+            if DELTA:
+                val = _delta_code(old, new, EBITS)
+            else:
+                val = new.to(tl.int64) & ((1 << EBITS) - 1)
+            tl.store(pos_ptr + dst, offs.to(tl.int32), mask=ch)
+            tl.store(val_ptr + dst, val.to(tl.int32), mask=ch)
+            if UPDATE_OLD:
+                tl.store(old_p + offs, new, mask=ch)
+            if HASH:
+                hp = (offs + start).to(tl.uint32)
+                na, nb = _lanes(_unsigned32(new, EBITS), hp)
+                oa, ob = _lanes(_unsigned32(old, EBITS), hp)
+                acc_a += tl.where(ch, na - oa, 0)
+                acc_b += tl.where(ch, nb - ob, 0)
+    if HASH:
+        tl.atomic_add(hash_ptr + 2 * s, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -429,9 +475,11 @@ def _unpack_group_kernel(words_ptr, word_off_ptr, total_ptr, n_ptr, m_ptr, rec_o
 
 
 @triton.jit
-def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos_ptr, val_ptr,
+def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos_ptr, val_ptr, start_ptr, hash_ptr,
                         EBITS: tl.constexpr, BLOCK: tl.constexpr, DELTA: tl.constexpr, NEGATE: tl.constexpr,
-                        STEPS: tl.constexpr):
+                        STEPS: tl.constexpr, HASH: tl.constexpr):
+    """Write records in place; with HASH also add the per-slice sum of ``lanes(new) - lanes(old)`` over
+    the written elements into ``hash[s]`` (int32 [S, 2], atomics): the incremental hash update."""
     tid = tl.program_id(0).to(tl.int64)
     s = _find(tile_cum_ptr, nslices, tid, STEPS)
     bits = _bits_ptr(tl.load(addr_ptr + s), EBITS)
@@ -441,8 +489,9 @@ def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos
     p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
     MASK: tl.constexpr = (1 << EBITS) - 1
     v = tl.load(val_ptr + g, mask=valid, other=0).to(tl.int64) & MASK
-    if DELTA:
+    if DELTA or HASH:
         old = tl.load(bits + p, mask=valid, other=0).to(tl.int64) & MASK
+    if DELTA:
         zz = v + 1
         d = tl.where((zz & 1) == 1, (~(zz >> 1)) & MASK, zz >> 1)
         if NEGATE:
@@ -453,3 +502,9 @@ def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos
     else:
         out = (v - ((v >> 31) << 32)).to(tl.int32)
     tl.store(bits + p, out, mask=valid)
+    if HASH:
+        hp = (p + tl.load(start_ptr + s)).to(tl.uint32)
+        na, nb = _lanes(v.to(tl.uint32), hp)
+        oa, ob = _lanes(old.to(tl.uint32), hp)
+        tl.atomic_add(hash_ptr + 2 * s, tl.sum(tl.where(valid, na - oa, 0), axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(tl.where(valid, nb - ob, 0), axis=0).to(tl.int32, bitcast=True))
