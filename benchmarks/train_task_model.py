@@ -1,0 +1,697 @@
+"""Train a small Qwen2-architecture model on the synthetic long-context tasks, for the accuracy benchmarks.
+
+The RTPurbo accuracy benchmark (``bench_rtpurbo_accuracy.py``) and the speculative / end-to-end benchmarks
+need a model that actually solves multi-key retrieval and variable tracking at long context. This script
+trains one from scratch in a fixed time budget:
+
+* **Model**: ``sparrow.models.qwen2`` with the character vocabulary of :class:`~sparrow.rl.CharTokenizer`
+  (default 8 layers, width 512, 8 query / 2 kv heads of 64 dims, MLP 1536: 24M parameters), dense attention.
+* **Data**, generated on the fly (``task.example(seed, index)``, a few worker processes, batches prefetched):
+  a mixture of :class:`~sparrow.rl.KVRetrieval` (all pairs; and ``vary_pairs=True``, fewer pairs in filler,
+  as an easier curriculum share) and :class:`~sparrow.rl.VariableTracking`, every sequence
+  ``<bos> prompt answer <eos>``. All sequences of a step have one context length; the step's token budget
+  is fixed, so short steps carry many examples.
+* **Curriculum**: the longest context doubles from ``--min-context`` up to ``--max-context``. With
+  ``--curriculum auto`` (default) it doubles as soon as the held-out accuracy of both tasks at the current
+  longest context reaches ``--advance-acc`` (checked every ``--eval-every`` seconds), and at the latest
+  after ``--ramp / (levels - 1)`` of the time budget, so the maximum is reached by ``--ramp`` of the budget
+  whatever happens; ``--curriculum time`` grows it geometrically in time over ``--ramp``. Each step draws
+  its length log-uniformly below the current longest, or that longest itself with probability 1/2.
+* **Loss**: mean cross-entropy of the answer and ``<eos>`` plus ``--prompt-weight`` times the mean over the
+  prompt tokens (separate means, so a long prompt does not drown the answer). AdamW, linear warm-up then
+  cosine decay in time, bf16 autocast on CUDA, gradient clipping.
+* **Accuracy**: exact match of the greedy answer on held-out examples (another seed). It is measured by
+  teacher forcing: the answer and ``<eos>`` are all the argmax tokens exactly when greedy decoding emits
+  them, so one forward pass gives the greedy result. Progress lines print it every ``--eval-every`` seconds;
+  the final table is measured on the saved (bf16) weights.
+
+Output (``--out DIR``): ``model-0000i-of-0000n.safetensors`` (bf16, each at most ``--shard-mb`` MB) and
+``task_model.json`` (builder arguments, shard list, parameters, tokens seen, accuracy per task and context
+length, progress). :func:`load_task_model` rebuilds the model from them::
+
+    sys.path.insert(0, "benchmarks")
+    from train_task_model import load_task_model
+    model = load_task_model("DIR", device="cuda", dtype=torch.bfloat16)
+
+Usage: ``python benchmarks/train_task_model.py --minutes 6 --out DIR`` (H200), ``--quick`` (CPU, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from sparrow.attention.dense import DenseAttention
+from sparrow.models import qwen2
+from sparrow.rl.tasks import KVRetrieval, VariableTracking
+from sparrow.rl.tokenizer import CHARS, CharTokenizer
+
+FORMAT = "sparrow-task-model"
+REPORT_FILE = "task_model.json"
+EVAL_SEED = 1_000_003  # held-out examples (training uses --seed, 0 by default)
+
+# -- tasks -------------------------------------------------------------------------------------------
+# Training families (name -> task at a context length) and the evaluation tasks. The knobs are the tasks'
+# defaults; the benchmarks evaluate on EVAL_TASKS, so training and evaluation agree.
+TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
+    "kv": lambda n: KVRetrieval(n),
+    "kv_vary": lambda n: KVRetrieval(n, vary_pairs=True),
+    "vt": lambda n: VariableTracking(n),
+}
+EVAL_TASKS: dict[str, Callable[[int], Any]] = {
+    "kv_retrieval": lambda n: KVRetrieval(n),
+    "variable_tracking": lambda n: VariableTracking(n),
+}
+FAMILY_TASK = {"kv": "kv_retrieval", "kv_vary": "kv_retrieval", "vt": "variable_tracking"}
+
+_TOK = CharTokenizer()
+_LUT = np.full(256, 255, dtype=np.uint8)
+for _c, _i in zip(CHARS, _TOK.encode(CHARS, add_bos=False)):
+    _LUT[ord(_c)] = _i
+
+
+def encode_text(text: str) -> np.ndarray:
+    """CharTokenizer ids of ``text`` (no bos / eos), vectorised; ValueError on a character outside it."""
+    try:
+        raw = text.lower().encode("ascii")
+    except UnicodeEncodeError:
+        raise ValueError("text has characters outside the synthetic tokenizer's alphabet") from None
+    ids = _LUT[np.frombuffer(raw, dtype=np.uint8)]
+    if (ids == 255).any():
+        raise ValueError("text has characters outside the synthetic tokenizer's alphabet")
+    return ids
+
+
+def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int, str]:
+    """``<bos> prompt answer <eos>`` as int64 ids, the prompt length in tokens (bos included), the answer."""
+    ex = task.example(seed, index)
+    ids = np.concatenate([[_TOK.bos_id], encode_text(ex.prompt), encode_text(ex.answer), [_TOK.eos_id]])
+    return ids.astype(np.int64), len(ex.prompt) + 1, ex.answer
+
+
+def make_rows(job: tuple[str, int, int, int, int]) -> tuple[str, np.ndarray, np.ndarray]:
+    """Worker job ``(family, context, seed, first index, count)`` -> (family, ids [count, T], prompt lengths)."""
+    fam, n, seed, start, count = job
+    task = TRAIN_FAMILIES[fam](n)
+    rows, plens = [], []
+    for i in range(start, start + count):
+        ids, plen, _ = example_tokens(task, seed, i)
+        rows.append(ids)
+        plens.append(plen)
+    width = max(len(r) for r in rows)
+    out = np.full((count, width), _TOK.pad_id, dtype=np.int64)
+    for j, r in enumerate(rows):
+        out[j, :len(r)] = r
+    return fam, out, np.asarray(plens, dtype=np.int64)
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] int64, right-padded
+    prompt_mask: torch.Tensor  # [B, T-1] bool: targets inside the prompt
+    answer_mask: torch.Tensor  # [B, T-1] bool: answer and <eos> targets
+    family: list[str]
+    context: int
+
+
+def assemble(parts: list[tuple[str, np.ndarray, np.ndarray]], context: int) -> Batch:
+    width = max(p[1].shape[1] for p in parts)
+    toks = np.concatenate([np.pad(p[1], ((0, 0), (0, width - p[1].shape[1])), constant_values=_TOK.pad_id)
+                           for p in parts])
+    plen = np.concatenate([p[2] for p in parts])
+    total = np.concatenate([(p[1] != _TOK.pad_id).sum(1) for p in parts])
+    t = np.arange(width - 1)[None, :]  # target index: predicts tokens[:, t + 1]
+    prompt = t < (plen[:, None] - 1)
+    answer = (t >= plen[:, None] - 1) & (t < total[:, None] - 1)
+    fams = [p[0] for p in parts for _ in range(p[1].shape[0])]
+    return Batch(torch.from_numpy(toks), torch.from_numpy(prompt), torch.from_numpy(answer), fams, context)
+
+
+class BatchStream:
+    """Batches of about ``tokens_per_step`` tokens, made by ``workers`` processes ``prefetch`` steps ahead.
+
+    ``next(context)`` returns the oldest pending batch and queues one at ``context`` (so a batch's context is
+    the one asked for ``prefetch`` calls earlier). Example indices are consecutive per family: no example
+    is seen twice.
+    """
+
+    def __init__(self, mix: dict[str, float], seed: int, tokens_per_step: int, workers: int = 0,
+                 prefetch: int = 4, chunk: int = 16) -> None:
+        self.mix = {k: v for k, v in mix.items() if v > 0}
+        self.seed, self.tokens_per_step, self.chunk = seed, tokens_per_step, chunk
+        self.prefetch = prefetch if workers else 0
+        self.next_index = {k: 0 for k in self.mix}
+        self.pending: deque = deque()
+        self.pool = None
+        if workers:
+            import multiprocessing as mp
+
+            methods = mp.get_all_start_methods()
+            # workers run pure Python / numpy: fork is safe and fast (no re-import)
+            self.pool = mp.get_context("fork" if "fork" in methods else "spawn").Pool(workers)
+
+    def batch_size(self, context: int) -> int:
+        return max(1, self.tokens_per_step // (context + 8))
+
+    def counts(self, B: int) -> dict[str, int]:
+        w = sum(self.mix.values())
+        raw = {k: B * v / w for k, v in self.mix.items()}
+        out = {k: int(x) for k, x in raw.items()}
+        for k in sorted(raw, key=lambda k: out[k] - raw[k])[:B - sum(out.values())]:
+            out[k] += 1  # largest remainders
+        return out
+
+    def _submit(self, context: int) -> None:
+        jobs = []
+        for fam, n in self.counts(self.batch_size(context)).items():
+            while n > 0:
+                c = min(n, self.chunk)
+                jobs.append((fam, context, self.seed, self.next_index[fam], c))
+                self.next_index[fam] += c
+                n -= c
+        if self.pool is None:
+            self.pending.append((context, [make_rows(j) for j in jobs]))
+        else:
+            self.pending.append((context, [self.pool.apply_async(make_rows, (j,)) for j in jobs]))
+
+    def next(self, context: int) -> Batch:
+        while len(self.pending) < 1 + self.prefetch:
+            self._submit(context)
+        ctx, parts = self.pending.popleft()
+        if self.pool is not None:
+            parts = [p.get() for p in parts]
+        return assemble(parts, ctx)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+
+# -- model --------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    """Arguments of :func:`sparrow.models.qwen2` (``vocab_size`` is the CharTokenizer's)."""
+
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    embed_dim: int = 512
+    intermediate_dim: int = 1536
+    max_seq_len: int = 8192 + 64
+    rope_base: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    vocab_size: int = _TOK.vocab_size
+
+    def build(self, attention=DenseAttention):
+        return qwen2(attention=attention, **asdict(self))
+
+
+def init_weights(model: torch.nn.Module, std: float = 0.02) -> None:
+    """Normal(0, std) for matrices and embeddings, residual output projections scaled by 1/sqrt(2 layers)."""
+    n_layers = len(model.layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                s = std / math.sqrt(2 * n_layers) if name.endswith(("output_proj.weight", "w2.weight")) else std
+                p.normal_(0.0, s)
+            elif name.endswith("bias"):
+                p.zero_()
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# -- save / load --------------------------------------------------------------------------------------
+
+def save_shards(model: torch.nn.Module, out: Path, shard_bytes: int) -> list[dict]:
+    """The model's state dict in bf16 as safetensors shards of at most ``shard_bytes`` bytes each."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in model.state_dict().items()}
+    meta_bytes = 1024  # the header's metadata and padding
+    groups: list[list[str]] = [[]]
+    size = meta_bytes
+    for k, v in state.items():
+        nb = v.numel() * v.element_size() + len(k) + 128  # data + a generous header entry
+        if nb + meta_bytes > shard_bytes:
+            raise ValueError(f"tensor {k} ({nb} bytes) does not fit in a {shard_bytes}-byte shard")
+        if groups[-1] and size + nb > shard_bytes:
+            groups.append([])
+            size = meta_bytes
+        groups[-1].append(k)
+        size += nb
+    for old in out.glob("model-*-of-*.safetensors"):
+        old.unlink()
+    shards = []
+    for i, keys in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: state[k] for k in keys}, str(out / name), metadata={"format": FORMAT})
+        shards.append({"file": name, "bytes": (out / name).stat().st_size, "tensors": len(keys)})
+        if shards[-1]["bytes"] > shard_bytes:
+            raise AssertionError(f"{name} is {shards[-1]['bytes']} bytes, over {shard_bytes}")
+    return shards
+
+
+def read_report(directory: str | Path) -> dict:
+    """The ``task_model.json`` of a trained model directory."""
+    path = Path(directory) / REPORT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: train with benchmarks/train_task_model.py first")
+    doc = json.loads(path.read_text())
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} report")
+    return doc
+
+
+def load_task_model(directory: str | Path, device: str | torch.device = "cpu",
+                    dtype: torch.dtype = torch.float32, attention=DenseAttention) -> torch.nn.Module:
+    """Rebuild a model saved by this script: builder arguments from ``task_model.json``, weights from its
+    shards (stored in bf16; cast to ``dtype``). RoPE tables stay float32. Returns the model in eval mode."""
+    from safetensors.torch import load_file
+
+    doc = read_report(directory)
+    model = ModelConfig(**doc["model"]).build(attention)
+    state: dict[str, torch.Tensor] = {}
+    for shard in doc["shards"]:
+        state.update(load_file(str(Path(directory) / shard["file"])))
+    model.load_state_dict(state, strict=True)
+    model.to(device=device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model.eval()
+
+
+# -- evaluation -----------------------------------------------------------------------------------------
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def teacher_forced_hits(model, seqs: list[tuple[np.ndarray, int]], *, batch_tokens: int = 65536) -> list[bool]:
+    """For each ``(ids, prompt_len)``: are all of ``ids[prompt_len:]`` the argmax of the model given what
+    precedes them? Exactly when greedy decoding from the prompt emits those tokens."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    hits: list[bool] = []
+    i = 0
+    while i < len(seqs):
+        per = max(1, batch_tokens // max(len(seqs[i][0]), 1))
+        chunk = seqs[i:i + per]
+        width = max(len(r) for r, _ in chunk)
+        x = torch.full((len(chunk), width), _TOK.pad_id, dtype=torch.int64)
+        for j, (r, _) in enumerate(chunk):
+            x[j, :len(r)] = torch.as_tensor(r)
+        x = x.to(device)
+        with _autocast(device):
+            pred = model(x[:, :-1]).argmax(-1)
+        for j, (r, plen) in enumerate(chunk):
+            hits.append(bool((pred[j, plen - 1:len(r) - 1] == x[j, plen:len(r)]).all()))
+        i += len(chunk)
+    model.train(was_training)
+    return hits
+
+
+def greedy_accuracy(model, task_name: str, context: int, n: int, *, seed: int = EVAL_SEED,
+                    batch_tokens: int = 65536) -> tuple[float, int]:
+    """Exact-match greedy accuracy (answer then ``<eos>``) on ``n`` held-out examples, by teacher forcing."""
+    task = EVAL_TASKS[task_name](context)
+    seqs = [example_tokens(task, seed, i)[:2] for i in range(n)]
+    hits = teacher_forced_hits(model, seqs, batch_tokens=batch_tokens)
+    return sum(hits) / n, n
+
+
+def binomial_se(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+
+
+# -- training -------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainConfig:
+    out: str = "task_model"
+    minutes: float = 6.0
+    seed: int = 0
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    min_context: int = 256
+    max_context: int = 8192
+    ramp: float = 0.6
+    curriculum: str = "auto"
+    advance_acc: float = 0.8
+    tokens_per_step: int = 65536
+    mix: dict = field(default_factory=lambda: {"kv": 0.35, "kv_vary": 0.15, "vt": 0.5})
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    prompt_weight: float = 0.05
+    init_std: float = 0.02
+    workers: int = 4
+    eval_every_s: float = 20.0
+    eval_examples: int = 64
+    final_eval_examples: int = 128
+    eval_lengths: list = field(default_factory=list)  # default: powers of two from min to max context
+    shard_mb: float = 15.0
+    log_every_s: float = 15.0
+    quick: bool = False
+
+    def lengths(self) -> list[int]:
+        if self.eval_lengths:
+            return sorted(int(x) for x in self.eval_lengths)
+        out, n = [], self.min_context
+        while n < self.max_context:
+            out.append(n)
+            n *= 2
+        return out + [self.max_context]
+
+
+class Curriculum:
+    """The longest training context over time (see the module docstring) and each step's context."""
+
+    def __init__(self, cfg: TrainConfig, budget_s: float) -> None:
+        self.cfg = cfg
+        self.levels, n = [], cfg.min_context
+        while n < cfg.max_context:
+            self.levels.append(n)
+            n *= 2
+        self.levels.append(cfg.max_context)
+        self.stage = 0
+        self.stage_cap_s = cfg.ramp * budget_s / max(1, len(self.levels) - 1)
+        self.stage_start = 0.0
+        self.budget_s = budget_s
+        self.events: list[dict] = []
+        self.rng = random.Random(cfg.seed)
+
+    @property
+    def top(self) -> int:
+        return self.levels[self.stage]
+
+    def update(self, elapsed: float, accuracy: dict[str, float] | None = None) -> bool:
+        """Advance one level when ``accuracy`` (task -> held-out accuracy at :attr:`top`) is high enough or
+        the level's time is up; True when it advanced."""
+        if self.cfg.curriculum == "time":
+            lo, hi = math.log(self.cfg.min_context), math.log(self.cfg.max_context)
+            top = math.exp(lo + (hi - lo) * min(1.0, elapsed / max(self.cfg.ramp * self.budget_s, 1e-9)))
+            stage = max(i for i, n in enumerate(self.levels) if n <= max(top, self.levels[0]) * 1.0001)
+            moved, self.stage = stage != self.stage, stage
+            return moved
+        if self.stage == len(self.levels) - 1:
+            return False
+        why = None
+        if accuracy and min(accuracy.values()) >= self.cfg.advance_acc:
+            why = "accuracy"
+        elif elapsed - self.stage_start >= self.stage_cap_s:
+            why = "time"
+        if why is None:
+            return False
+        self.stage += 1
+        self.stage_start = elapsed
+        self.events.append({"elapsed_s": round(elapsed, 1), "max_context": self.top, "reason": why,
+                            "accuracy": accuracy if why == "accuracy" else None})
+        return True
+
+    def sample(self) -> int:
+        top, lo = self.top, self.cfg.min_context
+        n = top if self.rng.random() < 0.5 else int(math.exp(self.rng.uniform(math.log(lo), math.log(top))))
+        if lo >= 64:
+            n = n // 64 * 64
+        return max(lo, min(n, top))
+
+
+def _lr(cfg: TrainConfig, step: int, frac: float) -> float:
+    warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
+
+
+def _log(msg: str, t0: float) -> None:
+    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train, save shards + report into ``cfg.out``, return the report."""
+    t0 = time.perf_counter()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(cfg.device)
+    if cfg.model.max_seq_len < cfg.max_context + 16:
+        raise ValueError(f"max_seq_len {cfg.model.max_seq_len} is too short for contexts of {cfg.max_context}")
+    for n in (cfg.min_context, cfg.max_context):
+        for f in TRAIN_FAMILIES.values():
+            f(n)  # validates the knobs at both ends of the curriculum
+    torch.manual_seed(cfg.seed)
+    stream = BatchStream(cfg.mix, cfg.seed, cfg.tokens_per_step, workers=cfg.workers)
+    model = cfg.model.build().to(device)
+    init_weights(model, cfg.init_std)
+    n_params = count_params(model)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                            **({"fused": True} if device.type == "cuda" else {}))
+    _log(f"model: {n_params / 1e6:.1f}M parameters ({cfg.model.num_layers} layers, d={cfg.model.embed_dim}, "
+         f"{cfg.model.num_heads}q/{cfg.model.num_kv_heads}kv heads), device {device}, "
+         f"{cfg.tokens_per_step} tokens/step, contexts {cfg.min_context}->{cfg.max_context}, "
+         f"{cfg.minutes:g} min, {cfg.workers} data workers", t0)
+
+    budget = cfg.minutes * 60.0
+    step = tokens = examples = 0
+    progress: list[dict] = []
+    loss_acc = {"prompt": [], **{f: [] for f in FAMILY_TASK}}
+    data_wait = 0.0
+    t_train = time.perf_counter()
+    t_log = t_eval = t_train
+    tok_at_log = 0
+    cur = Curriculum(cfg, budget)
+    model.train()
+    try:
+        while True:
+            elapsed = time.perf_counter() - t_train
+            frac = elapsed / budget if budget > 0 else 1.0
+            if frac >= 1.0:
+                break
+            if cur.update(elapsed):
+                _log(f"curriculum: longest context -> {cur.top} ({cfg.curriculum} schedule)", t0)
+            n_ctx = cur.sample()
+            tw = time.perf_counter()
+            b = stream.next(n_ctx)
+            data_wait += time.perf_counter() - tw
+            x, pm, am = (t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+                         for t in (b.tokens, b.prompt_mask, b.answer_mask))
+            for g in opt.param_groups:
+                g["lr"] = _lr(cfg, step, frac)
+            with _autocast(device):
+                logits = model(x[:, :-1])
+            nll = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(am.shape)
+            ans_rows = (nll * am).sum(1) / am.sum(1).clamp_min(1)  # [B] per-example answer loss
+            loss_ans = ans_rows.mean()
+            loss_prompt = (nll * pm).sum() / pm.sum().clamp_min(1)
+            loss = loss_ans + cfg.prompt_weight * loss_prompt
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            opt.step()
+            step += 1
+            tokens += int(b.tokens.numel())
+            examples += len(b.family)
+            fam_idx = {f: [i for i, g in enumerate(b.family) if g == f] for f in FAMILY_TASK}
+            for f, idx in fam_idx.items():
+                if idx:
+                    loss_acc[f].append(ans_rows.detach()[idx].mean())
+            loss_acc["prompt"].append(loss_prompt.detach())
+            now = time.perf_counter()
+            if now - t_log >= cfg.log_every_s:
+                means = {k: (float(torch.stack(v).mean()) if v else float("nan")) for k, v in loss_acc.items()}
+                _log(f"step {step:5d} ctx<={cur.top:5d} L={b.context:5d} B={len(b.family):4d} "
+                     f"tokens {tokens / 1e6:7.1f}M  answer loss kv {means['kv']:.3f} kv_vary {means['kv_vary']:.3f} "
+                     f"vt {means['vt']:.3f} prompt {means['prompt']:.3f}  lr {_lr(cfg, step, frac):.1e}  "
+                     f"{(tokens - tok_at_log) / (now - t_log) / 1e3:6.0f}k tok/s  data wait "
+                     f"{100 * data_wait / max(now - t_train, 1e-9):.0f}%", t0)
+                loss_acc = {k: [] for k in loss_acc}
+                t_log, tok_at_log = now, tokens
+            if now - t_eval >= cfg.eval_every_s and budget - (now - t_train) > 0.5 * cfg.eval_every_s:
+                top = cur.top
+                row = {"elapsed_s": round(now - t_train, 1), "step": step, "tokens": tokens, "max_context": top}
+                msg, at_top = [], {}
+                for name in EVAL_TASKS:
+                    for n_ev in sorted({cfg.min_context, top}):
+                        acc, _ = greedy_accuracy(model, name, n_ev, cfg.eval_examples,
+                                                 batch_tokens=cfg.tokens_per_step)
+                        row[f"{name}@{n_ev}"] = acc
+                        msg.append(f"{name}@{n_ev} {acc:.2f}")
+                        if n_ev == top:
+                            at_top[name] = acc
+                progress.append(row)
+                _log("eval (greedy, held out): " + "  ".join(msg), t0)
+                t_eval = time.perf_counter()
+                if cfg.curriculum == "auto" and cur.update(t_eval - t_train, at_top):
+                    _log(f"curriculum: longest context -> {cur.top} (accuracy at {top} >= {cfg.advance_acc})", t0)
+    finally:
+        stream.close()
+    train_s = time.perf_counter() - t_train
+    _log(f"trained {step} steps, {tokens / 1e6:.1f}M tokens, {examples} examples in {train_s:.0f} s", t0)
+
+    shards = save_shards(model, out, int(cfg.shard_mb * 1e6))
+    report: dict[str, Any] = {
+        "format": FORMAT, "version": 1, "model": asdict(cfg.model), "weights_dtype": "bfloat16",
+        "shards": shards, "tokenizer": "sparrow.rl.CharTokenizer", "params": n_params,
+        "train": {**{k: v for k, v in asdict(cfg).items() if k not in ("model", "out")},
+                  "steps": step, "tokens_seen": tokens, "examples_seen": examples, "train_s": round(train_s, 1),
+                  "final_max_context": cur.top, "curriculum_events": cur.events,
+                  "data_wait_frac": round(data_wait / max(train_s, 1e-9), 3)},
+        "tasks": {"train_families": {f: repr(TRAIN_FAMILIES[f](cfg.max_context)) for f in TRAIN_FAMILIES},
+                  "eval_tasks": {t: repr(EVAL_TASKS[t](cfg.max_context)) for t in EVAL_TASKS},
+                  "train_seed": cfg.seed, "eval_seed": EVAL_SEED},
+        "progress": progress, "accuracy": [],
+        "environment": {"torch": torch.__version__,
+                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+    }
+    _write_report(out, report)
+
+    # the final table is measured on the saved weights, as a user of the shards sees them
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loaded = load_task_model(out, device, dtype)
+    same = all(torch.equal(a.detach().to(torch.bfloat16).cpu().view(torch.int16),
+                           b.detach().to(torch.bfloat16).cpu().view(torch.int16))
+               for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    report["reload_matches_bf16_weights"] = same
+    del model
+    rows = []
+    for name in EVAL_TASKS:
+        for n_ev in cfg.lengths():
+            acc, n = greedy_accuracy(loaded, name, n_ev, cfg.final_eval_examples, batch_tokens=cfg.tokens_per_step)
+            rows.append({"task": name, "context": n_ev, "accuracy": acc, "n": n, "se": binomial_se(acc, n)})
+            _log(f"final greedy accuracy {name:>17} @ {n_ev:5d}: {acc:.3f} +- {binomial_se(acc, n):.3f} (n={n})", t0)
+    report["accuracy"] = rows
+    report["eval_weights_dtype"] = str(dtype).replace("torch.", "")
+    report["total_s"] = round(time.perf_counter() - t0, 1)
+    _write_report(out, report)
+    sizes = ", ".join(f"{s['bytes'] / 1e6:.1f} MB" for s in shards)
+    _log(f"wrote {len(shards)} shards ({sizes}) and {REPORT_FILE} to {out}", t0)
+    return report
+
+
+def _write_report(out: Path, report: dict) -> None:
+    tmp = out / (REPORT_FILE + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / REPORT_FILE)
+
+
+def quick_config(out: str, minutes: float = 0.1) -> TrainConfig:
+    """A CPU smoke configuration: 2 layers of width 64, contexts 128-256, a few seconds."""
+    return TrainConfig(out=out, minutes=minutes, device="cpu",
+                       model=ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+                                         intermediate_dim=128, max_seq_len=320),
+                       min_context=128, max_context=256, tokens_per_step=4096, lr=3e-3, warmup_steps=10,
+                       workers=0, eval_every_s=3.0, eval_examples=8, final_eval_examples=16, log_every_s=2.0,
+                       quick=True)
+
+
+def batch_timing(cfg: TrainConfig, contexts=(256, 1024, 4096, 8192), repeats: int = 2) -> list[dict]:
+    """Seconds to make one batch (``cfg.tokens_per_step`` tokens) in this process, per context length."""
+    rows = []
+    for n in contexts:
+        s = BatchStream(cfg.mix, cfg.seed, cfg.tokens_per_step, workers=0)
+        s.next(n)
+        t = time.perf_counter()
+        for _ in range(repeats):
+            b = s.next(n)
+        rows.append({"context": n, "batch": len(b.family), "seconds": (time.perf_counter() - t) / repeats})
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="output folder (shards + task_model.json)")
+    p.add_argument("--minutes", type=float, default=None, help=f"training time budget (default {d.minutes})")
+    p.add_argument("--quick", action="store_true", help="tiny CPU model, a few seconds (smoke run)")
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--layers", type=int, default=d.model.num_layers)
+    p.add_argument("--dim", type=int, default=d.model.embed_dim)
+    p.add_argument("--heads", type=int, default=d.model.num_heads)
+    p.add_argument("--kv-heads", type=int, default=d.model.num_kv_heads)
+    p.add_argument("--mlp", type=int, default=d.model.intermediate_dim)
+    p.add_argument("--min-context", type=int, default=d.min_context)
+    p.add_argument("--max-context", type=int, default=d.max_context)
+    p.add_argument("--ramp", type=float, default=d.ramp, help="fraction of the budget to reach --max-context")
+    p.add_argument("--curriculum", choices=["auto", "time"], default=d.curriculum)
+    p.add_argument("--advance-acc", type=float, default=d.advance_acc,
+                   help="held-out accuracy (both tasks) at which the auto curriculum doubles the context")
+    p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
+    p.add_argument("--mix", default="kv=0.35,kv_vary=0.15,vt=0.5", help="training families and weights")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--prompt-weight", type=float, default=d.prompt_weight)
+    p.add_argument("--workers", type=int, default=None, help="data worker processes (default 4 on CUDA, 0 on CPU)")
+    p.add_argument("--eval-every", type=float, default=d.eval_every_s, help="seconds between progress evals")
+    p.add_argument("--eval-examples", type=int, default=d.eval_examples)
+    p.add_argument("--final-eval-examples", type=int, default=d.final_eval_examples)
+    p.add_argument("--eval-lengths", default="", help="comma-separated contexts of the final table")
+    p.add_argument("--shard-mb", type=float, default=d.shard_mb)
+    p.add_argument("--time-batches", action="store_true", help="only measure how long a batch takes to make")
+    return p
+
+
+def config_from_args(args) -> TrainConfig:
+    if args.quick:
+        cfg = quick_config(args.out or "task_model_quick", args.minutes if args.minutes is not None else 0.1)
+        cfg.shard_mb = args.shard_mb
+        return cfg
+    mix = {k: float(v) for k, v in (kv.split("=") for kv in args.mix.split(",") if kv)}
+    unknown = set(mix) - set(TRAIN_FAMILIES)
+    if unknown:
+        raise SystemExit(f"unknown training families {sorted(unknown)} (known: {sorted(TRAIN_FAMILIES)})")
+    device = torch.device(args.device)
+    return TrainConfig(
+        out=args.out or "task_model", minutes=args.minutes if args.minutes is not None else TrainConfig.minutes,
+        seed=args.seed, device=str(device),
+        model=ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                          embed_dim=args.dim, intermediate_dim=args.mlp, max_seq_len=args.max_context + 64),
+        min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
+        advance_acc=args.advance_acc,
+        tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,
+        prompt_weight=args.prompt_weight,
+        workers=args.workers if args.workers is not None else (min(4, max(0, (os.cpu_count() or 1) - 2))
+                                                               if device.type == "cuda" else 0),
+        eval_every_s=args.eval_every, eval_examples=args.eval_examples, final_eval_examples=args.final_eval_examples,
+        eval_lengths=[int(x) for x in args.eval_lengths.split(",") if x], shard_mb=args.shard_mb)
+
+
+def main(argv=None) -> dict | None:
+    args = build_parser().parse_args(argv)
+    cfg = config_from_args(args)
+    if args.time_batches:
+        for r in batch_timing(cfg, contexts=(128, 256) if cfg.quick else (256, 1024, 4096, 8192)):
+            print(f"context {r['context']:5d}: batch of {r['batch']:4d} examples ({cfg.tokens_per_step} tokens) "
+                  f"in {r['seconds'] * 1e3:.1f} ms")
+        return None
+    return train(cfg)
+
+
+if __name__ == "__main__":
+    main()

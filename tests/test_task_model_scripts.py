@@ -1,0 +1,118 @@
+"""The task-model trainer and the RTPurbo accuracy benchmark, end to end on CPU (their ``--quick`` paths)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_rtpurbo_accuracy  # noqa: E402
+import train_task_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("task_model")
+    report = train_task_model.main(["--quick", "--minutes", "0.03", "--out", str(out), "--shard-mb", "0.05"])
+    return out, report
+
+
+def test_training_writes_small_shards_and_a_report(trained):
+    out, report = trained
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 2  # 0.05 MB shards split the 0.16 MB of bf16 weights
+    assert all(p.stat().st_size <= 0.05e6 for p in shards)
+    doc = json.loads((out / train_task_model.REPORT_FILE).read_text())
+    assert doc == json.loads(json.dumps(report))
+    assert doc["format"] == "sparrow-task-model" and doc["weights_dtype"] == "bfloat16"
+    assert [s["file"] for s in doc["shards"]] == [p.name for p in shards]
+    assert doc["params"] == sum(p.numel() for p in train_task_model.load_task_model(out).parameters())
+    assert doc["train"]["tokens_seen"] > 0 and doc["train"]["steps"] >= 1
+    assert doc["reload_matches_bf16_weights"] is True
+    cells = {(r["task"], r["context"]) for r in doc["accuracy"]}
+    assert cells == {(t, n) for t in ("kv_retrieval", "variable_tracking") for n in (128, 256)}
+    assert all(0 <= r["accuracy"] <= 1 and r["n"] == 16 for r in doc["accuracy"])
+
+
+def test_loader_rebuilds_the_saved_weights_bit_for_bit(trained):
+    from safetensors.torch import load_file
+
+    out, _ = trained
+    saved = {}
+    for p in sorted(out.glob("model-*-of-*.safetensors")):
+        saved.update(load_file(str(p)))
+    model = train_task_model.load_task_model(out, "cpu", torch.bfloat16)
+    state = model.state_dict()
+    assert set(state) == set(saved)
+    for k, v in saved.items():
+        assert v.dtype == torch.bfloat16 and torch.equal(state[k].view(torch.int16), v.view(torch.int16)), k
+    f32 = train_task_model.load_task_model(out, "cpu", torch.float32).state_dict()
+    assert all(torch.equal(f32[k].to(torch.bfloat16).view(torch.int16), v.view(torch.int16)) for k, v in saved.items())
+    # RoPE tables stay float32 whatever the weights' dtype
+    assert model.layers[0].attn.pos_embeddings.cache.dtype == torch.float32
+
+
+def test_teacher_forced_check_agrees_with_greedy_decoding():
+    """The trainer's one-pass accuracy: a target passes the teacher-forced check exactly when it is what the
+    rollout engine decodes greedily (a random model with peaked logits, so there are no near-ties)."""
+    from sparrow.rl.tokenizer import CharTokenizer
+    from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    model = train_task_model.ModelConfig(num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
+                                         intermediate_dim=128, max_seq_len=256).build().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    task = train_task_model.EVAL_TASKS["variable_tracking"](128)
+    prompts = [tok.encode(task.example(3, i).prompt) for i in range(6)]
+    engine = RolloutEngine(model, EngineConfig(max_rows=6, max_prompt_len=129, max_new_tokens=5, compile=False))
+    out = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=5))
+    greedy = [(np.asarray(p + s.tokens.tolist()), len(p)) for p, s in zip(prompts, out)]
+    assert train_task_model.teacher_forced_hits(model, greedy, batch_tokens=300) == [True] * 6
+    wrong = [(np.concatenate([ids[:-1], [(ids[-1] + 1) % tok.vocab_size]]), n) for ids, n in greedy]
+    assert train_task_model.teacher_forced_hits(model, wrong) == [False] * 6
+
+
+def test_calibration_sequences_mark_real_repeats():
+    for s in bench_rtpurbo_accuracy.calibration_sequences(256, 2, seed=5):
+        t = s.tokens
+        assert s.second + s.span <= t.numel()
+        assert torch.equal(t[s.first:s.first + s.span], t[s.second:s.second + s.span])
+        assert s.first + s.span <= s.second
+
+
+def test_accuracy_benchmark_quick_pipeline(trained, tmp_path):
+    out, _ = trained
+    res = bench_rtpurbo_accuracy.main(["--quick", "--model", str(out), "--out", str(tmp_path), "--examples", "6",
+                                       "--configs", "ratio=0.5;ratio=0.25,top_p=0.8"])
+    doc = json.loads((tmp_path / "rtpurbo_accuracy.json").read_text())
+    assert doc["benchmark"] == "rtpurbo_accuracy" and doc["complete"] is True
+    assert {(r["config"], r["task"], r["context"]) for r in doc["rows"]} == {
+        (c, t, n) for c in ("ratio=0.5", "ratio=0.25,top_p=0.8") for t in ("kv_retrieval", "variable_tracking")
+        for n in (128, 256)}
+    for r in doc["rows"]:
+        assert r["n"] == 6 and 0 <= r["dense_acc"] <= 1 and 0 <= r["sparse_acc"] <= 1
+        assert r["dense_only"] + r["sparse_only"] + r["both"] <= 6
+        assert 0 < r["decode_density"] <= 1 and 0 < r["prefill_density"] <= 1
+        assert r["window"] == 32  # 256 / 16 is below two 16-token blocks: the floor
+    cal = doc["calibration"]["configs"]
+    assert cal["ratio=0.5"]["num_retrieval_heads"] == 2 and cal["ratio=0.25,top_p=0.8"]["num_retrieval_heads"] == 1
+    small, big = (set(map(tuple, cal[c]["retrieval_heads"])) for c in ("ratio=0.25,top_p=0.8", "ratio=0.5"))
+    assert small <= big
+    assert all(0 <= c["indexer_recall"] <= 1 for c in cal.values())
+    assert {s["task"] for s in doc["summary"]} == {"kv_retrieval", "variable_tracking", "both"}
+    assert len(doc["dense"]) == 4 and res["rows"] == doc["rows"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bench_rtpurbo_accuracy.plot(doc, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
