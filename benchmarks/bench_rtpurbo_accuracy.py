@@ -370,7 +370,7 @@ def run(args) -> dict:
             b.enable_stats()
         sparse_models[name] = m
     config_doc = dict(
-        model_dir=str(model_dir), dtype=str(dtype).replace("torch.", ""), device=str(device), lengths=lengths,
+        model_dir=Path(model_dir).name, dtype=str(dtype).replace("torch.", ""), device=str(device), lengths=lengths,
         examples=args.examples, jitter=jitter,
         tasks={t: repr(ttm.EVAL_TASKS[t](lengths[-1])) for t in ttm.EVAL_TASKS},
         eval_seed=ttm.EVAL_SEED, handled_threshold=args.handled, calibration_context=calib_len,
