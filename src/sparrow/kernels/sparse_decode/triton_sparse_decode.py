@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.common.triton_merge import merge_splits
+
 from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
 
 
@@ -254,18 +256,9 @@ def _merge_kernel(
     t = tl.program_id(2)
     is_ret = tl.load(HEAD_IS_RET + h // QPK)
     ns = tl.where(is_ret != 0, NS_RET, NS_LOC)
-    offs_s = tl.arange(0, SPLITS_P2)
-    valid = offs_s < ns
-    lse = tl.load(LSE_PART + a * stride_la + h * stride_lh + t * stride_lt + offs_s, mask=valid,
-                  other=float("-inf"))
-    m = tl.max(lse, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(valid, tl.exp2(lse - m_safe), 0.0)
-    offs_d = tl.arange(0, D)
-    o = tl.load(O_PART + a * stride_oa + h * stride_oh + t * stride_ot + offs_s[:, None] * stride_os
-                + offs_d[None, :], mask=valid[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(OUT + a * stride_a + h * stride_h + t * stride_t + offs_d, out.to(OUT.dtype.element_ty))
+    merge_splits(O_PART, LSE_PART, OUT, a * stride_oa + h * stride_oh + t * stride_ot,
+                 a * stride_la + h * stride_lh + t * stride_lt, a * stride_a + h * stride_h + t * stride_t,
+                 stride_os, ns, D, SPLITS_P2)
 
 
 def _cdiv(a: int, b: int) -> int:

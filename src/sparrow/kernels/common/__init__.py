@@ -1,0 +1,1 @@
+"""Triton building blocks shared by several kernels."""
