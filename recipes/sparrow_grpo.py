@@ -27,7 +27,7 @@ from torchtune import config
 from tqdm import tqdm
 
 import sparrow.sync as ssync
-from sparrow.models import load_model_state, use_attention
+from sparrow.models import load_hf_checkpoint, load_model_state, use_attention
 from sparrow.rl import (
     GRPOConfig,
     ListSource,
@@ -117,8 +117,10 @@ class GRPORecipe:
                 for p in model.parameters():
                     if p.dim() >= 2:
                         p.normal_(0.0, cfg.init_std)
-        if cfg.get("checkpoint") is not None:
+        if cfg.get("checkpoint") is not None:  # a Sparrow / torchtune state dict (safetensors)
             load_model_state(model, _read_weights(Path(cfg.checkpoint), "starting checkpoint"))
+        if cfg.get("hf_checkpoint") is not None:  # a Hugging Face model directory (local files only)
+            load_hf_checkpoint(model, cfg.hf_checkpoint.dir, model_type=cfg.hf_checkpoint.get("model_type", "QWEN2"))
         if self.is_trainer:
             self.model = model
             self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())

@@ -10,7 +10,6 @@ Teacher forcing on ``prompt + answer + <eos>`` with the loss weighted ``1`` on t
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -48,9 +47,8 @@ class SFTRecipe:
                     p.normal_(0.0, cfg.init_std)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
                                            weight_decay=cfg.weight_decay)
-        warm, total = cfg.warmup_steps, cfg.steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
+        warm = cfg.warmup_steps  # linear warm-up, then constant
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)))
 
     def _batch(self, step: int):
         tok, B = self.tokenizer, self.cfg.batch_size

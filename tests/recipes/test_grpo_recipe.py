@@ -129,3 +129,47 @@ def test_sparse_speculative_rollouts_dense_training(tmp_path):
     for key in ("mismatch_kl", "is_clip_frac", "spec/acceptance", "attention/decode_ret_density",
                 "time/indexer_refresh_s", "time/drafter_refresh_s"):
         assert key in log, key
+
+
+def test_starts_from_a_hugging_face_directory(tmp_path):
+    """`hf_checkpoint: {dir, model_type}` loads HF-format safetensors through torchtune's checkpointer."""
+    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
+    from sparrow.models import tiny_qwen2
+
+    torch.manual_seed(0)
+    model = tiny_qwen2(vocab_size=48, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
+                       intermediate_dim=64, max_seq_len=40)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    from safetensors.torch import save_file
+
+    sd = qwen2_tune_to_hf(dict(model.state_dict()), num_heads=2, num_kv_heads=1, dim=32, tie_word_embeddings=True)
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_key_value_heads": 1,
+                                                "hidden_size": 32, "tie_word_embeddings": True}))
+    r = run(tmp_path / "h", "total_steps=1", "checkpoint_every=1", f"hf_checkpoint.dir={hf}",
+            "hf_checkpoint.model_type=QWEN2", "optimizer.lr=0.0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    # with a zero learning rate the trained weights are exactly the Hugging Face checkpoint's
+    w = load_file(str(tmp_path / "h/checkpoints/step_000001/model.safetensors"))
+    own = model.state_dict()
+    assert set(w) == set(own) and all(torch.equal(w[k].view(torch.int32), own[k].view(torch.int32)) for k in own)
+    bad = run(tmp_path / "b", "total_steps=1", f"hf_checkpoint.dir={tmp_path / 'nowhere'}")
+    assert bad.returncode != 0 and "does not exist" in bad.stderr
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_configs_are_valid(path):
+    from omegaconf import OmegaConf
+
+    from sparrow.rl.recipe_utils import RECIPE_KEYS, check_config
+
+    cfg = OmegaConf.load(path)
+    if "loss" in cfg:  # GRPO configs (the SFT config is checked by its recipe's own key list)
+        check_config(cfg, RECIPE_KEYS)
+        from sparrow.rl import GRPOConfig
+        from sparrow.rollout import EngineConfig
+
+        GRPOConfig(**cfg.loss)
+        EngineConfig(**cfg.engine)

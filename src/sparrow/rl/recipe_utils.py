@@ -18,7 +18,7 @@ from sparrow.rollout.engine import EngineConfig, Sample
 COMPONENT = "component"  # any keyword arguments: the component's constructor validates them
 
 RECIPE_KEYS: dict[str, Any] = {
-    "name": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
+    "name": None, "model_dir": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
     "dist_timeout_s": None, "tokenizer": COMPONENT, "task": COMPONENT, "dataset": None, "reward": COMPONENT,
     "model": COMPONENT, "attention": COMPONENT, "checkpoint": None, "optimizer": COMPONENT,
     "metric_logger": COMPONENT,
@@ -30,9 +30,9 @@ RECIPE_KEYS: dict[str, Any] = {
     "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
     "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "total_steps": None,
     "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None,
-    "speculative": None, "indexer_refresh": {"every", "steps", "sequences"},
+    "speculative": None, "indexer_refresh": {"every", "steps", "sequences"}, "hf_checkpoint": {"dir", "model_type"},
 }
-OPTIONAL = {"name", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh"}
+OPTIONAL = {"name", "model_dir", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh", "hf_checkpoint"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any]) -> None:
