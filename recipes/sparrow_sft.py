@@ -2,8 +2,9 @@
 
     tune run sparrow_sft --config recipes/configs/tiny_kv_retrieval_sft.yaml [key=value ...]
 
-Teacher forcing on ``prompt + answer + <eos>`` with the loss weighted ``1`` on the answer and ``<eos>`` and
-``prompt_loss_weight`` on the prompt. Writes ``model.safetensors`` (the model's weights) and
+Teacher forcing on ``prompt + answer + <eos>``: the loss is the mean over the answer and ``<eos>`` tokens
+plus ``prompt_loss_weight`` times the mean over the prompt tokens (separate means, so a long prompt does not
+drown the answer). Writes ``model.safetensors`` (the model's weights) and
 ``report.json`` (greedy and sampled accuracy on held-out prompts) to ``output_dir``. Deterministic by seed.
 """
 
@@ -60,11 +61,13 @@ class SFTRecipe:
             plens.append(len(p))
         L = max(map(len, seqs))
         x = torch.full((B, L), tok.pad_id, dtype=torch.int64)
-        w = torch.zeros((B, L))
+        answer = torch.zeros((B, L))
+        prompt = torch.zeros((B, L))
         for j, s in enumerate(seqs):
             x[j, : len(s)] = torch.tensor(s)
-            w[j, 1: plens[j]] = self.cfg.prompt_loss_weight
-            w[j, plens[j]: len(s)] = 1.0
+            prompt[j, 1: plens[j]] = 1.0
+            answer[j, plens[j]: len(s)] = 1.0
+        w = answer / answer.sum() + self.cfg.prompt_loss_weight * prompt / prompt.sum()
         return x.to(self.device), w.to(self.device)
 
     def train(self) -> None:
@@ -74,7 +77,7 @@ class SFTRecipe:
             x, w = self._batch(step)
             logits = self.model(x[:, :-1])
             nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none")
-            loss = (nll * w[:, 1:].flatten()).sum() / w[:, 1:].sum()
+            loss = (nll * w[:, 1:].flatten()).sum()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
-from tests.helpers import random_tiny
+from tests.helpers import DEVICE, random_tiny
 
 PROMPT_LENS = [5, 17, 3, 30, 9]
 
@@ -92,11 +92,13 @@ def test_decode_step_compiles_without_graph_breaks(impl):
     from sparrow.attention import DenseAttention
 
     model = random_tiny("qwen2", attention=partial(DenseAttention, impl=impl))
+    if impl == "triton":
+        model = model.to(DEVICE)  # compiled Triton on CUDA; the interpreter on the CPU
     eng = _engine(model, compile=True, compile_backend="eager", max_rows=8)
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=10, max_new_tokens=8, stop_token_ids=(1,))
     out = eng.generate(_prompts(), 2, params)
     _assert_same(out.samples, _engine(model, max_rows=8).generate(_prompts(), 2, params).samples)
-    slots = torch.tensor([0, 1, 2, eng.scratch])
+    slots = torch.tensor([0, 1, 2, eng.scratch], device=eng.device)
     explain = torch._dynamo.explain(eng._decode_step)(slots)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
@@ -134,9 +136,9 @@ def test_compiled_step_ignores_the_callers_grad_mode():
 
     from sparrow.attention import DenseAttention
 
-    model = random_tiny("qwen2", attention=partial(DenseAttention, impl="triton"))
+    model = random_tiny("qwen2", attention=partial(DenseAttention, impl="triton")).to(DEVICE)
     model.requires_grad_(True)
     eng = _engine(model, compile=True, compile_backend="aot_eager", max_rows=4)
     eng.generate(_prompts(lens=[5]), 2, SamplingParams(temperature=0.0, max_new_tokens=4))
     assert torch.is_grad_enabled()
-    eng._compiled_step()(torch.tensor([0, 1, eng.scratch, eng.scratch]))  # outside generate's no_grad
+    eng._compiled_step()(torch.tensor([0, 1, eng.scratch, eng.scratch], device=eng.device))  # outside no_grad
