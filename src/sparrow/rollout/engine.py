@@ -468,11 +468,20 @@ class RolloutEngine:
         stop = torch.isin(tok, self.stop_ids)
         self.done[row_slot] = ~live | stop | (new_n >= self.max_new)
 
+    def compile_step(self, fn):
+        """``fn`` under ``no_grad`` (inference only, whatever the caller's grad mode), compiled when the config
+        says so with ``fullgraph=True``. Inductor's coalescing-tiling analysis is switched off: it asserts on
+        the decode step's gathered-index reductions in some torch releases."""
+        fn = torch.no_grad()(fn)
+        if not self.config.compile:
+            return fn
+        backend = self.config.compile_backend
+        options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+        return torch.compile(fn, fullgraph=True, backend=backend, options=options)
+
     def _compiled_step(self):
         if self._step_fn is None:
-            fn = torch.no_grad()(self._decode_step)  # inference only, whatever the caller's grad mode
-            if self.config.compile:
-                fn = torch.compile(fn, fullgraph=True, backend=self.config.compile_backend)
+            fn = self.compile_step(self._decode_step)
             self._step_fn = fn
         return self._step_fn
 

@@ -162,17 +162,13 @@ class SpeculativeRunner:
     # ---------------------------------------------------------------------------------- running
     def _compiled_draft(self):
         if self._draft_fn is None:
-            fn = torch.no_grad()(self.draft_step)  # inference only, whatever the caller's grad mode
-            if self.engine.config.compile:
-                fn = torch.compile(fn, fullgraph=True, backend=self.engine.config.compile_backend)
+            fn = self.engine.compile_step(self.draft_step)
             self._draft_fn = fn
         return self._draft_fn
 
     def _compiled_verify(self):
         if self._verify_fn is None:
-            fn = torch.no_grad()(self.verify_step)
-            if self.engine.config.compile:
-                fn = torch.compile(fn, fullgraph=True, backend=self.engine.config.compile_backend)
+            fn = self.engine.compile_step(self.verify_step)
             self._verify_fn = fn
         return self._verify_fn
 
