@@ -105,3 +105,20 @@ def test_validation_errors():
         decode_attention(q[:, :3], pk, pv, gk, gv, rs, ps, pl, cl)
     with pytest.raises(ValueError, match="impl"):
         decode_attention(q, pk, pv, gk, gv, rs, ps, pl, cl, impl="cuda")
+
+
+def test_custom_op_fake_matches_real_on_strided_query():
+    """The op's fake (meta) kernel must give the real output's strides, also for a query that arrives as a
+    transposed view ((A, T, Hq, D) storage, as the verify step builds it): compiled graphs assert them."""
+    from sparrow.kernels.decode_attention.triton_decode import _decode_attention_op
+
+    q, pk, pv, gk, gv, rs, ps, pl, cl = _inputs(2, 6, 2, 3, 32, 3, 70, 3, 9)
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (A, T, Hq, D) memory order
+    assert not q_view.is_contiguous()
+    args = (q_view, pk, pv, gk, gv, rs, ps, pl, cl, 1.0 / math.sqrt(32), 2, 16)
+    torch.library.opcheck(_decode_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+    real = _decode_attention_op(*args)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = _decode_attention_op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+    assert fake.stride() == real.stride() and fake.shape == real.shape
+    assert rel_err(real, decode_attention(q, pk, pv, gk, gv, rs, ps, pl, cl, impl="reference")) < 1e-5

@@ -223,4 +223,4 @@ def _decode_attention_op(
 @_decode_attention_op.register_fake
 def _(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, scale, num_splits,
       min_chunk):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the real op's output (q may arrive as a strided view)
