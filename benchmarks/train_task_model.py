@@ -13,9 +13,10 @@ trains one from scratch in a fixed time budget:
   is fixed, so short steps carry many examples.
 * **Curriculum**: the longest context doubles from ``--min-context`` up to ``--max-context``. With
   ``--curriculum auto`` (default) it doubles as soon as the held-out accuracy of both tasks at the current
-  longest context reaches ``--advance-acc`` (checked every ``--eval-every`` seconds), and at the latest
-  after ``--ramp / (levels - 1)`` of the time budget, so the maximum is reached by ``--ramp`` of the budget
-  whatever happens; ``--curriculum time`` grows it geometrically in time over ``--ramp``. Each step draws
+  longest context reaches ``--advance-acc`` (checked every ``--eval-every`` seconds), and after
+  ``--ramp / (levels - 1)`` of the time budget once that accuracy has passed ``--min-advance-acc`` (the
+  model has begun to solve the level: pushing an unsolved model to longer contexts leaves it unsolved at
+  every length); so the maximum is reached by ``--ramp`` of the budget when learning keeps pace; ``--curriculum time`` grows it geometrically in time over ``--ramp``. Each step draws
   its length log-uniformly below the current longest, or that longest itself with probability 1/2.
 * **Loss**: mean cross-entropy of the answer and ``<eos>`` plus ``--prompt-weight`` times the mean over the
   prompt tokens (separate means, so a long prompt does not drown the answer). AdamW, linear warm-up then
@@ -360,6 +361,7 @@ class TrainConfig:
     ramp: float = 0.6
     curriculum: str = "auto"
     advance_acc: float = 0.8
+    min_advance_acc: float = 0.3
     tokens_per_step: int = 65536
     mix: dict = field(default_factory=lambda: {"kv": 0.35, "kv_vary": 0.15, "vt": 0.5})
     lr: float = 1e-3
@@ -404,6 +406,7 @@ class Curriculum:
         self.budget_s = budget_s
         self.events: list[dict] = []
         self.rng = random.Random(cfg.seed)
+        self.last_accuracy: dict[str, float] | None = None  # held-out accuracy at the current level
 
     @property
     def top(self) -> int:
@@ -411,7 +414,7 @@ class Curriculum:
 
     def update(self, elapsed: float, accuracy: dict[str, float] | None = None) -> bool:
         """Advance one level when ``accuracy`` (task -> held-out accuracy at :attr:`top`) is high enough or
-        the level's time is up; True when it advanced."""
+        the level's time is up and the level is partly solved; True when it advanced."""
         if self.cfg.curriculum == "time":
             lo, hi = math.log(self.cfg.min_context), math.log(self.cfg.max_context)
             top = math.exp(lo + (hi - lo) * min(1.0, elapsed / max(self.cfg.ramp * self.budget_s, 1e-9)))
@@ -420,15 +423,19 @@ class Curriculum:
             return moved
         if self.stage == len(self.levels) - 1:
             return False
+        if accuracy:
+            self.last_accuracy = dict(accuracy)
+        acc = min(self.last_accuracy.values()) if self.last_accuracy else 0.0
         why = None
-        if accuracy and min(accuracy.values()) >= self.cfg.advance_acc:
+        if accuracy and acc >= self.cfg.advance_acc:
             why = "accuracy"
-        elif elapsed - self.stage_start >= self.stage_cap_s:
+        elif elapsed - self.stage_start >= self.stage_cap_s and acc >= self.cfg.min_advance_acc:
             why = "time"
         if why is None:
             return False
         self.stage += 1
         self.stage_start = elapsed
+        self.last_accuracy = None
         self.events.append({"elapsed_s": round(elapsed, 1), "max_context": self.top, "reason": why,
                             "accuracy": accuracy if why == "accuracy" else None})
         return True
@@ -642,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--curriculum", choices=["auto", "time"], default=d.curriculum)
     p.add_argument("--advance-acc", type=float, default=d.advance_acc,
                    help="held-out accuracy (both tasks) at which the auto curriculum doubles the context")
+    p.add_argument("--min-advance-acc", type=float, default=d.min_advance_acc,
+                   help="accuracy a level needs before its time cap may double the context (0: time alone)")
     p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
     p.add_argument("--mix", default="kv=0.35,kv_vary=0.15,vt=0.5", help="training families and weights")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -673,7 +682,7 @@ def config_from_args(args) -> TrainConfig:
         model=ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                           embed_dim=args.dim, intermediate_dim=args.mlp, max_seq_len=args.max_context + 64),
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
-        advance_acc=args.advance_acc,
+        advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,
         tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,
         prompt_weight=args.prompt_weight,
         workers=args.workers if args.workers is not None else (min(4, max(0, (os.cpu_count() or 1) - 2))

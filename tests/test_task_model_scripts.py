@@ -116,3 +116,18 @@ def test_accuracy_benchmark_quick_pipeline(trained, tmp_path):
     matplotlib.use("Agg")
     bench_rtpurbo_accuracy.plot(doc, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_curriculum_holds_an_unsolved_level_past_its_time_cap():
+    from train_task_model import Curriculum, TrainConfig
+
+    cfg = TrainConfig(min_context=256, max_context=1024, ramp=0.5, advance_acc=0.8, min_advance_acc=0.3)
+    cur = Curriculum(cfg, budget_s=100.0)  # 3 levels: a level's time cap is 25 s
+    assert not cur.update(30.0, {"kv": 0.1, "vt": 0.9})  # time is up, but kv is unsolved: hold
+    assert not cur.update(40.0) and cur.top == 256
+    assert cur.update(41.0, {"kv": 0.35, "vt": 0.5}) and cur.top == 512  # partly solved: the cap applies
+    assert not cur.update(60.0)  # no accuracy measured at 512 yet
+    assert cur.update(61.0, {"kv": 0.85, "vt": 0.81}) and cur.top == 1024  # solved: advance at once
+    assert [e["reason"] for e in cur.events] == ["time", "accuracy"]
+    old = Curriculum(TrainConfig(min_context=256, max_context=1024, ramp=0.5, min_advance_acc=0.0), budget_s=100.0)
+    assert old.update(26.0)  # min_advance_acc=0: the time cap alone
