@@ -229,6 +229,7 @@ class GRPORecipe:
             with torch.no_grad():
                 old = torch.cat([response_logprobs(model, rb.tokens[s], rb.prompt_len[s], rb.response_len[s],
                                                    **lp_kwargs) for s in self._micro(range(N))])
+        self._wait_device()
         t_logprob = time.perf_counter() - t0
         metrics: dict[str, float] = {}
         mb_size = N // cfg.minibatches
@@ -253,9 +254,15 @@ class GRPORecipe:
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 metrics["grad_norm"] = float(gn)
                 self.optimizer.step()
+        self._wait_device()
         metrics["time/logprob_s"] = t_logprob
         metrics["time/train_s"] = time.perf_counter() - t0 - t_logprob
         return metrics
+
+    def _wait_device(self) -> None:
+        """Phase timers read the host clock: let queued GPU work finish first, so it counts in its phase."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _micro(self, rng):
         n = len(rng)
@@ -351,6 +358,7 @@ class GRPORecipe:
             if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
                 local_prompts, local_samples = (local[0], local[1].samples)
                 metrics.update(self._refresh_indexer(local_prompts, local_samples))
+            self._wait_device()
             metrics["time/step_s"] = time.perf_counter() - t_step
             if cfg.eval.every and self.step % cfg.eval.every == 0:
                 metrics.update(self._log_eval(log=False))

@@ -142,3 +142,25 @@ def test_compiled_step_ignores_the_callers_grad_mode():
     eng.generate(_prompts(lens=[5]), 2, SamplingParams(temperature=0.0, max_new_tokens=4))
     assert torch.is_grad_enabled()
     eng._compiled_step()(torch.tensor([0, 1, eng.scratch, eng.scratch], device=eng.device))  # outside no_grad
+
+
+def test_alternating_sampling_modes_keep_each_modes_compiled_step():
+    """Sampled rollouts and greedy evaluation alternate in GRPO: each mode compiles once and is reused, the
+    stop ids of each mode stay its own, and the results equal those of engines that only ever saw one mode."""
+    model = random_tiny("qwen2")
+    sampled = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), seed=3)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(2, 5))
+    eng = _engine(model, max_rows=8, compile=True, compile_backend="eager")
+    first = eng.generate(_prompts(), 2, sampled).samples
+    step_sampled = eng._compiled_step()
+    g1 = eng.generate(_prompts(), 1, greedy).samples
+    step_greedy = eng._compiled_step()
+    again = eng.generate(_prompts(), 2, sampled).samples
+    assert eng._compiled_step() is step_sampled and step_greedy is not step_sampled
+    assert eng.stop_ids.tolist() == [1]
+    g2 = eng.generate(_prompts(), 1, greedy).samples
+    assert eng._compiled_step() is step_greedy and eng.stop_ids.tolist() == [2, 5]
+    _assert_same(first, _engine(model, max_rows=8).generate(_prompts(), 2, sampled).samples)
+    _assert_same(again, first)
+    _assert_same(g1, _engine(model, max_rows=8).generate(_prompts(), 1, greedy).samples)
+    _assert_same(g2, g1)

@@ -198,6 +198,7 @@ class RolloutEngine:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._step_fn = None
         self._params: SamplingParams | None = None
+        self._modes: dict[tuple, tuple] = {}  # compiled steps and graphs of each sampling mode seen
         self._spec = None
         if toggle is not None and drafter is None:
             raise ValueError("a toggle needs a drafter")
@@ -256,19 +257,27 @@ class RolloutEngine:
         return sum(a.backend.cache_nbytes(c) for a, c in zip(self.attn, self.caches))
 
     def _set_params(self, params: SamplingParams) -> None:
+        """Make ``params`` current. The compiled steps and CUDA graphs specialise on the processing parameters
+        (temperature, top-p, top-k, number of stop ids): each such mode keeps its own, so alternating modes
+        (say, sampled rollouts and greedy evaluation) compiles and captures each once."""
         stop = params.stop_token_ids
-        same_shape = self._params is not None and len(stop) == len(self._params.stop_token_ids)
-        same_processing = same_shape and (params.temperature, params.top_p, params.top_k) == (
-            self._params.temperature, self._params.top_p, self._params.top_k)
-        if not same_processing:
-            self._graphs.clear()  # the compiled step specialises on processing parameters
-            self._step_fn = None
-            if self._spec is not None:
-                self._spec.reset_compiled()
-            ids = torch.tensor(stop if stop else (-1,), dtype=torch.int64, device=self.device)
-            self.stop_ids = ids
-        else:
-            self.stop_ids.copy_(torch.tensor(stop if stop else (-1,), dtype=torch.int64))
+        mode = (params.temperature, params.top_p, params.top_k, len(stop))
+        current = None if self._params is None else (
+            self._params.temperature, self._params.top_p, self._params.top_k, len(self._params.stop_token_ids))
+        if mode != current:
+            if current is not None:
+                self._modes[current] = (self._step_fn, self._graphs, self.stop_ids,
+                                        self._spec.compiled_state() if self._spec is not None else None)
+            if mode in self._modes:
+                self._step_fn, self._graphs, self.stop_ids, spec_state = self._modes.pop(mode)
+                if self._spec is not None:
+                    self._spec.restore_compiled(spec_state)
+            else:
+                self._step_fn, self._graphs = None, {}
+                if self._spec is not None:
+                    self._spec.reset_compiled()
+                self.stop_ids = torch.full((max(1, len(stop)),), -1, dtype=torch.int64, device=self.device)
+        self.stop_ids.copy_(torch.tensor(stop if stop else (-1,), dtype=torch.int64))
         self.seed.fill_(params.seed)
         self.max_new.fill_(params.max_new_tokens)
         self._params = params

@@ -84,10 +84,17 @@ class SpeculativeRunner:
         self.counters = torch.zeros(3, dtype=torch.int64, device=dev)  # proposed, accepted, live row-cycles
 
     def reset_compiled(self) -> None:
-        """Forget compiled steps and graphs (the sampling parameters they specialise on changed)."""
+        """Start without compiled steps and graphs (a sampling mode not seen before)."""
         self._draft_fn = None
         self._verify_fn = None
-        self._graphs.clear()
+        self._graphs = {}
+
+    def compiled_state(self) -> tuple:
+        """The compiled steps and graphs of the current sampling mode (the engine keeps one per mode)."""
+        return self._draft_fn, self._verify_fn, self._graphs
+
+    def restore_compiled(self, state: tuple) -> None:
+        self._draft_fn, self._verify_fn, self._graphs = state
 
     def begin(self) -> None:
         """Start of a :meth:`RolloutEngine.generate` call."""

@@ -1,0 +1,64 @@
+"""The end-to-end GRPO benchmark on CPU (its ``--quick`` path): five recipe runs, the JSON and the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_e2e  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """Intra-op threads only contend on 2 shared cores (the recipe tests run with OMP_NUM_THREADS=1 too)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.slow
+def test_e2e_quick_pipeline(tmp_path, one_thread):
+    bench_e2e.main(["--quick", "--out", str(tmp_path), "--work-dir", str(tmp_path / "work"), "--density-probe"])
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["benchmark"] == "e2e" and doc["complete"] is True
+    assert doc["failed"] == [] and doc["skipped"] == []
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert set(rows) == set(bench_e2e.CONFIGS) and len(doc["rows"]) == 5
+    for r in rows.values():
+        assert r["steps"] == 2 and r["timed_steps"] == 1
+        for k in ("median_step_s", "prefill_s", "decode_s", "train_s", "sync_s", "rollout_s", "wall_s", "wall_s_all"):
+            assert math.isfinite(r[k]) and r[k] >= 0, (r["config"], k)
+        assert r["median_step_s"] > 0 and r["wall_s_all"] >= r["wall_s"]
+        for k in ("reward_mean", "reward_last_half", "eval_start", "eval_final"):
+            assert math.isfinite(r[k]) and 0 <= r[k] <= 1, (r["config"], k)
+        assert math.isfinite(r["mismatch_kl"]) and 0 <= r["is_clip_frac"] <= 1
+        assert r["sync_wire_mb"] > 0 and r["sync_dense_mb"] > 0
+    assert rows["all_off"]["speedup"] == 1.0
+    # each technique shows up exactly where it is switched on
+    for name, on in bench_e2e.CONFIGS.items():
+        r = rows[name]
+        assert (r["spec_acceptance"] is not None) == on["spec"], name
+        assert (r["decode_density"] is not None) == on["rtpurbo"], name  # compile is off: density is recorded
+        if on["rtpurbo"]:
+            assert 0 < r["decode_density"] <= 1
+    assert rows["sparse_sync_only"]["sync_wire_mb"] <= rows["all_off"]["sync_wire_mb"]
+    steps = doc["steps"]
+    assert len(steps) == 10 and {s["config"] for s in steps} == set(bench_e2e.CONFIGS)
+    assert all(math.isfinite(s["time/step_s"]) and math.isfinite(s["reward/mean"]) for s in steps)
+    assert {s["config"] for s in doc["summary"]} == set(bench_e2e.CONFIGS)
+    assert 0 < doc["density_probe"]["attention/decode_density"] <= 1
+    assert doc["calibration"]["retrieval_heads"]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bench_e2e.plot(doc, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").stat().st_size > 0
