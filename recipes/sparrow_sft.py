@@ -2,9 +2,10 @@
 
     tune run sparrow_sft --config recipes/configs/tiny_kv_retrieval_sft.yaml [key=value ...]
 
-Teacher forcing on ``prompt + answer + <eos>``: the loss is the mean over the answer and ``<eos>`` tokens
-plus ``prompt_loss_weight`` times the mean over the prompt tokens (separate means, so a long prompt does not
-drown the answer). Writes ``model.safetensors`` (the model's weights) and
+Teacher forcing on ``prompt + answer + <eos>``: the loss is the mean cross-entropy over the answer tokens
+plus ``prompt_loss_weight`` times the mean over the whole sequence (prompt, answer and ``<eos>``; separate
+means, so a long prompt does not drown the answer). ``seed`` sets the initialisation and the held-out set,
+``data_seed`` the training examples. Writes ``model.safetensors`` (the model's weights) and
 ``report.json`` (greedy and sampled accuracy on held-out prompts) to ``output_dir``. Deterministic by seed.
 """
 
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from sparrow.rl.recipe_utils import check_config
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 
-KEYS = {k: None for k in ("name", "output_dir", "seed", "device", "steps", "batch_size", "lr", "warmup_steps",
+KEYS = {k: None for k in ("name", "output_dir", "seed", "data_seed", "device", "steps", "batch_size", "lr", "warmup_steps",
                           "weight_decay", "init_std", "prompt_loss_weight", "max_grad_norm", "eval_prompts",
                           "max_new_tokens")}
 KEYS.update({"model": "component", "tokenizer": "component", "task": "component"})
@@ -55,36 +56,35 @@ class SFTRecipe:
         tok, B = self.tokenizer, self.cfg.batch_size
         seqs, plens = [], []
         for j in range(B):
-            ex = self.task.example(self.cfg.seed, step * B + j)
+            ex = self.task.example(self.cfg.data_seed, step * B + j)
             p = tok.encode(ex.prompt)
             seqs.append(p + tok.encode(ex.answer, add_bos=False, add_eos=True))
             plens.append(len(p))
         L = max(map(len, seqs))
         x = torch.full((B, L), tok.pad_id, dtype=torch.int64)
-        answer = torch.zeros((B, L))
-        prompt = torch.zeros((B, L))
+        answer = torch.zeros((B, L), dtype=torch.bool)
+        whole = torch.zeros((B, L), dtype=torch.bool)
         for j, s in enumerate(seqs):
             x[j, : len(s)] = torch.tensor(s)
-            prompt[j, 1: plens[j]] = 1.0
-            answer[j, plens[j]: len(s)] = 1.0
-        w = answer / answer.sum() + self.cfg.prompt_loss_weight * prompt / prompt.sum()
-        return x.to(self.device), w.to(self.device)
+            whole[j, 1: len(s)] = True
+            answer[j, plens[j]: len(s) - 1] = True
+        return x.to(self.device), answer[:, 1:].to(self.device), whole[:, 1:].to(self.device)
 
     def train(self) -> None:
         cfg = self.cfg
         bar = tqdm(range(cfg.steps), desc="sft", dynamic_ncols=True)
         for step in bar:
-            x, w = self._batch(step)
-            logits = self.model(x[:, :-1])
-            nll = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none")
-            loss = (nll * w[:, 1:].flatten()).sum()
+            x, answer, whole = self._batch(step)  # masks over the predicted positions x[:, 1:]
+            logits, target = self.model(x[:, :-1]), x[:, 1:]
+            answer_loss = F.cross_entropy(logits[answer], target[answer])
+            loss = answer_loss + cfg.prompt_loss_weight * F.cross_entropy(logits[whole], target[whole])
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.optimizer.step()
             self.scheduler.step()
             if step % 20 == 0:
-                bar.set_postfix(loss=f"{loss.item():.3f}")
+                bar.set_postfix(answer_loss=f"{answer_loss.item():.3f}", loss=f"{loss.item():.3f}")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

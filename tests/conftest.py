@@ -20,3 +20,5 @@ torch.backends.cudnn.allow_tf32 = False
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+    torch.compiler.reset()  # every test compiles from scratch: no recompile limit shared across tests

@@ -478,15 +478,15 @@ class RolloutEngine:
         self.done[row_slot] = ~live | stop | (new_n >= self.max_new)
 
     def compile_step(self, fn):
-        """``fn`` under ``no_grad`` (inference only, whatever the caller's grad mode), compiled when the config
-        says so with ``fullgraph=True``. Inductor's coalescing-tiling analysis is switched off: it asserts on
-        the decode step's gathered-index reductions in some torch releases."""
-        fn = torch.no_grad()(fn)
-        if not self.config.compile:
-            return fn
-        backend = self.config.compile_backend
-        options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
-        return torch.compile(fn, fullgraph=True, backend=backend, options=options)
+        """``fn`` compiled when the config says so (``fullgraph=True``), run under ``no_grad`` (inference only,
+        whatever the caller's grad mode). ``fn`` itself is compiled, not a wrapper around it, so each step keeps
+        its own compile cache (wrappers share one code object, and with it one recompile limit). Inductor's
+        coalescing-tiling analysis is switched off: it asserts on the verify step in some torch releases."""
+        if self.config.compile:
+            backend = self.config.compile_backend
+            options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+            fn = torch.compile(fn, fullgraph=True, backend=backend, options=options)
+        return torch.no_grad()(fn)
 
     def _compiled_step(self):
         if self._step_fn is None:
