@@ -56,7 +56,6 @@ import copy
 import gc
 import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -66,23 +65,16 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from runner import REPO, base_parser, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+
+triton_interpreter_without_cuda()  # before anything imports triton
 import bench_rtpurbo_accuracy as acc  # noqa: E402
 import train_task_model as ttm  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from runner import REPO, base_parser, print_table, write_json  # noqa: E402
 
 from sparrow.rl.recipe_utils import RECIPE_KEYS, check_config  # noqa: E402
 
