@@ -132,21 +132,17 @@ def prepare_model(args, work: Path) -> tuple[str, dict, float]:
     if minutes is None:
         raise SystemExit("give --model DIR (from train_task_model.py) or --train-minutes M")
     model_dir = args.model_out or str(work / "task_model")
-    train_argv = shlex.split(args.train_args) + ["--minutes", str(minutes), "--out", model_dir]
-    cfg = ttm.config_from_args(ttm.build_parser().parse_args(train_argv + (["--quick"] if args.quick else [])))
     t = time.perf_counter()
-    ttm.train(cfg)
+    ttm.main(shlex.split(args.train_args) + ["--minutes", str(minutes), "--out", model_dir]
+             + (["--quick"] if args.quick else []))
     return model_dir, ttm.read_report(model_dir), time.perf_counter() - t
 
 
 def merge_shards(model_dir: str, report: dict, path: Path) -> Path:
     """The model's safetensors shards as one file (the recipe's ``checkpoint``)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    state: dict[str, torch.Tensor] = {}
-    for shard in report["shards"]:
-        state.update(load_file(str(Path(model_dir) / shard["file"])))
-    save_file(state, str(path))
+    save_file(ttm.load_shards(model_dir, report), str(path))
     return path
 
 
@@ -367,9 +363,9 @@ def summarise(rows: list[dict], steps: list[dict]) -> list[dict]:
 
 # -- main -------------------------------------------------------------------------------------------------
 
-def density_probe(base: dict, args, rtpurbo_dir: Path, work: Path) -> dict:
+def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
     """One uncompiled step of all_on (toggle ``always``): the attention density the compiled runs cannot record."""
-    cfg = run_config(base, "all_on", int(args.seeds.split(",")[0]), args, rtpurbo_dir, work / "probe")
+    cfg = run_config(base, "all_on", seed, args, rtpurbo_dir, work / "probe")
     cfg["engine"].update(compile=False, cuda_graphs=False)
     cfg.update(total_steps=1, eval={"every": 0, "prompts": 1})
     cfg["sync"]["check_bitwise"] = 0
@@ -545,7 +541,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             skipped.append("density_probe")
         else:
             try:
-                probe = density_probe(base, args, rtpurbo_dir, work)
+                probe = density_probe(base, seeds[0], args, rtpurbo_dir, work)
                 log(f"density probe: {probe}", t_start)
             except Exception as e:
                 failed.append({"run": "density_probe", "error": f"{type(e).__name__}: {str(e)[:1000]}",

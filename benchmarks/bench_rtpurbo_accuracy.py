@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import shlex
 import sys
 import tempfile
@@ -47,20 +46,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-if __name__ == "__main__":
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-    except ImportError:  # pragma: no cover
-        pass
-
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runner import base_parser, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+
+triton_interpreter_without_cuda()  # before anything imports triton
 import train_task_model as ttm  # noqa: E402
-from runner import base_parser, print_table, write_json  # noqa: E402
 
 from sparrow.attention.rtpurbo import (  # noqa: E402
     HeadProfile,
@@ -190,17 +182,18 @@ def local_prefill_fraction(S: int, window: int, sinks: int) -> float:
     return float(kept.sum() / ((i + 1).sum()))
 
 
-def _se(p: float, n: int) -> float:
-    return math.sqrt(max(p * (1 - p), 0.0) / n) if n else float("nan")
+def paired_delta_se(b: int, c: int, n: int) -> float:
+    """Standard error of the paired accuracy difference, ``b`` examples right only dense, ``c`` only sparse."""
+    var = (b + c) / n - ((c - b) / n) ** 2
+    return math.sqrt(max(var, 0.0) / n)
 
 
 def paired(dense: list[bool], sparse: list[bool]) -> dict:
     n = len(dense)
     b = sum(d and not s for d, s in zip(dense, sparse))
     c = sum(s and not d for d, s in zip(dense, sparse))
-    var = (b + c) / n - ((c - b) / n) ** 2
     return {"dense_only": b, "sparse_only": c, "both": sum(d and s for d, s in zip(dense, sparse)),
-            "delta": (c - b) / n, "delta_se": math.sqrt(max(var, 0.0) / n)}
+            "delta": (c - b) / n, "delta_se": paired_delta_se(b, c, n)}
 
 
 def summarise(rows: list[dict], threshold: float, calibration: dict | None = None) -> list[dict]:
@@ -234,10 +227,9 @@ def summarise(rows: list[dict], threshold: float, calibration: dict | None = Non
                 L = max(ok)
                 a = by_ctx[L]
                 n = a["n"]
-                var = (a["b"] + a["c"]) / n - ((a["c"] - a["b"]) / n) ** 2
                 delta = (a["sparse"] - a["dense"]) / n
                 row.update(longest_handled=L, n=n, dense_acc=a["dense"] / n, sparse_acc=a["sparse"] / n,
-                           delta=delta, delta_se=math.sqrt(max(var, 0.0) / n), within_1pt=abs(delta) <= 0.01,
+                           delta=delta, delta_se=paired_delta_se(a["b"], a["c"], n), within_1pt=abs(delta) <= 0.01,
                            decode_density=sum(a["decode_density"]) / len(a["decode_density"]))
             out.append(row)
     return out
@@ -263,10 +255,9 @@ def run(args) -> dict:
         if minutes is None:
             raise SystemExit("give --model DIR (from train_task_model.py) or --train-minutes M")
         model_dir = args.model_out or str(Path(out_dir if out_dir is not None else ".") / "task_model")
-        train_argv = shlex.split(args.train_args) + ["--minutes", str(minutes), "--out", model_dir]
-        cfg = ttm.config_from_args(ttm.build_parser().parse_args(train_argv + (["--quick"] if args.quick else [])))
         t = time.perf_counter()
-        ttm.train(cfg)
+        ttm.main(shlex.split(args.train_args) + ["--minutes", str(minutes), "--out", model_dir]
+                 + (["--quick"] if args.quick else []))
         train_s = time.perf_counter() - t
     report = ttm.read_report(model_dir)
     model = ttm.load_task_model(model_dir, device, dtype)
@@ -386,8 +377,9 @@ def run(args) -> dict:
         for t in ttm.EVAL_TASKS:
             hits, first, secs = dense[(t, L)]
             acc = sum(hits) / len(hits)
-            dense_rows.append(dict(task=t, context=L, n=len(hits), accuracy=acc, se=_se(acc, len(hits)),
-                                   first_acc=sum(first) / len(first), seconds=round(secs, 2)))
+            dense_rows.append(dict(task=t, context=L, n=len(hits), accuracy=acc,
+                                   se=ttm.binomial_se(acc, len(hits)), first_acc=sum(first) / len(first),
+                                   seconds=round(secs, 2)))
 
     def save(final: bool) -> None:
         trained = {k: report[k] for k in ("model", "params", "train", "accuracy") if k in report}
@@ -434,8 +426,9 @@ def run(args) -> dict:
                 loc = local_prefill_fraction(L + 1, c.window, c.num_sinks)
                 pre_ret = st["prefill_ret_density"] if n_ret else 0.0
                 rows.append(dict(
-                    config=name, task=task, context=L, n=len(hits), dense_acc=dacc, dense_se=_se(dacc, len(hits)),
-                    sparse_acc=sacc, sparse_se=_se(sacc, len(hits)), **paired(d_hits, hits),
+                    config=name, task=task, context=L, n=len(hits), dense_acc=dacc,
+                    dense_se=ttm.binomial_se(dacc, len(hits)), sparse_acc=sacc,
+                    sparse_se=ttm.binomial_se(sacc, len(hits)), **paired(d_hits, hits),
                     dense_first_acc=sum(d_first) / len(d_first), sparse_first_acc=sum(first) / len(first),
                     decode_density=st["decode_density"], decode_ret_density=st["decode_ret_density"],
                     prefill_ret_density=st["prefill_ret_density"],

@@ -22,26 +22,17 @@ Usage: ``python benchmarks/bench_rtpurbo_prefill.py`` (H200: ~4 min) or ``--quic
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
-
-if __name__ == "__main__":
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU smoke runs go through the interpreter
-    except ImportError:  # pragma: no cover
-        pass
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, measure, print_table, write_json  # noqa: E402
+from runner import base_parser, measure, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
 
+triton_interpreter_without_cuda()  # before anything imports triton
 from sparrow.attention.base import LayerShape  # noqa: E402
 from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig  # noqa: E402
 from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention  # noqa: E402

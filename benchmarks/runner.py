@@ -30,14 +30,14 @@ from typing import Any, Callable
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "docs" / "benchmarks"
 
 
 def triton_interpreter_without_cuda() -> None:
     """On a machine without CUDA, run Triton kernels through the interpreter (CPU smoke runs). Call it before
-    triton is first imported."""
+    triton is first imported (``import torch`` does not import it; Sparrow's kernel modules do)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-RESULTS_DIR = REPO / "docs" / "benchmarks"
 
 
 def git_revision() -> str:

@@ -16,8 +16,9 @@ trains one from scratch in a fixed time budget:
   longest context reaches ``--advance-acc`` (checked every ``--eval-every`` seconds), and after
   ``--ramp / (levels - 1)`` of the time budget once that accuracy has passed ``--min-advance-acc`` (the
   model has begun to solve the level: pushing an unsolved model to longer contexts leaves it unsolved at
-  every length); so the maximum is reached by ``--ramp`` of the budget when learning keeps pace; ``--curriculum time`` grows it geometrically in time over ``--ramp``. Each step draws
-  its length log-uniformly below the current longest, or that longest itself with probability 1/2.
+  every length); so the maximum is reached by ``--ramp`` of the budget when learning keeps pace.
+  ``--curriculum time`` grows it geometrically in time over ``--ramp``. Each step draws its length
+  log-uniformly below the current longest, or that longest itself with probability 1/2.
 * **Loss**: mean cross-entropy of the answer and ``<eos>`` plus ``--prompt-weight`` times the mean over the
   prompt tokens (separate means, so a long prompt does not drown the answer). AdamW, linear warm-up then
   cosine decay in time, bf16 autocast on CUDA, gradient clipping.
@@ -75,7 +76,6 @@ EVAL_TASKS: dict[str, Callable[[int], Any]] = {
     "kv_retrieval": lambda n: KVRetrieval(n),
     "variable_tracking": lambda n: VariableTracking(n),
 }
-FAMILY_TASK = {"kv": "kv_retrieval", "kv_vary": "kv_retrieval", "vt": "variable_tracking"}
 
 _TOK = CharTokenizer()
 _LUT = np.full(256, 255, dtype=np.uint8)
@@ -95,11 +95,11 @@ def encode_text(text: str) -> np.ndarray:
     return ids
 
 
-def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int, str]:
-    """``<bos> prompt answer <eos>`` as int64 ids, the prompt length in tokens (bos included), the answer."""
+def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int]:
+    """``<bos> prompt answer <eos>`` as int64 ids, and the prompt length in tokens (bos included)."""
     ex = task.example(seed, index)
     ids = np.concatenate([[_TOK.bos_id], encode_text(ex.prompt), encode_text(ex.answer), [_TOK.eos_id]])
-    return ids.astype(np.int64), len(ex.prompt) + 1, ex.answer
+    return ids.astype(np.int64), len(ex.prompt) + 1
 
 
 def make_rows(job: tuple[str, int, int, int, int]) -> tuple[str, np.ndarray, np.ndarray]:
@@ -108,7 +108,7 @@ def make_rows(job: tuple[str, int, int, int, int]) -> tuple[str, np.ndarray, np.
     task = TRAIN_FAMILIES[fam](n)
     rows, plens = [], []
     for i in range(start, start + count):
-        ids, plen, _ = example_tokens(task, seed, i)
+        ids, plen = example_tokens(task, seed, i)
         rows.append(ids)
         plens.append(plen)
     width = max(len(r) for r in rows)
@@ -280,18 +280,24 @@ def read_report(directory: str | Path) -> dict:
     return doc
 
 
+def load_shards(directory: str | Path, report: dict | None = None) -> dict[str, torch.Tensor]:
+    """The saved (bf16) state dict: every shard listed in the report (``task_model.json``), merged."""
+    from safetensors.torch import load_file
+
+    doc = report if report is not None else read_report(directory)
+    state: dict[str, torch.Tensor] = {}
+    for shard in doc["shards"]:
+        state.update(load_file(str(Path(directory) / shard["file"])))
+    return state
+
+
 def load_task_model(directory: str | Path, device: str | torch.device = "cpu",
                     dtype: torch.dtype = torch.float32, attention=DenseAttention) -> torch.nn.Module:
     """Rebuild a model saved by this script: builder arguments from ``task_model.json``, weights from its
     shards (stored in bf16; cast to ``dtype``). RoPE tables stay float32. Returns the model in eval mode."""
-    from safetensors.torch import load_file
-
     doc = read_report(directory)
     model = ModelConfig(**doc["model"]).build(attention)
-    state: dict[str, torch.Tensor] = {}
-    for shard in doc["shards"]:
-        state.update(load_file(str(Path(directory) / shard["file"])))
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(load_shards(directory, doc), strict=True)
     model.to(device=device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -338,7 +344,7 @@ def greedy_accuracy(model, task_name: str, context: int, n: int, *, seed: int = 
                     batch_tokens: int = 65536) -> tuple[float, int]:
     """Exact-match greedy accuracy (answer then ``<eos>``) on ``n`` held-out examples, by teacher forcing."""
     task = EVAL_TASKS[task_name](context)
-    seqs = [example_tokens(task, seed, i)[:2] for i in range(n)]
+    seqs = [example_tokens(task, seed, i) for i in range(n)]
     hits = teacher_forced_hits(model, seqs, batch_tokens=batch_tokens)
     return sum(hits) / n, n
 
@@ -380,14 +386,17 @@ class TrainConfig:
     log_every_s: float = 15.0
     quick: bool = False
 
-    def lengths(self) -> list[int]:
-        if self.eval_lengths:
-            return sorted(int(x) for x in self.eval_lengths)
+    def levels(self) -> list[int]:
+        """The curriculum's longest contexts: powers of two times ``min_context``, then ``max_context``."""
         out, n = [], self.min_context
         while n < self.max_context:
             out.append(n)
             n *= 2
         return out + [self.max_context]
+
+    def lengths(self) -> list[int]:
+        """Contexts of the final accuracy table (default: :meth:`levels`)."""
+        return sorted(int(x) for x in self.eval_lengths) if self.eval_lengths else self.levels()
 
 
 class Curriculum:
@@ -395,11 +404,7 @@ class Curriculum:
 
     def __init__(self, cfg: TrainConfig, budget_s: float) -> None:
         self.cfg = cfg
-        self.levels, n = [], cfg.min_context
-        while n < cfg.max_context:
-            self.levels.append(n)
-            n *= 2
-        self.levels.append(cfg.max_context)
+        self.levels = cfg.levels()
         self.stage = 0
         self.stage_cap_s = cfg.ramp * budget_s / max(1, len(self.levels) - 1)
         self.stage_start = 0.0
@@ -487,7 +492,7 @@ def train(cfg: TrainConfig) -> dict:
     budget = cfg.minutes * 60.0
     step = tokens = examples = 0
     progress: list[dict] = []
-    loss_acc = {"prompt": [], **{f: [] for f in FAMILY_TASK}}
+    loss_acc = {"prompt": [], **{f: [] for f in TRAIN_FAMILIES}}
     data_wait = 0.0
     t_train = time.perf_counter()
     t_log = t_eval = t_train
@@ -524,7 +529,7 @@ def train(cfg: TrainConfig) -> dict:
             step += 1
             tokens += int(b.tokens.numel())
             examples += len(b.family)
-            fam_idx = {f: [i for i, g in enumerate(b.family) if g == f] for f in FAMILY_TASK}
+            fam_idx = {f: [i for i, g in enumerate(b.family) if g == f] for f in TRAIN_FAMILIES}
             for f, idx in fam_idx.items():
                 if idx:
                     loss_acc[f].append(ans_rows.detach()[idx].mean())
@@ -555,7 +560,8 @@ def train(cfg: TrainConfig) -> dict:
                 _log("eval (greedy, held out): " + "  ".join(msg), t0)
                 t_eval = time.perf_counter()
                 if cfg.curriculum == "auto" and cur.update(t_eval - t_train, at_top):
-                    _log(f"curriculum: longest context -> {cur.top} (accuracy at {top} >= {cfg.advance_acc})", t0)
+                    _log(f"curriculum: longest context -> {cur.top} ({cur.events[-1]['reason']}; accuracy at {top} "
+                         f"{min(at_top.values()):.2f})", t0)
     finally:
         stream.close()
     train_s = time.perf_counter() - t_train

@@ -12,7 +12,6 @@ to the rollout copy through the configured weight codec (``sparrow.sync``), bit-
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -126,13 +125,8 @@ class GRPORecipe:
             self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
         if cfg.resume_from_checkpoint:
             ckpt = latest_checkpoint(self.output_dir / "checkpoints")
-            if self.is_trainer:
-                state = load_checkpoint(ckpt, model=self.model, optimizer=self.optimizer, restore_rng=False)
-            else:
-                load_model_state(model, _read_weights(ckpt / "model.safetensors", "checkpoint"))
-                import json
-
-                state = json.loads((ckpt / "state.json").read_text())
+            state = load_checkpoint(ckpt, model=model, optimizer=self.optimizer if self.is_trainer else None,
+                                    restore_rng=False)
             self.step = state["step"]
             self.history = state.get("history", [])
             self.loader.load_state_dict(state["data"])
@@ -231,7 +225,7 @@ class GRPORecipe:
                                                    **lp_kwargs) for s in self._micro(range(N))])
         self._wait_device()
         t_logprob = time.perf_counter() - t0
-        metrics: dict[str, float] = {}
+        sums: dict[str, torch.Tensor] = {}  # on the device: one host sync per step, not per micro-batch
         mb_size = N // cfg.minibatches
         for epoch in range(cfg.ppo_epochs):
             perm = torch.randperm(N, device=self.device) if cfg.ppo_epochs > 1 else torch.arange(N, device=self.device)
@@ -249,11 +243,13 @@ class GRPORecipe:
                                            self.grpo)
                     loss.backward()
                     for k, v in mets.items():
-                        metrics[k] = metrics.get(k, 0.0) + float(v) * len(ids) / (N * cfg.ppo_epochs)
-                    metrics["loss"] = metrics.get("loss", 0.0) + float(loss.detach()) / (cfg.ppo_epochs * cfg.minibatches)
+                        sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
+                    sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                metrics["grad_norm"] = float(gn)
+                sums["grad_norm"] = gn.detach()  # the last update's
                 self.optimizer.step()
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in sums.values()])
+        metrics = dict(zip(sums, values.tolist()))  # the step's one read-back of its training metrics
         self._wait_device()
         metrics["time/logprob_s"] = t_logprob
         metrics["time/train_s"] = time.perf_counter() - t0 - t_logprob

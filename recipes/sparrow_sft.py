@@ -34,7 +34,7 @@ KEYS.update({"model": "component", "tokenizer": "component", "task": "component"
 
 class SFTRecipe:
     def __init__(self, cfg: DictConfig) -> None:
-        check_config(cfg, KEYS)
+        check_config(cfg, KEYS, optional=("name",))
         self.cfg = cfg
         self.device = torch.device(cfg.device)
 

@@ -64,6 +64,18 @@ def test_loss_matches_per_token_definition(aggregation, is_mode):
     assert logp.grad[~mask].abs().max() == 0 and logp.grad[mask].abs().max() > 0
 
 
+def test_ppo_clip_edges_are_asymmetric():
+    """Ratios e^{±0.3} lie outside both [1 - clip_low, 1 + clip_high] edges (0.8, 1.28)."""
+    cfg = GRPOConfig(clip_low=0.2, clip_high=0.28, is_level="none")
+    logp, _, _, adv, mask = _batch()
+    sign = (-1.0) ** (torch.arange(4)[:, None] + torch.arange(5)[None, :])
+    old = logp.detach() - 0.3 * sign
+    loss, m = grpo_loss(logp, old, old, adv, mask, aggregation_weights(mask, cfg), cfg)
+    ref = _brute_force(logp.detach().double(), old.double(), old.double(), adv.double(), mask, cfg)
+    assert abs(float(loss.detach()) - ref) < 1e-5
+    assert float(m["policy_clip_frac"]) == 1.0
+
+
 def test_microbatches_accumulate_to_the_minibatch_loss():
     cfg = GRPOConfig(aggregation="seq_mean_token_mean")
     logp, old, behav, adv, mask = _batch()

@@ -19,6 +19,13 @@ import torch
 from safetensors.torch import load_file, safe_open, save_file
 
 _META = "sparrow_meta"
+_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json")
+
+
+def _check_files(path: Path) -> None:
+    for f in _FILES:
+        if not (path / f).is_file():
+            raise FileNotFoundError(f"checkpoint file {path / f} does not exist")
 
 
 def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -79,33 +86,30 @@ def latest_checkpoint(directory: str | Path) -> Path:
     if not pointer.is_file():
         raise FileNotFoundError(f"no checkpoint to resume from: {pointer} does not exist")
     path = root / pointer.read_text().strip()
-    for f in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"checkpoint file {path / f} does not exist")
+    _check_files(path)
     return path
 
 
-def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     restore_rng: bool = True) -> dict[str, Any]:
-    """Restore model, optimizer and (unless ``restore_rng`` is false) RNG from checkpoint directory ``path``;
-    returns its ``state.json``. Restore the RNG last of all (:func:`restore_rng_state`) when more random
+    """Restore model, optimizer (unless None: a rank that does not train) and (unless ``restore_rng`` is
+    false) RNG from checkpoint directory ``path``; returns its ``state.json``. Restore the RNG last of all (:func:`restore_rng_state`) when more random
     initialisation follows in the caller.
 
     Raises: FileNotFoundError for a missing file; ValueError when the weights do not fit ``model``.
     """
     path = Path(path)
-    for f in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
-        if not (path / f).is_file():
-            raise FileNotFoundError(f"checkpoint file {path / f} does not exist")
+    _check_files(path)
     weights = load_file(str(path / "model.safetensors"))
     own = model.state_dict()
     if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
         raise ValueError(f"checkpoint {path} does not fit the model (different parameter names or shapes)")
     model.load_state_dict(weights)
-    with safe_open(str(path / "optimizer.safetensors"), "pt") as f:
-        meta = json.loads(f.metadata()[_META])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    optimizer.load_state_dict(_unflatten_optimizer(tensors, meta))
+    if optimizer is not None:
+        with safe_open(str(path / "optimizer.safetensors"), "pt") as f:
+            meta = json.loads(f.metadata()[_META])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        optimizer.load_state_dict(_unflatten_optimizer(tensors, meta))
     if restore_rng:
         restore_rng_state(path)
     return json.loads((path / "state.json").read_text())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,7 @@ from sparrow.rl.grpo import GRPOConfig
 from sparrow.rollout.engine import EngineConfig, Sample
 
 COMPONENT = "component"  # any keyword arguments: the component's constructor validates them
+SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis"}
 
 RECIPE_KEYS: dict[str, Any] = {
     "name": None, "model_dir": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
@@ -30,13 +31,14 @@ RECIPE_KEYS: dict[str, Any] = {
     "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
     "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "total_steps": None,
     "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None,
-    "speculative": None, "indexer_refresh": {"every", "steps", "sequences"}, "hf_checkpoint": {"dir", "model_type"},
+    "speculative": SPECULATIVE_KEYS, "indexer_refresh": {"every", "steps", "sequences"}, "hf_checkpoint": {"dir", "model_type"},
 }
 OPTIONAL = {"name", "model_dir", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh", "hf_checkpoint"}
 
 
-def check_config(cfg: DictConfig, spec: Mapping[str, Any]) -> None:
-    """Raise ValueError naming every unknown or missing key (nested sections included)."""
+def check_config(cfg: DictConfig, spec: Mapping[str, Any], optional: Collection[str] = OPTIONAL) -> None:
+    """Raise ValueError naming every unknown or missing key (nested sections included); keys of ``spec``
+    not in ``optional`` are required (the default: the GRPO recipe's optional keys)."""
     unknown, missing = [], []
     for key in cfg:
         if key not in spec:
@@ -45,7 +47,7 @@ def check_config(cfg: DictConfig, spec: Mapping[str, Any]) -> None:
             unknown += [f"{key}.{k}" for k in cfg[key] if k not in spec[key]]
         elif spec[key] == COMPONENT and cfg[key] is not None and "_component_" not in cfg[key]:
             raise ValueError(f"config key {key!r} needs a _component_")
-    missing = [k for k in spec if k not in cfg and k not in OPTIONAL]
+    missing = [k for k in spec if k not in cfg and k not in optional]
     if unknown:
         raise ValueError(f"unknown config keys: {', '.join(unknown)}")
     if missing:
@@ -138,20 +140,14 @@ def plot_history(history: list[dict[str, float]], png: Path, title: str = "") ->
     plt.close(fig)
 
 
-SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis"}
-
-
 def build_speculation(spec_cfg, rollout_model):
     """The drafter and the engine's ``max_draft`` for the ``speculative`` config section (None: none)."""
     from torchtune import config as tt_config
 
     from sparrow.speculative import QuantizedSelfDrafter
 
-    if spec_cfg is None:
+    if spec_cfg is None:  # its keys were checked with the rest of the config (RECIPE_KEYS)
         return None, 0
-    unknown = [k for k in spec_cfg if k not in SPECULATIVE_KEYS]
-    if unknown:
-        raise ValueError(f"unknown config keys: {', '.join('speculative.' + k for k in unknown)}")
     if spec_cfg.toggle not in ("always", "threshold", "cost_model"):
         raise ValueError(f"speculative.toggle must be always, threshold or cost_model, got {spec_cfg.toggle!r}")
     drafter = QuantizedSelfDrafter(rollout_model, tt_config.instantiate(spec_cfg.drafter))

@@ -247,7 +247,6 @@ class RolloutEngine:
         self.row_sample_id = torch.zeros(R, dtype=torch.int64, device=dev)
         self.seed = torch.zeros((), dtype=torch.int64, device=dev)
         self.max_new = torch.ones((), dtype=torch.int64, device=dev)
-        self.stop_ids = torch.full((1,), -1, dtype=torch.int64, device=dev)
         if self._spec is not None:
             self._spec.allocate()
 

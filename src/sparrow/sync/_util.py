@@ -48,6 +48,22 @@ def hash_bytes(data: torch.Tensor | bytes, impl: str | None = None) -> int:
     return combine_hash(hash_bytes_lanes(data, impl))
 
 
+def hash_views(views: list[torch.Tensor], starts: list[int], impl: str | None = None) -> torch.Tensor:
+    """Hash lanes (int64 ``[N, 2]`` on the views' device, no host sync) of flat bit views of any widths,
+    view ``i`` hashed at positions ``starts[i] + j``: one :func:`group_hash_bits` launch per bit width."""
+    by_bits: dict[int, list[int]] = {}
+    for i, v in enumerate(views):
+        by_bits.setdefault(v.element_size(), []).append(i)
+    if len(by_bits) == 1:
+        return _k.group_hash_bits(views, starts, impl=impl)
+    rows: list[torch.Tensor] = [None] * len(views)  # type: ignore[list-item]
+    for idx in by_bits.values():
+        lanes = _k.group_hash_bits([views[i] for i in idx], [starts[i] for i in idx], impl=impl)
+        for r, i in enumerate(idx):
+            rows[i] = lanes[r]
+    return torch.stack(rows)
+
+
 def as_u8(t: torch.Tensor) -> torch.Tensor:
     """Flat uint8 view of a contiguous tensor's bytes."""
     return t.reshape(-1).view(torch.uint8)

@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from ..kernels.sync import api as K
-from ..kernels.sync.common import BITS_DTYPE, M32, SyncFormatError, bits_view, combine_hash, element_bits
+from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, combine_hash, element_bits,
+                                   fold_lanes)
 from ._util import as_u8
 from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length
 from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
@@ -116,7 +117,7 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
     for eb, idx in parts.items():
         if scan_hash[eb]:
             for k in idx:
-                hashes[k] = combine_hash(torch.tensor(host[at:at + 2]))
+                hashes[k] = fold_lanes(host[at], host[at + 1])
                 at += 2
     _mark(timer, "sync_counts")
     plan = []
@@ -143,7 +144,8 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
         news = [jobs[k].new for k in idx]
         cnts = [counts[k] for k in idx]
         starts = [jobs[k].start for k in idx]
-        dacc = K.hash_zeros(len(idx), dev) if any(incremental[k] for k in idx) else None
+        # hash changes only where the scan did not hash the new bits in full (all slices incremental)
+        dacc = K.hash_zeros(len(idx), dev) if with_hash and not scan_hash[eb] else None
         # runs of consecutive non-dense slices, cut so that a run holds at most `cap` changes
         runs, a = [], 0
         while a < len(idx):
@@ -176,7 +178,7 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
                 packed.append((cidx, out, wbase, nwords))
             _mark(timer, "pack")
         if dacc is not None:
-            deltas.append(([k for k in idx], dacc))
+            deltas.append((idx, dacc))
     # host sync 2: packed sizes, hash changes and full hashes of dense slices, all at once
     tail = [torch.stack([b, n], 1).reshape(-1) for _, _, b, n in packed]
     tail += [d.to(torch.int64).reshape(-1) for _, d in deltas]
@@ -191,15 +193,12 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
             at += 2
     for idx, _ in deltas:
         for k in idx:
-            if incremental[k] and hashes[k] is None and plan[k] != "dense":
-                base = int(base_hashes[k])  # type: ignore[index]
-                a = ((base & M32) + host2[at]) & M32
-                b = ((base >> 32) + host2[at + 1]) & M32
-                hashes[k] = (b << 32) | a
+            if plan[k] != "dense":  # dense slices: full hash (full_lanes)
+                hashes[k] = add_lanes(int(base_hashes[k]), host2[at], host2[at + 1])  # type: ignore[index]
             at += 2
     for idx, _ in full_lanes:
         for k in idx:
-            hashes[k] = combine_hash(torch.tensor(host2[at:at + 2]))
+            hashes[k] = fold_lanes(host2[at], host2[at + 1])
             at += 2
     result: list[EncodedSlice] = []
     for k, (j, m) in enumerate(zip(jobs, counts)):
@@ -221,8 +220,6 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
             body = as_u8(j.new).clone() if copy_dense else as_u8(j.new)
             if update_old:
                 j.old.copy_(j.new)
-            if with_hash and hashes[k] is None:  # auto chose dense after collecting: hash it fully
-                hashes[k] = combine_hash(K.hash_bits(j.new, j.start, impl=impl))
         result.append(EncodedSlice(kind, int(m), body, hashes[k], sizes))
     _mark(timer, "finish")
     return result

@@ -9,7 +9,8 @@ from typing import Mapping
 import torch
 
 from ..kernels.sync import api as K
-from ..kernels.sync.common import M32, SyncFormatError, bits_view, element_bits
+from ..kernels.sync.common import SyncFormatError, add_lanes, bits_view, element_bits, fold_lanes
+from ._util import hash_views
 from .bucket import BucketInfo, parse_bucket
 from .codecs import apply_decoded, decode_slice, undo_decoded
 from .errors import (
@@ -216,7 +217,8 @@ class SyncReceiver:
                     base_of[k] = known
             if e.codec == "dense":
                 hash_jobs.append(("new", k, other[k].new_bits))
-        lanes = self._hash_ranges(hash_jobs, ents)
+        lanes = [hash_views([b for _, _, b in hash_jobs], [starts[k] for _, k, _ in hash_jobs],
+                            impl=self.impl).reshape(-1)] if hash_jobs else []
         host = torch.cat([torch.stack(flags).reshape(-1).to(torch.int64)] + lanes).tolist()
         if timer is not None:
             timer.mark("decode_validate")
@@ -228,7 +230,7 @@ class SyncReceiver:
         at = len(flags)
         new_of: dict[int, int] = {}
         for kind, k, _ in hash_jobs:
-            h = ((int(host[at + 1]) & M32) << 32) | (int(host[at]) & M32)
+            h = fold_lanes(host[at], host[at + 1])
             at += 2
             (base_of if kind == "cur" else new_of)[k] = h
         for k in checked:
@@ -260,8 +262,7 @@ class SyncReceiver:
                     applied.append(k)
                 for eb, idx in compact.items():
                     pos, val = decoded[eb] if eb in decoded else decode_group(idx)[:2]
-                    sub = [k for k in idx]
-                    hacc = K.hash_zeros(len(sub), dev) if any(k in want for k in sub) else None
+                    hacc = K.hash_zeros(len(idx), dev) if any(k in want for k in idx) else None
                     K.group_apply_records([views[k] for k in idx], pos, val, [ents[k].nchanged for k in idx],
                                           impl=self.impl, hash_starts=[starts[k] for k in idx], hash_out=hacc)
                     if hacc is not None:
@@ -273,10 +274,7 @@ class SyncReceiver:
                     dl = dacc.tolist()
                     for k in sorted(want):
                         e = ents[k]
-                        base = base_of[k]
-                        a = ((base & M32) + dl[k][0]) & M32
-                        b = ((base >> 32) + dl[k][1]) & M32
-                        got = (b << 32) | a
+                        got = add_lanes(base_of[k], *dl[k])
                         if got != e.target_hash:
                             raise HashMismatchError(
                                 f"{e.name}[{e.start}:{e.start + e.length}]: target hash mismatch after apply "
@@ -346,20 +344,6 @@ class SyncReceiver:
             return "incremental"
         return "full"
 
-    def _hash_ranges(self, jobs, ents) -> list[torch.Tensor]:
-        """Full hashes (flattened int64 lanes, device) of the bit views of ``jobs``, one launch per bit width."""
-        if not jobs:
-            return []
-        by_bits: dict[int, list[int]] = {}
-        for i, (_, _, b) in enumerate(jobs):
-            by_bits.setdefault(b.element_size(), []).append(i)
-        rows: list[torch.Tensor | None] = [None] * len(jobs)
-        for idx in by_bits.values():
-            ln = K.group_hash_bits([jobs[i][2] for i in idx], [ents[jobs[i][1]].start for i in idx], impl=self.impl)
-            for r, i in enumerate(idx):
-                rows[i] = ln[r]
-        return [torch.stack(rows).reshape(-1)]  # type: ignore[arg-type]
-
     def _drop_hash(self, name: str, start: int, length: int, *, keep_exact: bool) -> None:
         """Forget running hashes of ranges of ``name`` overlapping ``[start, start + length)``."""
         d = self._hashes.get(name)
@@ -380,14 +364,10 @@ class SyncReceiver:
         if not ranges:
             return
         ranges = [(str(n), int(s), int(ln)) for n, s, ln in ranges]
-        by_bits: dict[int, list[tuple[str, int, int]]] = {}
-        for r in ranges:
-            by_bits.setdefault(self._bits[r[0]].element_size(), []).append(r)
-        for rs in by_bits.values():
-            lanes = K.group_hash_bits([self._bits[n][s:s + ln] for n, s, ln in rs], [s for _, s, _ in rs],
-                                      impl=self.impl).tolist()
-            for (n, s, ln), h in zip(rs, lanes):
-                self._hashes.setdefault(n, {})[(s, ln)] = ((int(h[1]) & M32) << 32) | (int(h[0]) & M32)
+        lanes = hash_views([self._bits[n][s:s + ln] for n, s, ln in ranges], [s for _, s, _ in ranges],
+                           impl=self.impl).tolist()  # one host sync
+        for (n, s, ln), (a, b) in zip(ranges, lanes):
+            self._hashes.setdefault(n, {})[(s, ln)] = fold_lanes(a, b)
 
     def _device(self) -> torch.device:
         return next(iter(self._bits.values())).device if self._bits else torch.device("cpu")

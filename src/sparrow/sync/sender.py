@@ -8,8 +8,8 @@ from typing import Iterator, Mapping
 
 import torch
 
-from ..kernels.sync import api as K
-from ..kernels.sync.common import M32, MAX_SLICE_ELEMS, bits_view, element_bits
+from ..kernels.sync.common import MAX_SLICE_ELEMS, bits_view, element_bits, fold_lanes
+from ._util import hash_views
 from .bucket import BucketInfo, EntryMeta, build_bucket
 from .codecs import SliceJob, encode_slices
 from .errors import ShapeMismatchError
@@ -89,23 +89,12 @@ class SyncSender:
         The sender keeps the 64-bit hash of each slice of its snapshot and updates it from the changed
         elements only; call this after modifying ``snapshot`` by hand (the next manifest's base hashes
         and target hashes are derived from these)."""
-        if not self.with_hash:
+        if not self.with_hash or not self._slices:
             return
-        by_bits: dict[int, list[int]] = {}
-        for i, (name, _, _) in enumerate(self._slices):
-            by_bits.setdefault(self.snapshot[name].element_size(), []).append(i)
-        lanes, order = [], []
         with torch.no_grad():
-            for idx in by_bits.values():
-                views = [bits_view(self.snapshot[self._slices[i][0]])[self._slices[i][1]:
-                                                                      self._slices[i][1] + self._slices[i][2]]
-                         for i in idx]
-                lanes.append(K.group_hash_bits(views, [self._slices[i][1] for i in idx], impl=self.impl))
-                order += idx
-        if order:
-            host = torch.cat(lanes).tolist()
-            for i, ln in zip(order, host):
-                self._hash[i] = ((int(ln[1]) & M32) << 32) | (int(ln[0]) & M32)
+            views = [bits_view(self.snapshot[name])[s:s + n] for name, s, n in self._slices]
+            host = hash_views(views, [s for _, s, _ in self._slices], impl=self.impl).tolist()  # one host sync
+        self._hash = [fold_lanes(a, b) for a, b in host]
 
     def request_resync(self) -> None:
         """Make the next sync a dense anchor."""

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from sparrow.kernels.common.triton_merge import merge_splits
-
 from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
 
 

@@ -89,10 +89,6 @@ def _dev_i64(values: Sequence[int], dev: torch.device) -> torch.Tensor:
     return t.to(dev)
 
 
-def _addrs(ts: Sequence[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    return _dev_i64([t.data_ptr() for t in ts], dev)
-
-
 def _cum(counts: Sequence[int]) -> list[int]:
     out = [0]
     for c in counts:

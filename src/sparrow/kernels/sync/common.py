@@ -68,10 +68,19 @@ def slot_words(ebits: int) -> int:
     return (RANK_BLOCK * (31 + 3 + ebits) + 31) // 32 + 8
 
 
+def fold_lanes(a: int, b: int) -> int:
+    """Fold two 32-bit hash lanes (host ints, taken mod 2^32) into one 64-bit Python int."""
+    return ((int(b) & M32) << 32) | (int(a) & M32)
+
+
+def add_lanes(h: int, da: int, db: int) -> int:
+    """The 64-bit hash ``h`` advanced by the lane changes ``(da, db)`` (host ints, mod 2^32 per lane)."""
+    return fold_lanes((h & M32) + int(da), (h >> 32) + int(db))
+
+
 def combine_hash(lanes: torch.Tensor) -> int:
     """Fold the two 32-bit hash lanes (an int64 tensor of shape [2]) into one Python int."""
-    a, b = (int(v) & M32 for v in lanes.tolist())
-    return (b << 32) | a
+    return fold_lanes(*lanes.tolist())
 
 
 class SyncFormatError(ValueError):
