@@ -362,7 +362,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
-    min_context: int = 256
+    min_context: int = 64  # ~7 pairs: the copy circuit forms here within minutes; at 256 it stalled
     max_context: int = 8192
     ramp: float = 0.6
     curriculum: str = "auto"
@@ -538,8 +538,9 @@ def train(cfg: TrainConfig) -> dict:
             if now - t_log >= cfg.log_every_s:
                 means = {k: (float(torch.stack(v).mean()) if v else float("nan")) for k, v in loss_acc.items()}
                 _log(f"step {step:5d} ctx<={cur.top:5d} L={b.context:5d} B={len(b.family):4d} "
-                     f"tokens {tokens / 1e6:7.1f}M  answer loss kv {means['kv']:.3f} kv_vary {means['kv_vary']:.3f} "
-                     f"vt {means['vt']:.3f} prompt {means['prompt']:.3f}  lr {_lr(cfg, step, frac):.1e}  "
+                     f"tokens {tokens / 1e6:7.1f}M  answer loss "
+                     + " ".join(f"{f} {means[f]:.3f}" for f in cfg.mix if cfg.mix[f] > 0)
+                     + f" prompt {means['prompt']:.3f}  lr {_lr(cfg, step, frac):.1e}  "
                      f"{(tokens - tok_at_log) / (now - t_log) / 1e3:6.0f}k tok/s  data wait "
                      f"{100 * data_wait / max(now - t_train, 1e-9):.0f}%", t0)
                 loss_acc = {k: [] for k in loss_acc}
