@@ -650,6 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=d.model.num_heads)
     p.add_argument("--kv-heads", type=int, default=d.model.num_kv_heads)
     p.add_argument("--mlp", type=int, default=d.model.intermediate_dim)
+    p.add_argument("--rope-base", type=float, default=d.model.rope_base)
     p.add_argument("--min-context", type=int, default=d.min_context)
     p.add_argument("--max-context", type=int, default=d.max_context)
     p.add_argument("--ramp", type=float, default=d.ramp, help="fraction of the budget to reach --max-context")
@@ -687,7 +688,8 @@ def config_from_args(args) -> TrainConfig:
         out=args.out or "task_model", minutes=args.minutes if args.minutes is not None else TrainConfig.minutes,
         seed=args.seed, device=str(device),
         model=ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                          embed_dim=args.dim, intermediate_dim=args.mlp, max_seq_len=args.max_context + 64),
+                          embed_dim=args.dim, intermediate_dim=args.mlp, max_seq_len=args.max_context + 64,
+                          rope_base=args.rope_base),
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
         advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,
         tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,

@@ -20,6 +20,18 @@ def random_tiny(family: str = "qwen2", *, std: float = 0.3, seed: int = 0, **kw)
     return m.eval()
 
 
+def to_device(x, device: torch.device | str = DEVICE):
+    """Tensors, also inside tuples, lists and named tuples, moved to ``device`` (the Triton impls need the
+    device their kernels run on: CUDA when present, else the CPU through the interpreter)."""
+    if torch.is_tensor(x):
+        return x.to(device)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(to_device(t, device) for t in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(t, device) for t in x)
+    return x
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))

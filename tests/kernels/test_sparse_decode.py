@@ -5,7 +5,7 @@ import torch
 
 from sparrow.kernels.sparse_decode import RTPurboCache, SparseDecodeConfig, sparse_decode_attention
 from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
-from tests.helpers import rel_err
+from tests.helpers import rel_err, to_device
 
 
 def _make(A, Hkv, ret, qpk, T, D, P, Lp, R, Lg, *, S=4, W=24, slack=4, r=16, block=8, dtype=torch.float32, seed=0):
@@ -109,7 +109,7 @@ def test_triton_matches_reference(case, top_p):
     cfg = SparseDecodeConfig(top_p=top_p, block=8, num_sinks=4, window=24, ret_window=8)
     args, _ = _make(**case)
     ref = sparse_decode_attention(*args, cfg, impl="reference")
-    out = sparse_decode_triton(*args, top_p=top_p, block=8, num_sinks=4, window=24, ret_window=8,
+    out = sparse_decode_triton(*to_device(args), top_p=top_p, block=8, num_sinks=4, window=24, ret_window=8,
                                ret_splits=3, local_splits=3, ret_min_blocks=1, local_min_chunk=8)
     assert rel_err(out, ref) < 1e-5
 
@@ -118,7 +118,8 @@ def test_selection_reported_by_both_impls_agrees():
     cfg = SparseDecodeConfig(top_p=0.5, block=8, num_sinks=4, window=24, ret_window=8)
     args, _ = _make(A=2, Hkv=2, ret=(0, 1), qpk=2, T=2, D=16, P=2, Lp=90, R=3, Lg=30)
     _, sel_ref = sparse_decode_attention(*args, cfg, impl="reference", return_selection=True)
-    _, (idx, cnt) = sparse_decode_attention(*args, cfg, impl="triton", return_selection=True)
+    _, sel = sparse_decode_attention(*to_device(args), cfg, impl="triton", return_selection=True)
+    idx, cnt = to_device(sel, "cpu")
     from sparrow.kernels.topp.api import blocks_to_mask
 
     assert torch.equal(blocks_to_mask(idx, cnt, idx.shape[1]).view(sel_ref.shape), sel_ref)
@@ -131,7 +132,7 @@ def test_low_precision_close_to_fp32():
     ref = sparse_decode_attention(*args, cfg, impl="reference")
     half = [a.half() if torch.is_tensor(a) and a.is_floating_point() else a for a in args[:2]]
     cache = type(args[2])(*(t.half() for t in args[2]))
-    out = sparse_decode_attention(*half, cache, *args[3:], cfg, impl="triton")
+    out = sparse_decode_attention(*to_device((*half, cache, *args[3:])), cfg, impl="triton")
     assert out.dtype == torch.float16 and rel_err(out, ref) < 3e-3
 
 
@@ -148,8 +149,8 @@ def test_nan_poison_outside_the_visible_region_is_ignored():
         c[2][rs[a], :, cl[a] + 1:] = float("nan")
         c[3][rs[a], :, cl[a] + 1:] = float("nan")
         c[5][rs[a], :, cl[a] + 1:] = float("nan")
-    out = sparse_decode_attention(q, qi, type(cache)(*c), *args[3:], cfg, impl="triton")
-    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-5
+    out = sparse_decode_attention(*to_device((q, qi, type(cache)(*c), *args[3:])), cfg, impl="triton")
+    assert torch.isfinite(out).all().item() and rel_err(out, ref) < 1e-5
 
 
 def test_validation():

@@ -12,7 +12,7 @@ from sparrow.kernels.sparse_prefill import (
 from sparrow.kernels.sparse_prefill.api import select_prefill_blocks
 from sparrow.kernels.sparse_prefill.reference import local_token_mask
 from sparrow.kernels.topp.api import blocks_to_mask
-from tests.helpers import rel_err
+from tests.helpers import rel_err, to_device
 
 
 def _idx(P, H, S, r=16, scale=1.0, seed=0):
@@ -25,7 +25,7 @@ def test_block_scores_triton_matches_reference(S, block):
     qi, ki = _idx(2, 2, S, scale=0.8)
     plen = torch.tensor([S, max(1, S // 2)])
     ref = prefill_block_scores(qi, ki, plen, block, impl="reference")
-    out = prefill_block_scores(qi, ki, plen, block, impl="triton")
+    out = prefill_block_scores(*to_device((qi, ki, plen)), block, impl="triton").cpu()
     nb = ref.shape[-1]
     tril = torch.ones(nb, nb, dtype=torch.bool).tril()
     a, b = ref[..., tril], out[..., tril]
@@ -43,7 +43,7 @@ def test_selection_triton_matches_reference():
     plen = torch.tensor([130, 77])
     cfg = SparsePrefillConfig(top_p=0.7, block=16, num_sinks=4, window=32, ret_window=16)
     a = select_prefill_blocks(qi, ki, plen, cfg, impl="reference")
-    b = select_prefill_blocks(qi, ki, plen, cfg, impl="triton")
+    b = to_device(select_prefill_blocks(*to_device((qi, ki, plen)), cfg, impl="triton"), "cpu")
     nb = 9
     ma, mb = blocks_to_mask(*a, nb), blocks_to_mask(*b, nb)
     real = ((torch.arange(nb) * 16)[None] < plen[:, None])[:, None].expand(2, 2, nb).reshape(-1)
@@ -99,7 +99,8 @@ def test_flex_matches_reference():
     ret, loc = torch.tensor([1]), torch.tensor([0, 2])
     cfg = SparsePrefillConfig(top_p=0.5, block=32, num_sinks=4, window=50, ret_window=20)
     ref = sparse_prefill_attention(q, k, v, qi, ki, plen, ret, loc, cfg, impl="reference", score_impl="reference")
-    out = sparse_prefill_attention(q, k, v, qi, ki, plen, ret, loc, cfg, impl="flex", score_impl="triton")
+    out = sparse_prefill_attention(*to_device((q, k, v, qi, ki, plen, ret, loc)), cfg, impl="flex",
+                                   score_impl="triton").cpu()
     for p in range(P):
         n = int(plen[p])
         assert rel_err(out[p, :, :n], ref[p, :, :n]) < 1e-5

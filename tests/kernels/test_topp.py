@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from sparrow.kernels.topp import topp_select, topp_select_dense
 from sparrow.kernels.topp.api import blocks_to_mask, mask_to_blocks
 from sparrow.kernels.topp.reference import topp_mask_reference
+from tests.helpers import DEVICE, to_device
 
 
 def check_minimal_topp(scores: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor, p: float, tol: float = 1e-5):
@@ -56,7 +57,7 @@ def test_triton_selection_is_minimal_and_matches_reference(n, nb, p, scale, seed
     q_hi = torch.randint(0, nb * block, (n,), generator=g)
     valid = torch.arange(nb)[None] <= (q_hi // block)[:, None]
     kw = dict(block=block, sink_blocks=0, local_window=0)
-    tri = topp_select_dense(s, q_hi, q_hi, p, impl="triton", **kw)
+    tri = topp_select_dense(*to_device((s, q_hi, q_hi)), p, impl="triton", **kw).cpu()
     check_minimal_topp(s, valid, tri, p)
     ref = topp_select_dense(s, q_hi, q_hi, p, impl="reference", **kw)
     assert torch.equal(tri, ref)  # continuous random scores: no ties
@@ -92,13 +93,15 @@ def test_forced_blocks_and_p1(impl):
     s[:, 5] = 10.0  # all the mass in block 5
     q_hi = torch.tensor([47, 30, 9])  # blocks of 4 tokens: rows see 12, 8, 3 blocks
     q_lo = q_hi - torch.tensor([0, 3, 0])
-    keep = topp_select_dense(s, q_lo, q_hi, 0.9, block=4, sink_blocks=1, local_window=6, impl=impl)
+    dev = DEVICE if impl == "triton" else torch.device("cpu")
+    keep = topp_select_dense(*to_device((s, q_lo, q_hi), dev), 0.9, block=4, sink_blocks=1, local_window=6,
+                             impl=impl).cpu()
     expect = torch.zeros(3, 12, dtype=torch.bool)
     expect[0, [0, 5, 10, 11]] = True  # sink, top-p, window [42, 47]
     expect[1, [0, 5, 6, 7]] = True  # window [22, 30] -> blocks 5..7
     expect[2, [0, 1, 2]] = True  # block 5 not visible; window [4, 9] -> blocks 1, 2; top-p among 0..2
     assert torch.equal(keep, expect)
-    all_ = topp_select_dense(s, q_hi, q_hi, 1.0, block=4, impl=impl)
+    all_ = topp_select_dense(*to_device((s, q_hi, q_hi), dev), 1.0, block=4, impl=impl).cpu()
     assert torch.equal(all_, torch.arange(12)[None] <= (q_hi // 4)[:, None])
 
 

@@ -95,10 +95,10 @@ def _step(state: dict, seed: int, density: float = 0.05) -> dict:
     out = {}
     for k, v in state.items():
         bd = torch.int16 if v.dtype == torch.bfloat16 else torch.int32
-        b = v.view(bd).clone()
+        b = v.view(bd).cpu().clone()  # the change is drawn on the CPU (seeded), then moved to the state's device
         ch = torch.rand(b.numel(), generator=g) < density
         b[ch] += torch.randint(-2, 3, (int(ch.sum()),), generator=g).to(bd)
-        out[k] = b.view(v.dtype)
+        out[k] = b.view(v.dtype).to(v.device)
     return out
 
 
