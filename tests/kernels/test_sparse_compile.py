@@ -1,5 +1,7 @@
 """The RTPurbo Triton kernels compile for an sm_90 GPU (offline, no device needed), at the shapes the H200
-benchmarks use (bf16, head_dim 128, 8 query heads per kv head, indexer dim 16, 64/128-token blocks).
+benchmarks use (bf16, head_dim 128, 8 query heads per kv head, indexer dim 16, 64/128-token blocks) and at
+the unit tests' small float32 shapes (8- and 16-token blocks, head_dim 16). The installed Triton may accept
+dot shapes that the GPU's older Triton rejects (K < 16): the kernels pad such blocks to 16 lanes anyway.
 
 Catches what the interpreter accepts but the compiler rejects (tl.dot shapes, dtype mismatches, loop-carried
 type changes). Runs in a subprocess without ``TRITON_INTERPRET``.
@@ -55,32 +57,37 @@ for T in (1, 2):
                   **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
                             "stride_gs", "stride_gh", "stride_gl", "stride_bn"), H_RET=i32),
              dict(T=T, R=16, BLOCK=64, BB=8, NUM_SPLITS=128, MIN_BLOCKS=16))
-    compile_(sd._ret_attn_kernel,
-             dict(Q=PB, PK=PB, PV=PB, GK=PB, GV=PB, SEL_IDX=P32, SEL_CNT=P32, RET_HEADS=P64, ROW_SLOT=P64,
-                  PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64, O_PART=PF, LSE_PART=PF,
-                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
-                            "stride_gs", "stride_gh", "stride_gl", "stride_si", "stride_oa", "stride_oh",
-                            "stride_ot", "stride_os", "stride_la", "stride_lh", "stride_lt"),
-                  qk_scale=f32, H_RET=i32),
-             dict(T=T, QPK=8, D=128, BLOCK_M=16, BLOCK=64, NUM_SPLITS=64, MIN_BLOCKS=4), num_warps=8)
-    compile_(sd._local_attn_kernel,
-             dict(Q=PB, PLK=PB, PLV=PB, GLK=PB, GLV=PB, LOC_HEADS=P64, ROW_SLOT=P64, PREFIX_SLOT=P64,
-                  PREFIX_LEN=P64, CACHED_LEN=P64, O_PART=PF, LSE_PART=PF,
-                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
-                            "stride_gs", "stride_gh", "stride_gl", "stride_oa", "stride_oh", "stride_ot",
-                            "stride_os", "stride_la", "stride_lh", "stride_lt"), qk_scale=f32),
-             dict(T=T, QPK=8, D=128, BLOCK_M=8 * T if 8 * T >= 16 else 16, BLOCK_N=64, NUM_SPLITS=32,
-                  MIN_CHUNK=256, SINKS=4, SINK_P2=16, WINDOW=8192, WP=8192, WG=8256), num_warps=8)
+    # the benchmark shapes (bf16, head_dim 128, 64-token blocks) and the unit tests' (float32 with exact
+    # float32 dots, head_dim 16, 8-token blocks padded to 16 lanes: tl.dot needs K >= 16 on the GPU)
+    for PT, D, QPK, BLOCK, ieee in ((PB, 128, 8, 64, False), (PF, 16, 2, 8, True)):
+        compile_(sd._ret_attn_kernel,
+                 dict(Q=PT, PK=PT, PV=PT, GK=PT, GV=PT, SEL_IDX=P32, SEL_CNT=P32, RET_HEADS=P64, ROW_SLOT=P64,
+                      PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64, O_PART=PF, LSE_PART=PF,
+                      **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                                "stride_gs", "stride_gh", "stride_gl", "stride_si", "stride_oa", "stride_oh",
+                                "stride_ot", "stride_os", "stride_la", "stride_lh", "stride_lt"),
+                      qk_scale=f32, H_RET=i32),
+                 dict(T=T, QPK=QPK, D=D, BLOCK_M=16, BLOCK=BLOCK, BLOCK_N=max(16, BLOCK), NUM_SPLITS=64,
+                      MIN_BLOCKS=4, IEEE=ieee), num_warps=8)
+        compile_(sd._local_attn_kernel,
+                 dict(Q=PT, PLK=PT, PLV=PT, GLK=PT, GLV=PT, LOC_HEADS=P64, ROW_SLOT=P64, PREFIX_SLOT=P64,
+                      PREFIX_LEN=P64, CACHED_LEN=P64, O_PART=PF, LSE_PART=PF,
+                      **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                                "stride_gs", "stride_gh", "stride_gl", "stride_oa", "stride_oh", "stride_ot",
+                                "stride_os", "stride_la", "stride_lh", "stride_lt"), qk_scale=f32),
+                 dict(T=T, QPK=QPK, D=D, BLOCK_M=max(16, QPK * T), BLOCK_N=64, NUM_SPLITS=32,
+                      MIN_CHUNK=256, SINKS=4, SINK_P2=16, WINDOW=8192, WP=8192, WG=8256, IEEE=ieee), num_warps=8)
     compile_(sd._merge_kernel,
              dict(O_PART=PF, LSE_PART=PF, OUT=PB, HEAD_IS_RET=P32,
                   **strides("stride_oa", "stride_oh", "stride_ot", "stride_os", "stride_la", "stride_lh",
                             "stride_lt", "stride_a", "stride_h", "stride_t")),
              dict(QPK=8, D=128, NS_RET=64, NS_LOC=32, SPLITS_P2=64))
-compile_(bs._block_mass_kernel,
-         dict(QI=PB, KI=PB, PLEN=P64, OUT=PF,
-              **strides("stride_qp", "stride_qh", "stride_qs", "stride_kp", "stride_kh", "stride_ks", "stride_op",
-                        "stride_oh", "stride_oq"), H=i32),
-         dict(R=16, BLOCK=128), num_warps=8)
+for PT, BLOCK, ieee in ((PB, 128, False), (PF, 16, True)):
+    compile_(bs._block_mass_kernel,
+             dict(QI=PT, KI=PT, PLEN=P64, OUT=PF,
+                  **strides("stride_qp", "stride_qh", "stride_qs", "stride_kp", "stride_kh", "stride_ks",
+                            "stride_op", "stride_oh", "stride_oq"), H=i32),
+             dict(R=16, BLOCK=BLOCK, IEEE=ieee), num_warps=8)
 '''
 
 
@@ -90,4 +97,4 @@ def test_rtpurbo_kernels_compile_sm90():
     if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 6 + 2 * 4 + 1
+    assert proc.stdout.count("ok ") == 6 + 2 * (1 + 2 + 2 + 1) + 2

@@ -81,15 +81,21 @@ def _score_kernel(
 
 
 @triton.jit
-def _attend(acc, m_i, l_i, q, k, v, visible, qk_scale):
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+def _attend(acc, m_i, l_i, q, k, v, visible, qk_scale, IEEE: tl.constexpr):
+    if IEEE:  # float32 caches: exact float32 products, not tf32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
@@ -113,7 +119,7 @@ def _ret_attn_kernel(
     stride_la, stride_lh, stride_lt,
     qk_scale, H_RET,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
 ):
     a = tl.program_id(0)
     ht = tl.program_id(1)
@@ -140,7 +146,8 @@ def _ret_attn_kernel(
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK_N)  # BLOCK_N = max(BLOCK, 16) lanes: tl.dot needs K >= 16 on the GPU
+    in_block = offs_n < BLOCK
     pk_base = PK + pslot * stride_ps + hr * stride_ph
     pv_base = PV + pslot * stride_ps + hr * stride_ph
     gk_base = GK + rslot * stride_gs + hr * stride_gh
@@ -149,20 +156,20 @@ def _ret_attn_kernel(
         b = tl.load(SEL_IDX + n * stride_si + i).to(tl.int64)
         j0 = b * BLOCK
         j = j0 + offs_n
-        vis = j <= pos
+        vis = in_block & (j <= pos)
         # a block lies in the prompt, in the generation, or (once per row) across both: one load per part
         if j0 < plen:
             mp = vis & (j < plen)
             jp = j[:, None] * stride_pl + offs_d[None, :]
             k = tl.load(pk_base + jp, mask=mp[:, None], other=0.0)
             v = tl.load(pv_base + jp, mask=mp[:, None], other=0.0)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mp[None, :] & m_valid[:, None], qk_scale)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mp[None, :] & m_valid[:, None], qk_scale, IEEE)
         if j0 + BLOCK > plen:
             mg = vis & (j >= plen)
             jg = (j - plen)[:, None] * stride_gl + offs_d[None, :]
             k = tl.load(gk_base + jg, mask=mg[:, None], other=0.0)
             v = tl.load(gv_base + jg, mask=mg[:, None], other=0.0)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mg[None, :] & m_valid[:, None], qk_scale)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mg[None, :] & m_valid[:, None], qk_scale, IEEE)
     o_row = a * stride_oa + heads * stride_oh + t * stride_ot + split * stride_os
     l_row = a * stride_la + heads * stride_lh + t * stride_lt + split
     _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
@@ -179,7 +186,7 @@ def _local_attn_kernel(
     qk_scale,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, SINKS: tl.constexpr, SINK_P2: tl.constexpr,
-    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr,
+    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr,
 ):
     a = tl.program_id(0)
     hl = tl.program_id(1)
@@ -219,7 +226,7 @@ def _local_attn_kernel(
             sm = js < s_eff
             ks = tl.load(p_base_k + js[:, None] * stride_pl + offs_d[None, :], mask=sm[:, None], other=0.0)
             vs = tl.load(p_base_v + js[:, None] * stride_pl + offs_d[None, :], mask=sm[:, None], other=0.0)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, ks, vs, sm[None, :] & m_valid[:, None], qk_scale)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, ks, vs, sm[None, :] & m_valid[:, None], qk_scale, IEEE)
     offs_n = tl.arange(0, BLOCK_N)
     for j0 in range(start, end, BLOCK_N):
         j = j0 + offs_n
@@ -230,13 +237,13 @@ def _local_attn_kernel(
             jp = (SINKS + j % WP)[:, None] * stride_pl + offs_d[None, :]
             k = tl.load(p_base_k + jp, mask=mp[:, None], other=0.0)
             v = tl.load(p_base_v + jp, mask=mp[:, None], other=0.0)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mp[None, :], qk_scale)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mp[None, :], qk_scale, IEEE)
         if j0 + BLOCK_N > plen:  # generated positions, from the row's ring
             mg = (j < end) & (j >= plen)
             jg = ((j - plen) % WG)[:, None] * stride_gl + offs_d[None, :]
             k = tl.load(g_base_k + jg, mask=mg[:, None], other=0.0)
             v = tl.load(g_base_v + jg, mask=mg[:, None], other=0.0)
-            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mg[None, :], qk_scale)
+            acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mg[None, :], qk_scale, IEEE)
     o_row = a * stride_oa + heads * stride_oh + t_of_m * stride_ot + split * stride_os
     l_row = a * stride_la + heads * stride_lh + t_of_m * stride_lt + split
     _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
@@ -285,6 +292,7 @@ def sparse_decode_triton(
     qpk = Hq // (Hr + Hl)
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
     qk_scale = scale * 1.4426950408889634
+    ieee = q.dtype == torch.float32
     Lp, Lg = cache.prefix_k.shape[2], cache.gen_k.shape[2]
     nb_max = _cdiv(Lp + Lg, block)
     ns_ret = ret_splits or splits_for(nb_max, ret_min_blocks)
@@ -322,8 +330,9 @@ def sparse_decode_triton(
             o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
             qk_scale, Hr,
-            T=T, QPK=qpk, D=D, BLOCK_M=max(16, triton.next_power_of_2(qpk)), BLOCK=block, NUM_SPLITS=ns_ret,
-            MIN_BLOCKS=ret_min_blocks, num_warps=8 if D >= 128 else 4,
+            T=T, QPK=qpk, D=D, BLOCK_M=max(16, triton.next_power_of_2(qpk)), BLOCK=block,
+            BLOCK_N=max(16, block), NUM_SPLITS=ns_ret, MIN_BLOCKS=ret_min_blocks, IEEE=ieee,
+            num_warps=8 if D >= 128 else 4,
         )
     if Hl:
         block_m = max(16, triton.next_power_of_2(T * qpk))
@@ -340,6 +349,7 @@ def sparse_decode_triton(
             num_warps=8 if D >= 128 else 4,
             NUM_SPLITS=ns_loc, MIN_CHUNK=local_min_chunk, SINKS=num_sinks,
             SINK_P2=max(16, triton.next_power_of_2(max(num_sinks, 1))), WINDOW=window, WP=max(Wp, 1), WG=Wg,
+            IEEE=ieee,
         )
     out = torch.empty_like(q)
     _merge_kernel[(A, Hq, T)](

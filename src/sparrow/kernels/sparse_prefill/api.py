@@ -135,6 +135,9 @@ def sparse_prefill_attention(
     Hkv = Hr + Hl
     qpk = Hq // Hkv
     flex = flex_attention_compiled(flex_dynamic)
+    # the GPU kernel's default tiles (128 queries x 64 keys) must divide the mask's blocks: smaller blocks
+    # get tiles of their own size
+    opts = {"BLOCK_M": cfg.block, "BLOCK_N": cfg.block} if q.is_cuda and cfg.block < 128 else None
     q5 = q.view(P, Hkv, qpk, S, D)
     out = torch.empty((P, Hkv, qpk, S, D), dtype=q.dtype, device=q.device)
     selection = None
@@ -146,13 +149,13 @@ def sparse_prefill_attention(
         qr = q5[:, ret_heads].reshape(P * Hr, qpk, S, D)
         kr = k[:, ret_heads].reshape(P * Hr, 1, S, D)
         vr = v[:, ret_heads].reshape(P * Hr, 1, S, D)
-        o = flex(qr, kr, vr, block_mask=mask, scale=scale, enable_gqa=qpk > 1)
+        o = flex(qr, kr, vr, block_mask=mask, scale=scale, enable_gqa=qpk > 1, kernel_options=opts)
         out.index_copy_(1, ret_heads, o.view(P, Hr, qpk, S, D))
     if Hl:
         mask = local_block_mask(S, cfg.block, num_sinks=cfg.num_sinks, window=cfg.window, device=q.device)
         ql = q5[:, loc_heads].reshape(P, Hl * qpk, S, D)
         o = flex(ql, k[:, loc_heads].contiguous(), v[:, loc_heads].contiguous(), block_mask=mask, scale=scale,
-                 enable_gqa=qpk > 1)
+                 enable_gqa=qpk > 1, kernel_options=opts)
         out.index_copy_(1, loc_heads, o.view(P, Hl, qpk, S, D))
     out = out.view(P, Hq, S, D)
     return (out, selection) if return_selection else out

@@ -16,13 +16,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _scores(q, k, IEEE: tl.constexpr):
+    if IEEE:  # float32 indexer: exact float32 products, not tf32 (the selection must match the reference)
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
 def _block_mass_kernel(
     QI, KI, PLEN, OUT,
     stride_qp, stride_qh, stride_qs,
     stride_kp, stride_kh, stride_ks,
     stride_op, stride_oh, stride_oq,
     H,
-    R: tl.constexpr, BLOCK: tl.constexpr,
+    R: tl.constexpr, BLOCK: tl.constexpr, IEEE: tl.constexpr,
 ):
     ph = tl.program_id(0)
     qb = tl.num_programs(1) - 1 - tl.program_id(1)  # longest rows first: a shorter tail
@@ -43,7 +50,7 @@ def _block_mass_kernel(
     for kb in range(0, qb + 1):
         j = kb * BLOCK + offs
         k = tl.load(k_base + j[:, None] * stride_ks + offs_r[None, :], mask=(j < plen)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * LOG2E
+        s = _scores(q, k, IEEE) * LOG2E
         s = tl.where((j[None, :] <= i[:, None]) & (j < plen)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -55,7 +62,7 @@ def _block_mass_kernel(
     for kb in range(0, qb + 1):
         j = kb * BLOCK + offs
         k = tl.load(k_base + j[:, None] * stride_ks + offs_r[None, :], mask=(j < plen)[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * LOG2E
+        s = _scores(q, k, IEEE) * LOG2E
         vis = (j[None, :] <= i[:, None]) & (j < plen)[None, :] & q_real[:, None]
         pm = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         mass = tl.sum(tl.sum(pm, 1), 0) / n_q
@@ -74,6 +81,6 @@ def prefill_block_scores_triton(q_idx: torch.Tensor, k_idx: torch.Tensor, prompt
         q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
         k_idx.stride(0), k_idx.stride(1), k_idx.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        H, R=r, BLOCK=block, num_warps=8 if block >= 128 else 4,
+        H, R=r, BLOCK=block, IEEE=q_idx.dtype == torch.float32, num_warps=8 if block >= 128 else 4,
     )
     return out
