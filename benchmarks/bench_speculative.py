@@ -15,9 +15,11 @@ successors per token) ending with EOS at a class-dependent hazard, mean episode 
 ending inside a fresh episode of a random class, so response lengths are long-tailed (capped by
 ``--max-new``). ``--prompts`` x ``--samples`` rows are sampled at temperature 1.
 
-Runs (one engine; compiled steps and CUDA graphs shared): AR (toggle ``AlwaysOff``), SD always-on with
-``--always-k`` drafts, SD with :class:`CostModelToggle` (costs calibrated on this engine at start-up) and
-adaptive draft length. Reported: rollout latency (prefill + decode), decode tokens/s per batch bucket,
+Runs (one engine; compiled steps and CUDA graphs shared): AR (toggle ``AlwaysOff``), SD with
+:class:`CostModelToggle` (costs calibrated on this engine at start-up) and adaptive draft length, SD
+always-on with ``--always-k`` drafts, in that order; the JSON is rewritten after every run, so a run cut
+short keeps what finished, and ``--deadline-minutes`` skips the runs that would end past it. The
+calibrated cost table is printed as soon as it is measured. Reported: rollout latency (prefill + decode), decode tokens/s per batch bucket,
 acceptance, tokens per cycle, draft-length histogram, drafter refresh time.
 
 Run (H200): ``python benchmarks/bench_speculative.py``; smoke run on CPU: ``python benchmarks/bench_speculative.py --quick``.
@@ -115,8 +117,10 @@ class SyntheticTask:
         return out, classes
 
 
-def train(model, task: SyntheticTask, seconds: float, seq_len: int, batch: int, lr: float, device) -> dict:
-    """Train ``model`` in place on task streams for ``seconds`` (AdamW, warm-up, cosine to 10 %)."""
+def train(model, task: SyntheticTask, seconds: float, seq_len: int, batch: int, lr: float, device,
+          warmup: int = 50) -> dict:
+    """Train ``model`` in place on task streams for ``seconds`` (AdamW, ``warmup`` steps of linear warm-up,
+    cosine to 10 %)."""
     g = torch.Generator(device=device).manual_seed(1)
     params = [p for p in model.parameters()]
     flags = [p.requires_grad for p in params]  # restored after training: compiled steps guard on them
@@ -132,7 +136,7 @@ def train(model, task: SyntheticTask, seconds: float, seq_len: int, batch: int, 
         if elapsed >= seconds and steps >= 5:
             break
         frac = min(1.0, elapsed / seconds)
-        cur_lr = lr * min(1.0, (steps + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        cur_lr = lr * min(1.0, (steps + 1) / max(1, warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         for group in opt.param_groups:
             group["lr"] = cur_lr
         if steps % 64 == 63:
@@ -208,17 +212,23 @@ def summarize(name: str, gen, prefill_s: float, decode_s: float) -> dict:
     }
 
 
-def run_phase(label, engine, prompts, params, args, costs):
+def run_phase(label, engine, prompts, params, args, costs, save=None, deadline=None):
+    """AR, SD + cost-model toggle + adaptive length, SD always-on (in that order: the headline pair first).
+    ``save(rows)`` runs after each run (partial results survive a kill); a run is skipped once the time
+    already spent on AR would carry it past ``deadline`` (``time.perf_counter()`` seconds)."""
     from sparrow.speculative import AdaptiveDraft, AlwaysOff, AlwaysOn, CostModelToggle
 
     configs = [
         ("AR", AlwaysOff()),
-        (f"SD always k={args.always_k}", AlwaysOn(args.always_k)),
         ("SD toggle+adaptive", CostModelToggle(costs, margin=args.margin, hysteresis=args.hysteresis,
                                                adaptive=AdaptiveDraft(lengths=tuple(args.lengths), prior=args.prior))),
+        (f"SD always k={args.always_k}", AlwaysOn(args.always_k)),
     ]
     out = []
     for name, toggle in configs:
+        if out and deadline is not None and time.perf_counter() + out[0]["latency_s"] > deadline:
+            log(f"  {label} / {name}: skipped (deadline)")
+            continue
         engine.toggle = toggle
         gc.collect()
         sync()
@@ -231,13 +241,15 @@ def run_phase(label, engine, prompts, params, args, costs):
         if isinstance(toggle, CostModelToggle):
             row["final_alpha_estimate"] = toggle.adaptive.alpha
         out.append(row)
+        ar = out[0]["latency_s"]
+        for r in out:
+            r["speedup_vs_ar"] = ar / r["latency_s"]
+            r["latency_reduction"] = 1.0 - r["latency_s"] / ar
+        if save is not None:
+            save(out)
         log(f"  {label} / {name}: latency {row['latency_s']:.2f}s (prefill {row['prefill_s']:.2f}s), "
             f"{row['tokens']} tokens, acceptance {row['acceptance']}, tokens/cycle {row['tokens_per_cycle']}, "
             f"draft lengths {row['draft_len_hist']}, lengths p50/p90/max {row['len_p50']}/{row['len_p90']}/{row['len_max']}")
-    ar = out[0]["latency_s"]
-    for r in out:
-        r["speedup_vs_ar"] = ar / r["latency_s"]
-        r["latency_reduction"] = 1.0 - r["latency_s"] / ar
     return out
 
 
@@ -252,8 +264,8 @@ def bucket_table(rows: list[dict]) -> list[dict]:
             t[r["run"]] = v
             if r is not rows[0]:
                 t[r["run"] + " /AR"] = v / ar if v is not None and ar else None
-        tog = rows[-1]
-        steps = tog["bucket_steps"].get(b, 0)
+        tog = next((r for r in rows if r["run"].startswith("SD toggle")), None)
+        steps = tog["bucket_steps"].get(b, 0) if tog else 0
         t["toggle SD frac"] = tog["bucket_spec_steps"].get(b, 0) / steps if steps else None
         table.append(t)
     return table
@@ -280,9 +292,13 @@ def main() -> None:
     p.add_argument("--prior", type=float, default=0.8, help="acceptance assumed before any is measured")
     p.add_argument("--sync-every", type=int, default=16)
     p.add_argument("--train-seconds", type=float, default=60.0)
-    p.add_argument("--train-seq", type=int, default=8192)
-    p.add_argument("--train-batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--train-seq", type=int, default=2048, help="training sequence length (the chain is local)")
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4, help="AdamW peak learning rate (1e-3 stalled a 0.5B model "
+                   "at loss ~7.3 against a floor of 1.76)")
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--deadline-minutes", type=float, default=None,
+                   help="from the start: skip runs that would end past it (each finished run is saved at once)")
     p.add_argument("--random", action="store_true", help="also run a latency-only phase on random weights first")
     p.add_argument("--calib-steps", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="compile the steps off CUDA too (a slow smoke test)")
@@ -293,7 +309,7 @@ def main() -> None:
         args.min_prompt, args.max_prompt, args.max_new = 48, 192, 96
         args.train_seconds, args.train_seq, args.train_batch = 6.0, 256, 4
         args.window, args.max_draft, args.lengths, args.always_k = 32, 4, [2, 4], 3
-        args.sync_every, args.calib_steps, args.lr = 4, 2, 3e-3
+        args.sync_every, args.calib_steps, args.lr, args.warmup_steps = 4, 2, 3e-3, 5
         torch.set_num_threads(1)
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -364,19 +380,30 @@ def main() -> None:
             row[f"best_speedup@a={a}"] = max(costs.speedup(b, ctx_mid, k, a) for k in args.lengths)
         cal_rows.append(row)
     extra["calibration"] = cal_rows
+    print("\nCost model (calibrated on this engine; ms per step at the middle context):")
+    print_table(cal_rows, list(cal_rows[0].keys()))
+    deadline = T0 + 60 * args.deadline_minutes if args.deadline_minutes else None
+    config = ({k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+              | {"model_shape": "tiny" if args.quick else f"qwen2.5-{args.model}", "drafter": repr(drafter),
+                 "dtype": str(dtype)})
+
+    def save(phase_rows: list[dict]) -> None:
+        done = [r for r in results if r["phase"] != phase_rows[0]["phase"]] + phase_rows
+        write_json(NAME + ("_quick" if args.quick else ""), config, done, args.out, extra=extra)
 
     if args.random:
         log("phase 'random' (random weights: latency only, acceptance not meaningful; they rarely stop, so "
             "responses are capped at 1024 tokens)")
         try:
             rparams = SamplingParams(temperature=1.0, max_new_tokens=min(args.max_new, 1024), stop_token_ids=(EOS,))
-            results += run_phase("random", engine, prompts, rparams, args, costs)
+            results += run_phase("random", engine, prompts, rparams, args, costs, save, deadline)
         except Exception:  # noqa: BLE001 - report and continue with the trained phase
             traceback.print_exc()
 
     log(f"training on the synthetic task for {args.train_seconds:.0f}s (loss floor inside episodes "
         f"~{task_entropy(task):.2f} nats)")
-    extra["training"] = train(model, task, args.train_seconds, args.train_seq, args.train_batch, args.lr, device)
+    extra["training"] = train(model, task, args.train_seconds, args.train_seq, args.train_batch, args.lr, device,
+                              warmup=args.warmup_steps)
     log(f"trained {extra['training']['steps']} steps, {extra['training']['tokens'] / 1e6:.1f}M tokens, "
         f"final loss {extra['training']['final_loss']:.3f}")
     gc.collect()
@@ -388,14 +415,8 @@ def main() -> None:
     log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms")
 
     log("phase 'trained'")
-    results += run_phase("trained", engine, prompts, params, args, costs)
-
-    write_json(NAME + ("_quick" if args.quick else ""), {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-               | {"model_shape": "tiny" if args.quick else f"qwen2.5-{args.model}", "drafter": repr(drafter),
-                  "dtype": str(dtype)}, results, args.out, extra=extra)
-
-    print("\nCost model (calibrated on this engine; ms per step at the middle context):")
-    print_table(cal_rows, list(cal_rows[0].keys()))
+    results += run_phase("trained", engine, prompts, params, args, costs, save, deadline)
+    save([r for r in results if r["phase"] == "trained"])
     for phase in sorted({r["phase"] for r in results}, key=lambda x: x != "random"):
         rows = [r for r in results if r["phase"] == phase]
         note = ("acceptance from random weights: NOT meaningful" if phase == "random"

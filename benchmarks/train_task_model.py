@@ -71,6 +71,9 @@ TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
     "kv": lambda n: KVRetrieval(n),
     "kv_vary": lambda n: KVRetrieval(n, vary_pairs=True),
     "vt": lambda n: VariableTracking(n),
+    # shorter keys at short contexts (a curriculum share): one-letter keys need only a plain induction head
+    "kv1": lambda n: KVRetrieval(min(n, 128), key_len=1, vary_pairs=True),
+    "kv2": lambda n: KVRetrieval(min(n, 1024), key_len=2, vary_pairs=True),
 }
 EVAL_TASKS: dict[str, Callable[[int], Any]] = {
     "kv_retrieval": lambda n: KVRetrieval(n),
@@ -664,6 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--prompt-weight", type=float, default=d.prompt_weight)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--workers", type=int, default=None, help="data worker processes (default 4 on CUDA, 0 on CPU)")
     p.add_argument("--eval-every", type=float, default=d.eval_every_s, help="seconds between progress evals")
     p.add_argument("--eval-examples", type=int, default=d.eval_examples)
@@ -693,7 +697,7 @@ def config_from_args(args) -> TrainConfig:
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
         advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,
         tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,
-        prompt_weight=args.prompt_weight,
+        prompt_weight=args.prompt_weight, weight_decay=args.weight_decay,
         workers=args.workers if args.workers is not None else (min(4, max(0, (os.cpu_count() or 1) - 2))
                                                                if device.type == "cuda" else 0),
         eval_every_s=args.eval_every, eval_examples=args.eval_examples, final_eval_examples=args.final_eval_examples,

@@ -2,19 +2,26 @@
 
     tune run sparrow_grpo --config recipes/configs/tiny_kv_retrieval.yaml [key=value ...]
     tune run --nproc_per_node 2 sparrow_grpo --config ... # rank 0 trains, the other ranks roll out
+    tune run --nproc_per_node 4 sparrow_grpo --config ... trainer_ranks=2  # FSDP2 over ranks 0-1, 2-3 roll out
 
 One step: sample ``group_size`` completions of ``prompts_per_step`` prompts with the rollout copy of the
 policy (bf16, the configured attention backend) -> rewards -> group-normalised advantages -> log-probs
 of the trainer (fp32 master weights, dense attention) -> ``ppo_epochs`` x ``minibatches`` clipped policy
 updates with truncated importance sampling against the rollout's behaviour log-probs -> the new weights go
 to the rollout copy through the configured weight codec (``sparrow.sync``), bit-exactly, and nowhere else.
+
+Distributed: ranks ``0 .. trainer_ranks-1`` train (with more than one, the model is sharded with FSDP2
+and each trainer takes an equal share of every minibatch), the other ranks roll out disjoint shares of
+the prompts; rank 0 gathers the whole bf16 weights and sends the sparse sync to the rollout ranks.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,6 +45,7 @@ from sparrow.rl import (
     latest_checkpoint,
     load_checkpoint,
     prompt_loader,
+    read_optimizer_state,
     read_jsonl,
     response_logprobs,
     restore_rng_state,
@@ -64,8 +72,14 @@ class GRPORecipe:
         self.cfg = cfg
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        self.is_trainer = self.rank == 0
-        self.is_rollout = self.world == 1 or self.rank > 0
+        self.trainers = int(cfg.get("trainer_ranks") or 1)
+        if self.trainers < 1 or (self.world > 1 and self.trainers >= self.world) or (
+                self.world == 1 and self.trainers != 1):
+            raise ValueError(f"trainer_ranks={self.trainers} with {self.world} ranks: at least one rank must train "
+                             "and, when distributed, at least one must roll out")
+        self.is_trainer = self.rank < self.trainers
+        self.is_main = self.rank == 0  # logs, checkpoints, sends the weight sync
+        self.is_rollout = self.world == 1 or self.rank >= self.trainers
         self.device = torch.device(cfg.device)
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
@@ -79,14 +93,24 @@ class GRPORecipe:
                 self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
                 torch.cuda.set_device(self.device)
             dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
+            # collectives every rank takes part in, in this order: the trainers' FSDP mesh, the sync group
+            self.mesh = None
+            if self.trainers > 1:
+                from torch.distributed.device_mesh import DeviceMesh
+
+                self.mesh = DeviceMesh(self.device.type, list(range(self.trainers)))
+            self.sync_group = dist.new_group([0] + list(range(self.trainers, self.world)))
         torch.manual_seed(cfg.seed)
         self.grpo = GRPOConfig(**cfg.loss)
         self.group = cfg.group_size
         self.prompts_per_step = cfg.prompts_per_step
-        n_roll = max(1, self.world - 1)
+        n_roll = max(1, self.world - self.trainers)
         if self.prompts_per_step % n_roll:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over the {n_roll} "
                              "rollout ranks")
+        if (self.prompts_per_step * self.group // cfg.minibatches) % self.trainers:
+            raise ValueError(f"a minibatch ({self.prompts_per_step * self.group // cfg.minibatches} samples) must "
+                             f"divide evenly over the {self.trainers} trainer ranks")
         self.sampling = dict(cfg.sampling)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.reward_fn = config.instantiate(cfg.reward)
@@ -120,17 +144,32 @@ class GRPORecipe:
             load_model_state(model, _read_weights(Path(cfg.checkpoint), "starting checkpoint"))
         if cfg.get("hf_checkpoint") is not None:  # a Hugging Face model directory (local files only)
             load_hf_checkpoint(model, cfg.hf_checkpoint.dir, model_type=cfg.hf_checkpoint.get("model_type", "QWEN2"))
-        if self.is_trainer:
-            self.model = model
-            self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
-        if cfg.resume_from_checkpoint:
+        sharded = self.is_trainer and self.trainers > 1
+        if cfg.resume_from_checkpoint:  # weights before sharding; a sharded optimizer's state after it
             ckpt = latest_checkpoint(self.output_dir / "checkpoints")
-            state = load_checkpoint(ckpt, model=model, optimizer=self.optimizer if self.is_trainer else None,
-                                    restore_rng=False)
+            state = load_checkpoint(ckpt, model=model, optimizer=None, restore_rng=False)
             self.step = state["step"]
             self.history = state.get("history", [])
             self.loader.load_state_dict(state["data"])
             self.data_iter = iter(self.loader)
+        if self.is_trainer:
+            if sharded:
+                from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+                for layer in model.layers:
+                    fully_shard(layer, mesh=self.mesh)
+                fully_shard(model, mesh=self.mesh)
+                # log-probs call the model's parts directly (chunked lm_head): one FSDP forward around them, so
+                # the root's parameters (embeddings, final norm, lm_head) are gathered for it
+                model.response_logprobs = types.MethodType(response_logprobs, model)
+                register_fsdp_forward_method(model, "response_logprobs")
+                self._logprobs = model.response_logprobs
+            else:
+                self._logprobs = functools.partial(response_logprobs, model)
+            self.model = model
+            self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+            if cfg.resume_from_checkpoint:
+                self._load_optimizer(ckpt)
         if self.is_rollout:
             self.rollout_model = config.instantiate(cfg.model)
             use_attention(self.rollout_model, config.instantiate(cfg.attention))
@@ -151,23 +190,26 @@ class GRPORecipe:
         if not self.is_trainer:
             del model
         else:
-            self.sender = ssync.SyncSender(
-                {n: t.detach().to(torch.bfloat16) for n, t in sync_tensors(self.model).items()},
-                codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes, anchor_every=cfg.sync.anchor_every,
-            )
+            weights = self._trainer_bf16()  # a collective over the trainers when sharded
+            if self.is_main:
+                self.sender = ssync.SyncSender(weights, codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes,
+                                               anchor_every=cfg.sync.anchor_every)
         if cfg.resume_from_checkpoint:  # last: building the rollout copy above drew random numbers
             restore_rng_state(ckpt)
-        self.transport = (ssync.InProcessTransport() if self.world == 1
-                          else ssync.DistributedTransport(src=0, device=self.device))
-        if self.is_trainer:
+        self.transport = None
+        if self.world == 1:
+            self.transport = ssync.InProcessTransport()
+        elif self.is_main or self.is_rollout:
+            self.transport = ssync.DistributedTransport(src=0, group=self.sync_group, device=self.device)
+        if self.is_main:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
 
     # ------------------------------------------------------------------------------------------- train
     def _rollout(self, batch: list[dict[str, Any]]):
         """Generate on this rank's share of the prompts; returns (prompts, samples, rewards)."""
-        share = len(batch) // max(1, self.world - 1)
-        lo = 0 if self.world == 1 else (self.rank - 1) * share
+        share = len(batch) // max(1, self.world - self.trainers)
+        lo = 0 if self.world == 1 else (self.rank - self.trainers) * share
         mine = batch[lo: lo + share] if self.world > 1 else batch
         prompts = [b["prompt_ids"] for b in mine]
         out = self.engine.generate(prompts, self.group, self._sampling_params())
@@ -221,34 +263,45 @@ class GRPORecipe:
         t0 = time.perf_counter()
         if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)
             with torch.no_grad():
-                old = torch.cat([response_logprobs(model, rb.tokens[s], rb.prompt_len[s], rb.response_len[s],
-                                                   **lp_kwargs) for s in self._micro(range(N))])
+                old = torch.cat([self._logprobs(rb.tokens[s], rb.prompt_len[s], rb.response_len[s], **lp_kwargs)
+                                 for s in self._micro(range(N))])
         self._wait_device()
         t_logprob = time.perf_counter() - t0
         sums: dict[str, torch.Tensor] = {}  # on the device: one host sync per step, not per micro-batch
         mb_size = N // cfg.minibatches
+        T, r = self.trainers, self.rank
         for epoch in range(cfg.ppo_epochs):
             perm = torch.randperm(N, device=self.device) if cfg.ppo_epochs > 1 else torch.arange(N, device=self.device)
+            if T > 1 and cfg.ppo_epochs > 1:  # every trainer walks the same permutation
+                dist.broadcast(perm, src=0, group=self.mesh.get_group())
             for m in range(cfg.minibatches):
                 idx = perm[m * mb_size:(m + 1) * mb_size]
-                weights = aggregation_weights(rb.mask[idx], self.grpo)
+                weights = aggregation_weights(rb.mask[idx], self.grpo)  # normalised over the whole minibatch
+                if T > 1:  # this trainer's share of the minibatch (FSDP sums the shares' gradients)
+                    part = slice(r * mb_size // T, (r + 1) * mb_size // T)
+                    idx, weights = idx[part], weights[part]
                 self.optimizer.zero_grad(set_to_none=True)
                 for s in self._micro(range(len(idx))):
                     ids = idx[s]
                     sub = rb.select(ids)
                     with self._autocast():
-                        lp = response_logprobs(model, sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
+                        lp = self._logprobs(sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
                     o = old[ids] if updates > 1 else lp.detach()
                     loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s],
                                            self.grpo)
-                    loss.backward()
+                    # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's
+                    # weights, and the minibatch's gradient is their sum
+                    (loss * T if T > 1 else loss).backward()
                     for k, v in mets.items():
                         sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
                     sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                sums["grad_norm"] = gn.detach()  # the last update's
+                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
+                sums["grad_norm"] = gn.detach() / T  # the last update's (divided: summed over trainers below)
                 self.optimizer.step()
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in sums.values()])
+        if T > 1:  # every trainer holds its rows' share of each metric
+            dist.all_reduce(values, group=self.mesh.get_group())
         metrics = dict(zip(sums, values.tolist()))  # the step's one read-back of its training metrics
         self._wait_device()
         metrics["time/logprob_s"] = t_logprob
@@ -270,14 +323,27 @@ class GRPORecipe:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return torch.autocast(self.device.type, enabled=False)
 
+    def _trainer_bf16(self) -> dict[str, torch.Tensor]:
+        """The trainer's weights in bf16, whole: under FSDP2 an all-gather that every trainer rank joins."""
+        out = {}
+        for n, t in sync_tensors(self.model).items():
+            t = t.detach()
+            out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).to(torch.bfloat16)
+        return out
+
     def _sync(self) -> dict[str, float]:
         """Trainer -> rollout weights through the codec (the only path by which weights change)."""
         stats: dict[str, float] = {}
         if self.is_trainer:
-            new = {n: t.detach().to(torch.bfloat16) for n, t in sync_tensors(self.model).items()}
-            s = self.sender.send(new, self.transport)
-            stats = {"sync/wire_bytes": s.wire_bytes, "sync/dense_bytes": s.dense_bytes,
-                     "sync/density": s.density, "sync/ratio": s.ratio, "time/sync_s": s.total_s}
+            t0 = time.perf_counter()
+            new = self._trainer_bf16()
+            gather_s = time.perf_counter() - t0
+            if self.is_main:
+                s = self.sender.send(new, self.transport)
+                stats = {"sync/wire_bytes": s.wire_bytes, "sync/dense_bytes": s.dense_bytes,
+                         "sync/density": s.density, "sync/ratio": s.ratio, "time/sync_s": s.total_s}
+                if self.trainers > 1:
+                    stats["time/sync_gather_s"] = gather_s
         if self.is_rollout:
             r = self.receiver.receive(self.transport)
             stats["time/sync_apply_s"] = r.total_s
@@ -292,8 +358,7 @@ class GRPORecipe:
             ok = all(torch.equal(t.detach().to(torch.bfloat16).view(torch.int16), mine[n].view(torch.int16))
                      for n, t in sync_tensors(self.model).items())
         else:
-            named = ({n: t.detach().to(torch.bfloat16) for n, t in sync_tensors(self.model).items()}
-                     if self.is_trainer else sync_tensors(self.rollout_model))
+            named = self._trainer_bf16() if self.is_trainer else sync_tensors(self.rollout_model)
             fp = torch.tensor([state_fingerprint(named)], dtype=torch.int64, device=self.device)
             allfp = [torch.zeros_like(fp) for _ in range(self.world)]
             dist.all_gather(allfp, fp)
@@ -312,7 +377,7 @@ class GRPORecipe:
 
     def train(self) -> None:
         cfg = self.cfg
-        bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not self.is_trainer, dynamic_ncols=True,
+        bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not self.is_main, dynamic_ncols=True,
                    desc="grpo")
         if self.step == 0 and cfg.eval.every:
             self._log_eval()
@@ -330,7 +395,8 @@ class GRPORecipe:
                 if local is not None:
                     metrics.update(self._rollout_metrics(local[1]))
                 prompts, samples, rewards = exchange_rollouts(batch, local, self.group, self.world, self.rank,
-                                                              self.device, self.sampling["max_new_tokens"])
+                                                              self.device, self.sampling["max_new_tokens"],
+                                                              trainers=self.trainers)
             metrics["time/rollout_s"] = time.perf_counter() - t0
             self.step += 1
             if self.is_trainer:
@@ -358,7 +424,7 @@ class GRPORecipe:
             metrics["time/step_s"] = time.perf_counter() - t_step
             if cfg.eval.every and self.step % cfg.eval.every == 0:
                 metrics.update(self._log_eval(log=False))
-            if self.is_trainer:
+            if self.is_main:
                 self.history.append({"step": self.step, "reward": metrics["reward/mean"],
                                      "wall_s": metrics["time/step_s"], **({"eval": metrics["eval/accuracy"]}
                                                                           if "eval/accuracy" in metrics else {})})
@@ -374,12 +440,12 @@ class GRPORecipe:
 
     def _log_eval(self, log: bool = True) -> dict[str, float]:
         acc = self.evaluate() if self.is_rollout else 0.0
-        if self.world > 1:  # rank 1 holds the answer; share it
+        if self.world > 1:  # the first rollout rank holds the answer; share it
             t = torch.tensor([acc], dtype=torch.float64, device=self.device)
-            dist.broadcast(t, src=1)
+            dist.broadcast(t, src=self.trainers)
             acc = float(t)
         m = {"eval/accuracy": acc}
-        if self.is_trainer:
+        if self.is_main:
             if log:
                 self.metric_logger.log_dict(m, step=self.step)
                 self.history.append({"step": self.step, "eval": acc})
@@ -388,19 +454,57 @@ class GRPORecipe:
 
     # ---------------------------------------------------------------------------------------- save / end
     def save_checkpoint(self) -> None:
+        """Rank 0 writes the whole model and optimizer state (gathered from every trainer when sharded, in the
+        same files as an unsharded run: a checkpoint resumes with any number of trainer ranks)."""
         if not self.is_trainer:
             return
-        save_checkpoint(self.output_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
-                        state={"data": self.loader.state_dict(), "history": self.history,
-                               "config": OmegaConf.to_container(self.cfg, resolve=True)})
+        state = {"data": self.loader.state_dict(), "history": self.history,
+                 "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        if self.trainers == 1:
+            save_checkpoint(self.output_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
+                            state=state)
+            return
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered onto rank 0's CPU
+        weights = get_model_state_dict(self.model, options=opts)
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        if self.is_main:
+            save_checkpoint(self.output_dir / "checkpoints", self.step, model_state=weights,
+                            optimizer_state=_optimizer_state_by_index(optim, self.model), state=state)
+
+    def _load_optimizer(self, ckpt: Path) -> None:
+        saved = read_optimizer_state(ckpt)
+        if self.trainers == 1:
+            self.optimizer.load_state_dict(saved)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, _optimizer_state_by_name(saved, self.model),
+                                 options=StateDictOptions(full_state_dict=True))
 
     def cleanup(self) -> None:
-        if self.is_trainer:
+        if self.is_main:
             self.metric_logger.close()
             if self.history and self.cfg.plot:
                 plot_history(self.history, self.output_dir / "reward_curve.png", title=str(self.cfg.get("name", "")))
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _optimizer_state_by_index(sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """A full optimizer state keyed by parameter names (torch.distributed.checkpoint's layout) -> keyed by
+    the parameters' positions in ``model.parameters()`` (``Optimizer.state_dict()``'s, which checkpoints use)."""
+    pos = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+    return {"state": {pos[n]: st for n, st in sd["state"].items()},
+            "param_groups": [dict(g, params=[pos[n] for n in g["params"]]) for g in sd["param_groups"]]}
+
+
+def _optimizer_state_by_name(sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    names = [n for n, _ in model.named_parameters()]
+    return {"state": {names[int(i)]: st for i, st in sd["state"].items()},
+            "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]]) for g in sd["param_groups"]]}
 
 
 def _uses_rtpurbo(model, record: bool) -> bool:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,6 +61,7 @@ def test_resume_is_bitwise_exact(tmp_path):
     (["total_steps=1", "checkpoint=/nonexistent/model.safetensors"], "starting checkpoint .* does not exist"),
     (["total_steps=1", "engine.max_prompt_len=20"], "longer than"),
     (["total_steps=1", "resume_from_checkpoint=true"], "no checkpoint to resume from"),
+    (["total_steps=1", "trainer_ranks=2"], "trainer_ranks=2 with 1 ranks"),
 ])
 def test_bad_input_fails_before_training(tmp_path, overrides, match):
     import re
@@ -92,6 +94,53 @@ def test_a_dead_rank_stops_the_others(tmp_path):
     r = run(tmp_path / "f", "total_steps=50", "dist_timeout_s=30", nproc=2, env={"SPARROW_FAULT": "1:2"})
     assert r.returncode != 0
     assert time.time() - t0 < 150
+
+
+# the shipped starting checkpoint: rewards vary within groups from the first step, so gradients are not zero
+SHIPPED = ["prompts_per_step=4", "group_size=4", "eval.every=0", "plot=false", "ppo_epochs=2", "minibatches=2"]
+
+
+def run_shipped(out: Path, *overrides: str, nproc: int):
+    cmd = [TUNE, "run", "--nproc_per_node", str(nproc), "sparrow_grpo", "--config", str(CONFIG), f"output_dir={out}",
+           f"checkpoint={REPO / 'checkpoints/tiny_kv_retrieval/model.safetensors'}", *SHIPPED, *overrides]
+    r = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+def _assert_same_training(a: Path, b: Path, lr: float = 1e-4) -> None:
+    """Two checkpoints of the same optimizer steps, summed in a different order: equal up to rounding."""
+    from sparrow.rl import read_optimizer_state
+
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 0.5 * lr  # Adam steps are ~lr per element
+    oa, ob = read_optimizer_state(a), read_optimizer_state(b)
+    assert oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        assert int(oa["state"][i]["step"]) == int(ob["state"][i]["step"])
+        for k in ("exp_avg", "exp_avg_sq"):
+            x, y = oa["state"][i][k], ob["state"][i][k]
+            assert float((x - y).abs().max()) <= 1e-5 * float(x.abs().max()) + 1e-12, (i, k)
+
+
+@pytest.mark.slow
+def test_fsdp2_trainers_match_one_trainer_and_resume_its_checkpoints(tmp_path):
+    """trainer_ranks=2 (FSDP2 over ranks 0-1, rank 2 rolls out) takes the same optimizer steps as one trainer
+    (gradients of the two halves of every minibatch summed), and its checkpoints are the single trainer's
+    files: it resumes one written by a single trainer and continues identically."""
+    one = tmp_path / "one"
+    run_shipped(one, "total_steps=2", "checkpoint_every=1", nproc=2)
+    two = tmp_path / "two"
+    run_shipped(two, "total_steps=1", "checkpoint_every=1", "trainer_ranks=2", "sync.check_bitwise=1", nproc=3)
+    _assert_same_training(one / "checkpoints/step_000001", two / "checkpoints/step_000001")
+    res = tmp_path / "res"
+    (res / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints/step_000001", res / "checkpoints/step_000001")
+    (res / "checkpoints/latest").write_text("step_000001")
+    run_shipped(res, "total_steps=2", "checkpoint_every=1", "trainer_ranks=2", "resume_from_checkpoint=true",
+                "sync.check_bitwise=1", nproc=3)
+    _assert_same_training(one / "checkpoints/step_000002", res / "checkpoints/step_000002")
 
 
 def _tiny_rtpurbo_dir(tmp_path: Path) -> tuple[Path, Path]:

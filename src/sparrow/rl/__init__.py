@@ -1,7 +1,13 @@
 """Reinforcement learning pieces: synthetic tasks, tokenizer, data pipelines, rewards, GRPO losses,
 training log-probs and checkpoints. The recipe ``sparrow_grpo`` composes them."""
 
-from sparrow.rl.checkpoint import latest_checkpoint, load_checkpoint, restore_rng_state, save_checkpoint
+from sparrow.rl.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_optimizer_state,
+    restore_rng_state,
+    save_checkpoint,
+)
 from sparrow.rl.data import ListSource, TaskSource, prompt_loader, read_jsonl
 from sparrow.rl.grpo import GRPOConfig, aggregation_weights, group_advantages, grpo_loss, importance_weights
 from sparrow.rl.logprobs import hidden_states, response_logprobs
@@ -15,5 +21,6 @@ __all__ = [
     "ListSource", "MathAnswer", "NeedleQA", "Reward", "RolloutBatch", "TaskSource", "VariableTracking",
     "aggregation_weights", "build_rollout_batch", "extract_final_answer", "group_advantages", "grpo_loss",
     "hidden_states", "importance_weights", "latest_checkpoint", "load_checkpoint", "prompt_loader", "read_jsonl",
+    "read_optimizer_state",
     "response_logprobs", "restore_rng_state", "save_checkpoint",
 ]

@@ -28,8 +28,7 @@ def _check_files(path: Path) -> None:
             raise FileNotFoundError(f"checkpoint file {path / f} does not exist")
 
 
-def _flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    sd = opt.state_dict()
+def _flatten_optimizer(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     tensors, scalars = {}, {}
     for pid, st in sd["state"].items():
         for k, v in st.items():
@@ -48,9 +47,19 @@ def _unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict[str, Any])
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
-def save_checkpoint(directory: str | Path, step: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict[str, Any]) -> Path:
-    """Write checkpoint ``step`` under ``directory`` atomically and point ``latest`` at it."""
+def save_checkpoint(directory: str | Path, step: int, *, model: torch.nn.Module | None = None,
+                    optimizer: torch.optim.Optimizer | None = None, state: dict[str, Any],
+                    model_state: dict[str, torch.Tensor] | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> Path:
+    """Write checkpoint ``step`` under ``directory`` atomically and point ``latest`` at it.
+
+    The weights come from ``model`` or, already gathered (e.g. the full state of a sharded model),
+    from ``model_state``; the optimizer from ``optimizer`` or ``optimizer_state`` (the
+    ``torch.optim.Optimizer.state_dict()`` layout: parameters numbered in the optimizer's order)."""
+    if (model is None) == (model_state is None) or (optimizer is None) == (optimizer_state is None):
+        raise ValueError("save_checkpoint needs exactly one of model / model_state and of optimizer / optimizer_state")
+    model_state = model.state_dict() if model is not None else model_state
+    optimizer_state = optimizer.state_dict() if optimizer is not None else optimizer_state
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -58,8 +67,8 @@ def save_checkpoint(directory: str | Path, step: int, *, model: torch.nn.Module,
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    opt_tensors, opt_meta = _flatten_optimizer(optimizer)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    opt_tensors, opt_meta = _flatten_optimizer(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"), metadata={_META: json.dumps(opt_meta)})
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -106,13 +115,21 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, optimizer: torc
         raise ValueError(f"checkpoint {path} does not fit the model (different parameter names or shapes)")
     model.load_state_dict(weights)
     if optimizer is not None:
-        with safe_open(str(path / "optimizer.safetensors"), "pt") as f:
-            meta = json.loads(f.metadata()[_META])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        optimizer.load_state_dict(_unflatten_optimizer(tensors, meta))
+        optimizer.load_state_dict(read_optimizer_state(path))
     if restore_rng:
         restore_rng_state(path)
     return json.loads((path / "state.json").read_text())
+
+
+def read_optimizer_state(path: str | Path) -> dict[str, Any]:
+    """The optimizer state saved in checkpoint directory ``path``, in ``Optimizer.state_dict()`` layout."""
+    f = Path(path) / "optimizer.safetensors"
+    if not f.is_file():
+        raise FileNotFoundError(f"checkpoint file {f} does not exist")
+    with safe_open(str(f), "pt") as fh:
+        meta = json.loads(fh.metadata()[_META])
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    return _unflatten_optimizer(tensors, meta)
 
 
 def restore_rng_state(path: str | Path) -> None:

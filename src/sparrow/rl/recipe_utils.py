@@ -30,10 +30,11 @@ RECIPE_KEYS: dict[str, Any] = {
     "eval": {"every", "prompts"},
     "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
     "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "total_steps": None,
-    "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None,
+    "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None, "trainer_ranks": None,
     "speculative": SPECULATIVE_KEYS, "indexer_refresh": {"every", "steps", "sequences"}, "hf_checkpoint": {"dir", "model_type"},
 }
-OPTIONAL = {"name", "model_dir", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh", "hf_checkpoint"}
+OPTIONAL = {"name", "model_dir", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh", "hf_checkpoint",
+            "trainer_ranks"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any], optional: Collection[str] = OPTIONAL) -> None:
@@ -77,12 +78,14 @@ def state_fingerprint(named: Mapping[str, torch.Tensor]) -> int:
     return acc - (1 << 64) if acc >= 1 << 63 else acc
 
 
-def exchange_rollouts(batch, local, group: int, world: int, rank: int, device: torch.device, max_new: int):
-    """Gather every rollout rank's samples and rewards on rank 0 (an all-gather of padded tensors).
+def exchange_rollouts(batch, local, group: int, world: int, rank: int, device: torch.device, max_new: int,
+                      trainers: int = 1):
+    """Gather the samples and rewards of every rollout rank (ranks ``trainers .. world-1``) on every trainer
+    rank (an all-gather of padded tensors).
 
-    Returns (prompts, samples, rewards) on rank 0 and (None, None, None) elsewhere.
+    Returns (prompts, samples, rewards) on the trainer ranks and (None, None, None) elsewhere.
     """
-    share = len(batch) // (world - 1)
+    share = len(batch) // (world - trainers)
     rows = share * group
     tok = torch.full((rows, max_new), -1, dtype=torch.int64)
     lp = torch.zeros((rows, max_new), dtype=torch.float32)
@@ -98,11 +101,11 @@ def exchange_rollouts(batch, local, group: int, world: int, rank: int, device: t
         t = t.to(device)
         out = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(out, t)
-        parts.append([o.cpu() for o in out[1:]])
-    if rank != 0:
+        parts.append([o.cpu() for o in out[trainers:]])
+    if rank >= trainers:
         return None, None, None
     samples, rewards = [], []
-    for r in range(world - 1):
+    for r in range(world - trainers):
         for i in range(rows):
             n = int(parts[2][r][i, 0])
             samples.append(Sample(r * share + i // group, i % group, parts[0][r][i, :n].clone(),
