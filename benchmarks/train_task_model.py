@@ -71,9 +71,6 @@ TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
     "kv": lambda n: KVRetrieval(n),
     "kv_vary": lambda n: KVRetrieval(n, vary_pairs=True),
     "vt": lambda n: VariableTracking(n),
-    # shorter keys at short contexts (a curriculum share): one-letter keys need only a plain induction head
-    "kv1": lambda n: KVRetrieval(min(n, 128), key_len=1, vary_pairs=True),
-    "kv2": lambda n: KVRetrieval(min(n, 1024), key_len=2, vary_pairs=True),
 }
 EVAL_TASKS: dict[str, Callable[[int], Any]] = {
     "kv_retrieval": lambda n: KVRetrieval(n),
