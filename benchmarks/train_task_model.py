@@ -651,6 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=d.model.num_kv_heads)
     p.add_argument("--mlp", type=int, default=d.model.intermediate_dim)
     p.add_argument("--rope-base", type=float, default=d.model.rope_base)
+    p.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=d.model.tie_word_embeddings,
+                   help="share the input embedding and the output projection")
     p.add_argument("--min-context", type=int, default=d.min_context)
     p.add_argument("--max-context", type=int, default=d.max_context)
     p.add_argument("--ramp", type=float, default=d.ramp, help="fraction of the budget to reach --max-context")
@@ -690,7 +692,7 @@ def config_from_args(args) -> TrainConfig:
         seed=args.seed, device=str(device),
         model=ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                           embed_dim=args.dim, intermediate_dim=args.mlp, max_seq_len=args.max_context + 64,
-                          rope_base=args.rope_base),
+                          rope_base=args.rope_base, tie_word_embeddings=args.tie_embeddings),
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
         advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,
         tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,
