@@ -222,13 +222,15 @@ class ModelConfig:
         return qwen2(attention=attention, **asdict(self))
 
 
-def init_weights(model: torch.nn.Module, std: float = 0.02) -> None:
-    """Normal(0, std) for matrices and embeddings, residual output projections scaled by 1/sqrt(2 layers)."""
+def init_weights(model: torch.nn.Module, std: float = 0.02, residual_scaling: bool = True) -> None:
+    """Normal(0, std) for matrices and embeddings, residual output projections scaled by 1/sqrt(2 layers)
+    (unless ``residual_scaling`` is false)."""
     n_layers = len(model.layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
-                s = std / math.sqrt(2 * n_layers) if name.endswith(("output_proj.weight", "w2.weight")) else std
+                residual = residual_scaling and name.endswith(("output_proj.weight", "w2.weight"))
+                s = std / math.sqrt(2 * n_layers) if residual else std
                 p.normal_(0.0, s)
             elif name.endswith("bias"):
                 p.zero_()
@@ -376,6 +378,9 @@ class TrainConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0
     prompt_weight: float = 0.05
+    lr_schedule: str = "cosine"  # or "constant" after the warm-up
+    beta2: float = 0.95
+    residual_init_scaling: bool = True
     init_std: float = 0.02
     workers: int = 4
     eval_every_s: float = 20.0
@@ -455,6 +460,8 @@ class Curriculum:
 
 def _lr(cfg: TrainConfig, step: int, frac: float) -> float:
     warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+    if cfg.lr_schedule == "constant":
+        return cfg.lr * warm
     cos = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
     return cfg.lr * warm * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos)
 
@@ -477,12 +484,12 @@ def train(cfg: TrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     stream = BatchStream(cfg.mix, cfg.seed, cfg.tokens_per_step, workers=cfg.workers)
     model = cfg.model.build().to(device)
-    init_weights(model, cfg.init_std)
+    init_weights(model, cfg.init_std, residual_scaling=cfg.residual_init_scaling)
     n_params = count_params(model)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, cfg.beta2),
                             **({"fused": True} if device.type == "cuda" else {}))
     _log(f"model: {n_params / 1e6:.1f}M parameters ({cfg.model.num_layers} layers, d={cfg.model.embed_dim}, "
          f"{cfg.model.num_heads}q/{cfg.model.num_kv_heads}kv heads), device {device}, "
@@ -667,6 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--prompt-weight", type=float, default=d.prompt_weight)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--lr-schedule", choices=["cosine", "constant"], default=d.lr_schedule)
+    p.add_argument("--beta2", type=float, default=d.beta2)
+    p.add_argument("--residual-init-scaling", action=argparse.BooleanOptionalAction, default=d.residual_init_scaling)
     p.add_argument("--workers", type=int, default=None, help="data worker processes (default 4 on CUDA, 0 on CPU)")
     p.add_argument("--eval-every", type=float, default=d.eval_every_s, help="seconds between progress evals")
     p.add_argument("--eval-examples", type=int, default=d.eval_examples)
@@ -696,7 +706,8 @@ def config_from_args(args) -> TrainConfig:
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
         advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,
         tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,
-        prompt_weight=args.prompt_weight, weight_decay=args.weight_decay,
+        prompt_weight=args.prompt_weight, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
+        beta2=args.beta2, residual_init_scaling=args.residual_init_scaling,
         workers=args.workers if args.workers is not None else (min(4, max(0, (os.cpu_count() or 1) - 2))
                                                                if device.type == "cuda" else 0),
         eval_every_s=args.eval_every, eval_examples=args.eval_examples, final_eval_examples=args.final_eval_examples,
