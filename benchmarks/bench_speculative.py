@@ -19,8 +19,8 @@ Runs (one engine; compiled steps and CUDA graphs shared): AR (toggle ``AlwaysOff
 :class:`CostModelToggle` (costs calibrated on this engine at start-up) and adaptive draft length, SD
 always-on with ``--always-k`` drafts, in that order; the JSON is rewritten after every run, so a run cut
 short keeps what finished, and ``--deadline-minutes`` skips the runs that would end past it. The
-calibrated cost table is printed as soon as it is measured. Reported: rollout latency (prefill + decode), decode tokens/s per batch bucket,
-acceptance, tokens per cycle, draft-length histogram, drafter refresh time.
+calibrated cost table is printed as soon as it is measured. Reported: rollout latency (prefill + decode),
+decode tokens/s per batch bucket, acceptance, tokens per cycle, draft-length histogram, drafter refresh time.
 
 Run (H200): ``python benchmarks/bench_speculative.py``; smoke run on CPU: ``python benchmarks/bench_speculative.py --quick``.
 """
@@ -255,6 +255,7 @@ def run_phase(label, engine, prompts, params, args, costs, save=None, deadline=N
 
 def bucket_table(rows: list[dict]) -> list[dict]:
     buckets = sorted({b for r in rows for b in r["bucket_tok_s"]})
+    tog = next((r for r in rows if r["run"].startswith("SD toggle")), None)
     table = []
     for b in buckets:
         t = {"bucket": b}
@@ -264,7 +265,6 @@ def bucket_table(rows: list[dict]) -> list[dict]:
             t[r["run"]] = v
             if r is not rows[0]:
                 t[r["run"] + " /AR"] = v / ar if v is not None and ar else None
-        tog = next((r for r in rows if r["run"].startswith("SD toggle")), None)
         steps = tog["bucket_steps"].get(b, 0) if tog else 0
         t["toggle SD frac"] = tog["bucket_spec_steps"].get(b, 0) / steps if steps else None
         table.append(t)
@@ -415,8 +415,7 @@ def main() -> None:
     log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms")
 
     log("phase 'trained'")
-    results += run_phase("trained", engine, prompts, params, args, costs, save, deadline)
-    save([r for r in results if r["phase"] == "trained"])
+    results += run_phase("trained", engine, prompts, params, args, costs, save, deadline)  # saved as it went
     for phase in sorted({r["phase"] for r in results}, key=lambda x: x != "random"):
         rows = [r for r in results if r["phase"] == phase]
         note = ("acceptance from random weights: NOT meaningful" if phase == "random"

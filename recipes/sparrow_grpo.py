@@ -291,13 +291,13 @@ class GRPORecipe:
                                            self.grpo)
                     # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's
                     # weights, and the minibatch's gradient is their sum
-                    (loss * T if T > 1 else loss).backward()
+                    (loss * T).backward()
                     for k, v in mets.items():
                         sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
                     sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                 gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
-                sums["grad_norm"] = gn.detach() / T  # the last update's (divided: summed over trainers below)
+                sums["grad_norm"] = gn.detach() / T  # the last update's (summed over the trainers below)
                 self.optimizer.step()
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in sums.values()])
         if T > 1:  # every trainer holds its rows' share of each metric
@@ -334,6 +334,7 @@ class GRPORecipe:
     def _sync(self) -> dict[str, float]:
         """Trainer -> rollout weights through the codec (the only path by which weights change)."""
         stats: dict[str, float] = {}
+        new = None
         if self.is_trainer:
             t0 = time.perf_counter()
             new = self._trainer_bf16()
@@ -348,17 +349,17 @@ class GRPORecipe:
             r = self.receiver.receive(self.transport)
             stats["time/sync_apply_s"] = r.total_s
         if self.cfg.sync.check_bitwise and self.step % self.cfg.sync.check_bitwise == 0:
-            self._check_sync()
+            self._check_sync(new)
         return stats
 
-    def _check_sync(self) -> None:
-        """The rollout copy must hold exactly the trainer's bf16 bits (every rank compared)."""
+    def _check_sync(self, sent: dict[str, torch.Tensor] | None) -> None:
+        """The rollout copy must hold exactly the trainer's bf16 bits (every rank compared). ``sent``: the
+        trainer's bf16 weights that this sync sent (None on ranks that only roll out)."""
         if self.world == 1:
             mine = sync_tensors(self.rollout_model)
-            ok = all(torch.equal(t.detach().to(torch.bfloat16).view(torch.int16), mine[n].view(torch.int16))
-                     for n, t in sync_tensors(self.model).items())
+            ok = all(torch.equal(t.view(torch.int16), mine[n].view(torch.int16)) for n, t in sent.items())
         else:
-            named = self._trainer_bf16() if self.is_trainer else sync_tensors(self.rollout_model)
+            named = sent if self.is_trainer else sync_tensors(self.rollout_model)
             fp = torch.tensor([state_fingerprint(named)], dtype=torch.int64, device=self.device)
             allfp = [torch.zeros_like(fp) for _ in range(self.world)]
             dist.all_gather(allfp, fp)
@@ -472,7 +473,7 @@ class GRPORecipe:
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if self.is_main:
             save_checkpoint(self.output_dir / "checkpoints", self.step, model_state=weights,
-                            optimizer_state=_optimizer_state_by_index(optim, self.model), state=state)
+                            optimizer_state=_rekey_optimizer_state(optim, self._param_position()), state=state)
 
     def _load_optimizer(self, ckpt: Path) -> None:
         saved = read_optimizer_state(ckpt)
@@ -481,8 +482,13 @@ class GRPORecipe:
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, self.optimizer, _optimizer_state_by_name(saved, self.model),
+        names = {i: n for n, i in self._param_position().items()}
+        set_optimizer_state_dict(self.model, self.optimizer, _rekey_optimizer_state(saved, names),
                                  options=StateDictOptions(full_state_dict=True))
+
+    def _param_position(self) -> dict[str, int]:
+        """Parameter name -> position in ``model.parameters()`` (the optimizer's numbering)."""
+        return {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
 
     def cleanup(self) -> None:
         if self.is_main:
@@ -493,18 +499,11 @@ class GRPORecipe:
             dist.destroy_process_group()
 
 
-def _optimizer_state_by_index(sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
-    """A full optimizer state keyed by parameter names (torch.distributed.checkpoint's layout) -> keyed by
-    the parameters' positions in ``model.parameters()`` (``Optimizer.state_dict()``'s, which checkpoints use)."""
-    pos = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-    return {"state": {pos[n]: st for n, st in sd["state"].items()},
-            "param_groups": [dict(g, params=[pos[n] for n in g["params"]]) for g in sd["param_groups"]]}
-
-
-def _optimizer_state_by_name(sd: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
-    names = [n for n, _ in model.named_parameters()]
-    return {"state": {names[int(i)]: st for i, st in sd["state"].items()},
-            "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]]) for g in sd["param_groups"]]}
+def _rekey_optimizer_state(sd: dict[str, Any], key: dict) -> dict[str, Any]:
+    """An optimizer state with its parameters renamed through ``key``: between torch.distributed.checkpoint's
+    layout (parameter names) and ``Optimizer.state_dict()``'s (positions), which checkpoints use."""
+    return {"state": {key[p]: st for p, st in sd["state"].items()},
+            "param_groups": [dict(g, params=[key[p] for p in g["params"]]) for g in sd["param_groups"]]}
 
 
 def _uses_rtpurbo(model, record: bool) -> bool:

@@ -24,9 +24,10 @@ TINY = [
 ]
 
 
-def run(out: Path, *overrides: str, nproc: int = 1, env: dict | None = None, timeout: int = 600):
+def run(out: Path, *overrides: str, nproc: int = 1, env: dict | None = None, timeout: int = 600,
+        base: list[str] = TINY):
     cmd = [TUNE, "run"] + (["--nproc_per_node", str(nproc)] if nproc > 1 else []) + [
-        "sparrow_grpo", "--config", str(CONFIG), f"output_dir={out}", *TINY, *overrides]
+        "sparrow_grpo", "--config", str(CONFIG), f"output_dir={out}", *base, *overrides]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=timeout, env=e)
 
@@ -97,14 +98,12 @@ def test_a_dead_rank_stops_the_others(tmp_path):
 
 
 # the shipped starting checkpoint: rewards vary within groups from the first step, so gradients are not zero
-SHIPPED = ["prompts_per_step=4", "group_size=4", "eval.every=0", "plot=false", "ppo_epochs=2", "minibatches=2"]
+SHIPPED = ["prompts_per_step=4", "group_size=4", "eval.every=0", "plot=false", "ppo_epochs=2", "minibatches=2",
+           f"checkpoint={REPO / 'checkpoints/tiny_kv_retrieval/model.safetensors'}"]
 
 
-def run_shipped(out: Path, *overrides: str, nproc: int):
-    cmd = [TUNE, "run", "--nproc_per_node", str(nproc), "sparrow_grpo", "--config", str(CONFIG), f"output_dir={out}",
-           f"checkpoint={REPO / 'checkpoints/tiny_kv_retrieval/model.safetensors'}", *SHIPPED, *overrides]
-    r = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+def run_shipped(out: Path, *overrides: str, nproc: int) -> None:
+    r = run(out, *overrides, nproc=nproc, base=SHIPPED)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -222,3 +221,25 @@ def test_shipped_configs_are_valid(path):
 
         GRPOConfig(**cfg.loss)
         EngineConfig(**cfg.engine)
+
+
+def test_bitwise_sync_check_catches_one_flipped_bit(tmp_path, monkeypatch):
+    """The recipe's after-sync check compares every bit of the rollout copy with what the trainer sent."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    spec = importlib.util.spec_from_file_location("sparrow_grpo_recipe", REPO / "recipes" / "sparrow_grpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(TINY + [f"output_dir={tmp_path}"]))
+    recipe = mod.GRPORecipe(cfg)
+    recipe.setup(cfg)
+    sent = recipe._trainer_bf16()
+    recipe._check_sync(sent)  # freshly set up: both sides hold the same bits
+    p = next(iter(mod.sync_tensors(recipe.rollout_model).values()))
+    p.view(torch.int16).view(-1)[0] ^= 1  # one mantissa bit
+    with pytest.raises(RuntimeError, match="rollout weights differ"):
+        recipe._check_sync(sent)
+    recipe.cleanup()
