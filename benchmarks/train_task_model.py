@@ -45,6 +45,7 @@ import json
 import math
 import os
 import random
+import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -67,10 +68,67 @@ EVAL_SEED = 1_000_003  # held-out examples (training uses --seed, 0 by default)
 # -- tasks -------------------------------------------------------------------------------------------
 # Training families (name -> task at a context length) and the evaluation tasks. The knobs are the tasks'
 # defaults; the benchmarks evaluate on EVAL_TASKS, so training and evaluation agree.
+@dataclass(frozen=True)
+class TrainExample:
+    """A training sequence's text: ``prompt`` then ``answer``, and the character spans of ``prompt`` that are
+    supervised like the answer (the earlier answers of a multi-question example)."""
+
+    prompt: str
+    answer: str
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+_STATEMENT = re.compile(r"([a-z]+)=([a-z0-9]+);")
+
+
+@dataclass(frozen=True)
+class MultiQuery:
+    """Training only: an example of ``base`` with up to ``queries - 1`` more questions about the same context
+    answered before the final one (``?key=value;`` each, the values supervised). One context then carries
+    several supervised look-ups instead of one, which is what gets a model past the copy-any-value plateau
+    (a single question per sequence gives one informative token per example). The final question and the
+    answer are the base example's, in the evaluation's format; the sequence grows by at most
+    ``(queries - 1) * 9`` characters over ``base.context_len``.
+
+    kv_retrieval bases ask other keys; variable_tracking bases ask the last variable of the other chains.
+    """
+
+    base: Any
+    queries: int = 4
+
+    def example(self, seed: int, index: int) -> TrainExample:
+        ex = self.base.example(seed, index)
+        body, question = ex.prompt.rsplit("?", 1)
+        asked = question[:-1]
+        assign = dict(_STATEMENT.findall(body))
+        if isinstance(self.base, VariableTracking):
+            rhs = set(assign.values())
+            candidates = [v for v in assign if v not in rhs and v != asked]  # the other chains' last names
+
+            def value(v: str) -> str:
+                while not assign[v].isdigit():
+                    v = assign[v]
+                return assign[v]
+        else:
+            candidates = [k for k in assign if k != asked]
+            value = assign.__getitem__
+        r = random.Random(f"mq:{seed}:{index}")
+        picked = r.sample(candidates, min(len(candidates), self.queries - 1))
+        text, spans = body, []
+        for k in picked:
+            text += f"?{k}="
+            spans.append((len(text), len(text) + len(value(k)) + 1))
+            text += value(k) + ";"
+        return TrainExample(f"{text}?{question}", ex.answer, tuple(spans))
+
+
 TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
     "kv": lambda n: KVRetrieval(n),
     "kv_vary": lambda n: KVRetrieval(n, vary_pairs=True),
     "vt": lambda n: VariableTracking(n),
+    "kv_mq": lambda n: MultiQuery(KVRetrieval(n)),
+    "kv_vary_mq": lambda n: MultiQuery(KVRetrieval(n, vary_pairs=True)),
+    "vt_mq": lambda n: MultiQuery(VariableTracking(n)),
 }
 EVAL_TASKS: dict[str, Callable[[int], Any]] = {
     "kv_retrieval": lambda n: KVRetrieval(n),
@@ -102,20 +160,31 @@ def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int]:
     return ids.astype(np.int64), len(ex.prompt) + 1
 
 
+def train_tokens(task, seed: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """``<bos> prompt answer <eos>`` as int64 ids, and which tokens are supervised as answers (the answer,
+    ``<eos>`` and a multi-question example's earlier answers)."""
+    ex = task.example(seed, index)
+    ids = np.concatenate([[_TOK.bos_id], encode_text(ex.prompt), encode_text(ex.answer), [_TOK.eos_id]])
+    supervised = np.zeros(len(ids), dtype=bool)
+    supervised[len(ex.prompt) + 1:] = True
+    for a, b in getattr(ex, "spans", ()):
+        supervised[a + 1:b + 1] = True
+    return ids.astype(np.int64), supervised
+
+
 def make_rows(job: tuple[str, int, int, int, int]) -> tuple[str, np.ndarray, np.ndarray]:
-    """Worker job ``(family, context, seed, first index, count)`` -> (family, ids [count, T], prompt lengths)."""
+    """Worker job ``(family, context, seed, first index, count)`` -> (family, ids [count, T], supervised
+    [count, T])."""
     fam, n, seed, start, count = job
     task = TRAIN_FAMILIES[fam](n)
-    rows, plens = [], []
-    for i in range(start, start + count):
-        ids, plen = example_tokens(task, seed, i)
-        rows.append(ids)
-        plens.append(plen)
-    width = max(len(r) for r in rows)
+    rows = [train_tokens(task, seed, i) for i in range(start, start + count)]
+    width = max(len(r) for r, _ in rows)
     out = np.full((count, width), _TOK.pad_id, dtype=np.int64)
-    for j, r in enumerate(rows):
+    sup = np.zeros((count, width), dtype=bool)
+    for j, (r, m) in enumerate(rows):
         out[j, :len(r)] = r
-    return fam, out, np.asarray(plens, dtype=np.int64)
+        sup[j, :len(m)] = m
+    return fam, out, sup
 
 
 @dataclass
@@ -131,11 +200,9 @@ def assemble(parts: list[tuple[str, np.ndarray, np.ndarray]], context: int) -> B
     width = max(p[1].shape[1] for p in parts)
     toks = np.concatenate([np.pad(p[1], ((0, 0), (0, width - p[1].shape[1])), constant_values=_TOK.pad_id)
                            for p in parts])
-    plen = np.concatenate([p[2] for p in parts])
-    total = np.concatenate([(p[1] != _TOK.pad_id).sum(1) for p in parts])
-    t = np.arange(width - 1)[None, :]  # target index: predicts tokens[:, t + 1]
-    prompt = t < (plen[:, None] - 1)
-    answer = (t >= plen[:, None] - 1) & (t < total[:, None] - 1)
+    sup = np.concatenate([np.pad(p[2], ((0, 0), (0, width - p[2].shape[1]))) for p in parts])
+    answer = sup[:, 1:]  # target t predicts tokens[:, t + 1]
+    prompt = (toks[:, 1:] != _TOK.pad_id) & ~answer
     fams = [p[0] for p in parts for _ in range(p[1].shape[0])]
     return Batch(torch.from_numpy(toks), torch.from_numpy(prompt), torch.from_numpy(answer), fams, context)
 
