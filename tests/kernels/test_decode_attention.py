@@ -8,8 +8,9 @@ from sparrow.kernels.decode_attention.triton_decode import decode_attention_trit
 from tests.helpers import DEVICE, rel_err
 
 
-def _naive(q, pk, pv, gk, gv, rs, ps, pl, cl):
-    """Per-row, per-head loop in float64: the plainest statement of decode attention."""
+def _naive(q, pk, pv, gk, gv, rs, ps, pl, cl, window=None, sink=0):
+    """Per-row, per-head loop in float64: the plainest statement of decode attention (``window``: only the
+    first ``sink`` positions and the last ``window`` up to the row's last new token)."""
     q, pk, pv, gk, gv, rs, ps, pl, cl = (t.cpu() for t in (q, pk, pv, gk, gv, rs, ps, pl, cl))
     A, Hq, T, D = q.shape
     qpk = Hq // pk.shape[1]
@@ -21,6 +22,10 @@ def _naive(q, pk, pv, gk, gv, rs, ps, pl, cl):
                 n_gen = int(cl[a]) + t + 1
                 k = torch.cat([pk[ps[a], kv, : pl[a]], gk[rs[a], kv, :n_gen]]).double()
                 v = torch.cat([pv[ps[a], kv, : pl[a]], gv[rs[a], kv, :n_gen]]).double()
+                if window is not None:
+                    lo = max(0, int(pl[a] + cl[a]) + T - window)
+                    keep = [p for p in range(len(k)) if p < min(sink, lo) or p >= lo]
+                    k, v = k[keep], v[keep]
                 w = torch.softmax(k @ q[a, h, t].double() / math.sqrt(D), dim=0)
                 out[a, h, t] = w @ v
     return out
@@ -60,6 +65,31 @@ def test_triton_matches_reference(shape, splits):
     ref = decode_attention(*args, impl="reference")
     out = decode_attention_triton(*args, num_splits=splits, min_chunk=16)
     assert rel_err(out, ref) < 1e-5
+
+
+WINDOWS = [(1, 0), (5, 2), (24, 4), (40, 3), (1000, 4)]  # (window, sink); 1000 covers every row
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window,sink", WINDOWS)
+def test_windowed_reference_and_triton_match_naive(shape, window, sink):
+    args = _inputs(*shape)
+    T = args[0].shape[2]
+    if window < T:
+        pytest.skip("the window must cover the new tokens")
+    want = _naive(*args, window=window, sink=sink)
+    assert rel_err(decode_attention(*args, window=window, sink=sink, impl="reference"), want) < 1e-6
+    for splits in (1, 3):
+        out = decode_attention_triton(*args, num_splits=splits, min_chunk=16, window=window, sink=sink)
+        assert rel_err(out, want) < 1e-5
+    if window == 1000:
+        assert rel_err(decode_attention(*args, window=window, sink=sink), _naive(*args)) < 1e-5
+
+
+def test_window_changes_the_output():
+    """Negative control for the windowed test: a window that cuts the sequence gives other outputs."""
+    args = _inputs(3, 4, 2, 1, 16, 2, 37, 4, 20)
+    assert rel_err(decode_attention(*args, window=5, sink=2, impl="reference"), _naive(*args)) > 1e-2
 
 
 LOW_PRECISION = [
@@ -105,6 +135,8 @@ def test_validation_errors():
         decode_attention(q[:, :3], pk, pv, gk, gv, rs, ps, pl, cl)
     with pytest.raises(ValueError, match="impl"):
         decode_attention(q, pk, pv, gk, gv, rs, ps, pl, cl, impl="cuda")
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(q, pk, pv, gk, gv, rs, ps, pl, cl, window=0)
 
 
 def test_custom_op_fake_matches_real_on_strided_query():
@@ -115,7 +147,7 @@ def test_custom_op_fake_matches_real_on_strided_query():
     q, pk, pv, gk, gv, rs, ps, pl, cl = _inputs(2, 6, 2, 3, 32, 3, 70, 3, 9)
     q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (A, T, Hq, D) memory order
     assert not q_view.is_contiguous()
-    args = (q_view, pk, pv, gk, gv, rs, ps, pl, cl, 1.0 / math.sqrt(32), 2, 16)
+    args = (q_view, pk, pv, gk, gv, rs, ps, pl, cl, 1.0 / math.sqrt(32), 2, 16, 0, 0)
     torch.library.opcheck(_decode_attention_op, args, test_utils=("test_schema", "test_faketensor"))
     real = _decode_attention_op(*args)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:

@@ -1,4 +1,4 @@
-"""The RTPurbo Triton kernels compile for an sm_90 GPU (offline, no device needed), at the shapes the H200
+"""The RTPurbo Triton kernels (and the dense decode and drafter int8 linear kernels) compile for an sm_90 GPU (offline, no device needed), at the shapes the H200
 benchmarks use (bf16, head_dim 128, 8 query heads per kv head, indexer dim 16, 64/128-token blocks) and at
 the unit tests' small float32 shapes (8- and 16-token blocks, head_dim 16). The installed Triton may accept
 dot shapes that the GPU's older Triton rejects (K < 16): the kernels pad such blocks to 16 lanes anyway.
@@ -29,6 +29,8 @@ except ImportError:
 from sparrow.kernels.topp import triton_topp as tp
 from sparrow.kernels.sparse_decode import triton_sparse_decode as sd
 from sparrow.kernels.sparse_prefill import triton_block_scores as bs
+from sparrow.kernels.int8_linear import triton_int8_linear as il
+from sparrow.kernels.decode_attention import triton_decode as dd
 
 
 def compile_(fn, args, constexprs, **options):
@@ -88,6 +90,34 @@ for PT, BLOCK, ieee in ((PB, 128, False), (PF, 16, True)):
                   **strides("stride_qp", "stride_qh", "stride_qs", "stride_kp", "stride_kh", "stride_ks",
                             "stride_op", "stride_oh", "stride_oq"), H=i32),
              dict(R=16, BLOCK=BLOCK, IEEE=ieee), num_warps=8)
+# the dense decode kernel (target steps; drafter steps with a window), Qwen2.5-0.5B heads, verify T up to 9
+for T in (1, 9):
+    compile_(dd._decode_split_kernel,
+             dict(Q=PB, PK=PB, PV=PB, GK=PB, GV=PB, ROW_SLOT=P64, PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64,
+                  O_PART=PF, LSE_PART=PF,
+                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_pks", "stride_pkh", "stride_pkl",
+                            "stride_gks", "stride_gkh", "stride_gkl", "stride_oa", "stride_oh", "stride_ot",
+                            "stride_os", "stride_la", "stride_lh", "stride_lt"), qk_scale=f32, window=i32, sink=i32),
+             dict(T=T, QPK=7, D=64, BLOCK_M=max(16, triton.next_power_of_2(7 * T)), BLOCK_N=64, NUM_SPLITS=64,
+                  MIN_CHUNK=256, IEEE=False))
+compile_(dd._merge_kernel,
+         dict(O_PART=PF, LSE_PART=PF, OUT=PB, PREFIX_LEN=P64, CACHED_LEN=P64,
+              **strides("stride_oa", "stride_oh", "stride_ot", "stride_os", "stride_la", "stride_lh", "stride_lt",
+                        "stride_a", "stride_h", "stride_t"), window=i32, sink=i32),
+         dict(T=1, D=64, NUM_SPLITS=64, MIN_CHUNK=256, BLOCK_N=64, SPLITS_P2=64))
+# the drafter's int8 linear at Qwen2.5-0.5B decode shapes (bf16 activations), both split modes
+P8 = "*i8"
+for M, N, K in ((8, 896, 896), (256, 4864, 896)):
+    cfg = il.launch_config(M, N, K, 132)
+    for split in sorted({1, cfg["SPLIT_K"]}):
+        for has_bias in (False, True):
+            compile_(il._int8_linear_kernel,
+                     dict(X=PB, W=P8, S=PF, B=PB, Y=PB, WS=PF, M=i32, N=i32, K=i32,
+                          **strides("stride_xm", "stride_wn", "stride_ym", "stride_wsk", "stride_wsm")),
+                     dict(HAS_BIAS=has_bias, IEEE=False, **{**cfg, "SPLIT_K": split}), num_warps=4, num_stages=3)
+compile_(il._splitk_reduce_kernel,
+         dict(WS=PF, S=PF, B=PB, Y=PB, N=i32, **strides("stride_wsk", "stride_wsm", "stride_ym")),
+         dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=256))
 '''
 
 
@@ -97,4 +127,4 @@ def test_rtpurbo_kernels_compile_sm90():
     if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 6 + 2 * (1 + 2 + 2 + 1) + 2
+    assert proc.stdout.count("ok ") == 6 + 2 * (1 + 2 + 2 + 1) + 2 + 3 + 7

@@ -3,7 +3,11 @@
 ``QuantizedSelfDrafter(model, DrafterConfig(weight="int8"))`` builds a draft model that shares with the
 target (no copies): token embeddings, every norm, RoPE tables, biases, the output projection (lm_head),
 the attention backends and the KV cache. Only the transformer layers' linear weights (q/k/v/o projections
-and the MLP) are quantized copies. Optionally (``window=``) the draft attends to a window of the cache
+and the MLP) are quantized copies. ``int8`` uses Sparrow's weight-only int8 linear
+(:class:`~sparrow.kernels.int8_linear.Int8Linear`: a Triton kernel on CUDA that reads the weight as int8);
+``int4`` and ``fp8`` use torchao. (torchao's int8 weight-only linear runs on CUDA through ATen's
+``_weight_int8pack_mm``, a kernel measured on an H200 at 95% of a draft step and 10-40x slower than the bf16
+step it was meant to undercut.) Optionally (``window=``) the draft attends to a window of the cache
 (:class:`~sparrow.speculative.window.WindowedDraftAttention`), which makes a draft step's cost independent
 of the context length.
 
@@ -27,6 +31,7 @@ from torchtune.modules import TransformerDecoder
 
 from sparrow.attention.base import DecodeMeta
 from sparrow.attention.dense import DenseAttention
+from sparrow.kernels.int8_linear import Int8Linear
 from sparrow.models.attention import attention_modules
 from sparrow.speculative.base import Drafter
 from sparrow.speculative.window import WindowedDraftAttention
@@ -39,7 +44,8 @@ class DrafterConfig:
     """How to build a :class:`QuantizedSelfDrafter`.
 
     Attributes:
-        weight: linear-weight format of the draft: ``"int8"`` weight-only (per-channel, any device),
+        weight: linear-weight format of the draft: ``"int8"`` weight-only (per-channel, any device; Sparrow's
+            kernel),
             ``"int4"`` weight-only (groupwise, CUDA + bfloat16), ``"fp8"`` weight-only (CUDA, compute
             capability >= 8.9), or ``"none"`` (share the target's weights; only ``window`` differs).
         group_size: int4 quantization group along the input dimension.
@@ -109,14 +115,15 @@ def _probe(config, device: torch.device, dtype: torch.dtype, shape=(256, 256)) -
 
 
 def resolve_weight_format(cfg: DrafterConfig, device: torch.device, dtype: torch.dtype) -> tuple[str, Any]:
-    """(format actually used, torchao config or None). int4 tries torchao's default kernel (fbgemm), then
-    tinygemm; ``int4`` / ``fp8`` fall back to int8 (with a warning) when ``cfg.fallback``."""
+    """(format actually used, torchao config or None: ``none`` and Sparrow's ``int8`` need none). int4 tries
+    torchao's default kernel (fbgemm), then tinygemm; ``int4`` / ``fp8`` fall back to int8 (with a warning)
+    when ``cfg.fallback``."""
     if cfg.weight == "none":
         return "none", None
+    if cfg.weight == "int8":
+        return "int8", None  # Sparrow's own kernel: runs everywhere
     candidates: list[tuple[str, int | None]] = {
         "int8": [("int8", None)], "int4": [("int4", None), ("int4", 1)], "fp8": [("fp8", None)]}[cfg.weight]
-    if cfg.fallback and cfg.weight != "int8":
-        candidates.append(("int8", None))
     tried = []
     for fmt, version in candidates:
         label = fmt if version is None else f"{fmt} (version {version})"
@@ -127,12 +134,12 @@ def resolve_weight_format(cfg: DrafterConfig, device: torch.device, dtype: torch
             continue
         why = _probe(config, device, dtype, shape=(256, max(256, cfg.group_size)))
         if why is None:
-            if fmt != cfg.weight:
-                warnings.warn(f"QuantizedSelfDrafter: weight={cfg.weight!r} is not available on {device} with "
-                              f"{dtype} ({'; '.join(tried)}); using int8 weight-only instead",
-                              RuntimeWarning, stacklevel=3)
             return fmt, config
         tried.append(f"{label}: {why}")
+    if cfg.fallback:
+        warnings.warn(f"QuantizedSelfDrafter: weight={cfg.weight!r} is not available on {device} with {dtype} "
+                      f"({'; '.join(tried)}); using int8 weight-only instead", RuntimeWarning, stacklevel=3)
+        return "int8", None
     raise RuntimeError(f"QuantizedSelfDrafter: weight={cfg.weight!r} cannot run on {device} with {dtype}: "
                        + "; ".join(tried))
 
@@ -200,13 +207,19 @@ class QuantizedSelfDrafter(Drafter):
             if not isinstance(m, nn.Linear) and not any(isinstance(c, nn.Linear) for c in m.modules()):
                 memo[id(m)] = m
         self.layers = copy.deepcopy(model.layers, memo)
-        self._pairs: list[tuple[str, nn.Linear, nn.Linear]] = []
+        self._pairs: list[tuple[str, nn.Linear, nn.Module]] = []
         for (name, src), (_, dst) in zip(model.layers.named_modules(), self.layers.named_modules()):
             if isinstance(src, nn.Linear) and self._quantizable(src):
                 self._pairs.append((name, src, dst))
         with torch.no_grad():
-            for _, src, dst in self._pairs:
-                dst.weight = nn.Parameter(_quantize_weight(src.weight, self._qconfig), requires_grad=False)
+            for i, (name, src, dst) in enumerate(self._pairs):
+                if self.weight_format == "int8":  # swap the module: the bias stays the target's
+                    new = Int8Linear(src.weight, src.bias)
+                    parent, _, attr = name.rpartition(".")
+                    setattr(self.layers.get_submodule(parent) if parent else self.layers, attr, new)
+                    self._pairs[i] = (name, src, new)
+                else:
+                    dst.weight = nn.Parameter(_quantize_weight(src.weight, self._qconfig), requires_grad=False)
         if self.config.window is not None:
             for layer in self.layers:
                 layer.attn.backend = WindowedDraftAttention(layer.attn.backend.shape, window=self.config.window,
@@ -215,8 +228,10 @@ class QuantizedSelfDrafter(Drafter):
         self.last_refresh_s = 0.0
 
     def _quantizable(self, lin: nn.Linear) -> bool:
-        if self._qconfig is None:
+        if self.weight_format == "none":
             return False
+        if self.weight_format == "int8":
+            return True
         if self.weight_format == "int4":
             return lin.in_features % self.config.group_size == 0 and lin.out_features % 8 == 0
         if self.weight_format == "fp8":
@@ -234,20 +249,26 @@ class QuantizedSelfDrafter(Drafter):
         """
         t0 = time.perf_counter()
         for _, src, dst in self._pairs:
-            copy_quantized_(dst.weight, _quantize_weight(src.weight, self._qconfig))
+            if isinstance(dst, Int8Linear):
+                dst.requantize_(src.weight)
+            else:
+                copy_quantized_(dst.weight, _quantize_weight(src.weight, self._qconfig))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_refresh_s = time.perf_counter() - t0
 
-    def quantized_weights(self) -> dict[str, torch.Tensor]:
-        """The draft's quantized linear weights by module name (relative to ``model.layers``)."""
-        return {name: dst.weight for name, _, dst in self._pairs}
+    def quantized_weights(self) -> dict[str, list[torch.Tensor]]:
+        """The plain tensors holding each quantized linear's weight (int8 values, scales; torchao's leaves), by
+        module name relative to ``model.layers``: what :meth:`refresh` rewrites in place."""
+        return {name: [dst.qweight, dst.scale] if isinstance(dst, Int8Linear) else leaf_tensors(dst.weight)
+                for name, _, dst in self._pairs}
 
     def weight_nbytes(self) -> int:
         """Bytes of weights a draft step reads: quantized layers, shared norms, embeddings / lm_head."""
         seen: set[int] = set()
         total = 0
         tensors = list(self.layers.parameters()) + list(self.norm.parameters())
+        tensors += [t for _, _, d in self._pairs if isinstance(d, Int8Linear) for t in (d.qweight, d.scale)]
         out = self.output
         tensors.append(out.tied_module.weight if hasattr(out, "tied_module") else out.weight)
         for p in tensors:

@@ -40,6 +40,8 @@ def decode_attention(
     cached_len: torch.Tensor,
     *,
     scale: float | None = None,
+    window: int | None = None,
+    sink: int = 0,
     impl: Impl = "auto",
     validate: bool = True,
 ) -> torch.Tensor:
@@ -52,6 +54,8 @@ def decode_attention(
             caches, with the new tokens' K/V already written at ``cached_len .. cached_len + T - 1``.
         row_slot, prefix_slot, prefix_len, cached_len: [A] integer tensors (see
             :class:`sparrow.attention.DecodeMeta`).
+        window, sink: attend only to each row's first ``sink`` positions and its last ``window`` positions
+            (counted up to its last new token; a drafter's cheap attention). ``None``: every position.
         impl: ``"reference"`` (eager PyTorch, any device), ``"triton"`` (CUDA, or CPU under
             ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, reference elsewhere).
 
@@ -61,16 +65,18 @@ def decode_attention(
     """
     if validate:
         _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len)
+        if window is not None and (window < q.shape[2] or sink < 0):
+            raise ValueError(f"window ({window}) must cover the {q.shape[2]} new tokens and sink ({sink}) be >= 0")
     if impl == "auto":
         impl = "triton" if q.is_cuda else "reference"
     if impl == "triton":
         from .triton_decode import decode_attention_triton
 
         return decode_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
-                                       cached_len, scale)
+                                       cached_len, scale, window=window, sink=sink)
     if impl == "reference":
         from .reference import decode_attention_reference
 
         return decode_attention_reference(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
-                                          cached_len, scale)
+                                          cached_len, scale, window, sink)
     raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")

@@ -17,8 +17,11 @@ def decode_attention_reference(
     prefix_len: torch.Tensor,
     cached_len: torch.Tensor,
     scale: float | None = None,
+    window: int | None = None,
+    sink: int = 0,
 ) -> torch.Tensor:
-    """Attention of ``T`` new tokens per row over its prompt prefix and generated tokens.
+    """Attention of ``T`` new tokens per row over its prompt prefix and generated tokens (with ``window``:
+    only over the first ``sink`` positions and the last ``window`` ones, counted up to the last new token).
 
     q: [A, Hq, T, D]; prefix_k/v: [P, Hkv, Lp, D]; gen_k/v: [R, Hkv, Lg, D] (the new tokens' K/V
     already written at ``cached_len .. cached_len+T-1``). Index tensors [A] int64. Returns [A, Hq, T, D].
@@ -33,7 +36,12 @@ def decode_attention_reference(
     in_prefix = (j[None, :] < prefix_len[:, None])[:, None, :]  # [A, 1, L]
     gen_j = (j - Lp)[None, None, :]
     in_gen = (j[None, None, :] >= Lp) & (gen_j <= cached_len[:, None, None] + t[None, :, None])  # [A, T, L]
-    mask = (in_prefix | in_gen)[:, None]  # [A, 1, T, L]
+    mask = in_prefix | in_gen  # [A, T, L]
+    if window is not None:
+        pos = torch.where(j[None, :] < Lp, j[None, :], prefix_len[:, None] + j[None, :] - Lp)  # [A, L]
+        w_lo = (prefix_len + cached_len + T - window).clamp(min=0)[:, None]
+        mask = mask & ((pos >= w_lo) | (pos < torch.clamp(w_lo, max=sink)))[:, None, :]
+    mask = mask[:, None]  # [A, 1, T, L]
     out = F.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=Hq != k.shape[1]
     )

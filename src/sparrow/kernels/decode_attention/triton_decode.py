@@ -47,6 +47,45 @@ def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, visible, qk_scale, 
 
 
 @triton.jit
+def _attend_range(acc, m_i, l_i, q, lo, hi, plen, pk_base, pv_base, gk_base, gv_base, stride_pkl, stride_gkl,
+                  q_limit, m_valid, offs_n, offs_d, qk_scale, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Attend to the row's positions ``lo .. hi - 1``: prompt ones in place from the prefix slot, generated
+    ones (the new tokens included, causally) from the generation slot."""
+    p_end = tl.minimum(hi, plen)
+    for j0 in range(lo, p_end, BLOCK_N):
+        j = j0 + offs_n
+        kv_mask = j < p_end
+        visible = kv_mask[None, :] & m_valid[:, None]
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q,
+            pk_base + j[:, None] * stride_pkl + offs_d[None, :],
+            pv_base + j[:, None] * stride_pkl + offs_d[None, :],
+            kv_mask, visible, qk_scale, IEEE,
+        )
+    for j0 in range(tl.maximum(lo, plen), hi, BLOCK_N):
+        j = j0 + offs_n
+        kv_mask = j < hi
+        jg = j - plen
+        visible = kv_mask[None, :] & (j[None, :] <= q_limit[:, None]) & m_valid[:, None]
+        acc, m_i, l_i = _attend_block(
+            acc, m_i, l_i, q,
+            gk_base + jg[:, None] * stride_gkl + offs_d[None, :],
+            gv_base + jg[:, None] * stride_gkl + offs_d[None, :],
+            kv_mask, visible, qk_scale, IEEE,
+        )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _visible_len(total, window, sink):
+    """(tokens a row attends to, first window position, sink tokens before it): with ``window > 0`` the
+    first ``sink`` positions and the last ``window``, else all ``total``."""
+    w_lo = tl.where(window > 0, tl.maximum(total - window, 0), 0)
+    n_sink = tl.minimum(sink, w_lo)
+    return n_sink + total - w_lo, w_lo, n_sink
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, PK, PV, GK, GV, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
     stride_qa, stride_qh, stride_qt,
@@ -54,7 +93,7 @@ def _decode_split_kernel(
     stride_gks, stride_gkh, stride_gkl,
     stride_oa, stride_oh, stride_ot, stride_os,
     stride_la, stride_lh, stride_lt,
-    qk_scale,
+    qk_scale, window, sink,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
     IEEE: tl.constexpr,
@@ -78,46 +117,29 @@ def _decode_split_kernel(
     q = tl.load(q_ptrs, mask=m_valid[:, None], other=0.0)
     q_limit = plen + clen + t_of_m  # last visible virtual position of each query row
 
-    chunk = _chunk_len(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    # the visible tokens as one virtual sequence: sinks 0..n_sink-1, then positions w_lo..total-1
+    n_vis, w_lo, n_sink = _visible_len(total, window, sink)
+    chunk = _chunk_len(n_vis, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     start = split * chunk
-    if start >= total:  # an empty split: the merge kernel never reads it
+    if start >= n_vis:  # an empty split: the merge kernel never reads it
         return
-    end = tl.minimum(start + chunk, total)
+    end = tl.minimum(start + chunk, n_vis)
 
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-
-    # prompt tokens, read in place from the prefix slot
-    p_end = tl.minimum(end, plen)
     pk_base = PK + pslot * stride_pks + h * stride_pkh
     pv_base = PV + pslot * stride_pks + h * stride_pkh
-    for j0 in range(start, p_end, BLOCK_N):
-        j = j0 + offs_n
-        kv_mask = j < p_end
-        visible = kv_mask[None, :] & m_valid[:, None]
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q,
-            pk_base + j[:, None] * stride_pkl + offs_d[None, :],
-            pv_base + j[:, None] * stride_pkl + offs_d[None, :],
-            kv_mask, visible, qk_scale, IEEE,
-        )
-    # generated tokens (the new ones included), from the row's generation slot
-    g_start = tl.maximum(start, plen)
     gk_base = GK + rslot * stride_gks + h * stride_gkh
     gv_base = GV + rslot * stride_gks + h * stride_gkh
-    for j0 in range(g_start, end, BLOCK_N):
-        j = j0 + offs_n
-        kv_mask = j < end
-        jg = j - plen
-        visible = kv_mask[None, :] & (j[None, :] <= q_limit[:, None]) & m_valid[:, None]
-        acc, m_i, l_i = _attend_block(
-            acc, m_i, l_i, q,
-            gk_base + jg[:, None] * stride_gkl + offs_d[None, :],
-            gv_base + jg[:, None] * stride_gkl + offs_d[None, :],
-            kv_mask, visible, qk_scale, IEEE,
-        )
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, start, tl.minimum(end, n_sink), plen, pk_base, pv_base,
+                                  gk_base, gv_base, stride_pkl, stride_gkl, q_limit, m_valid, offs_n, offs_d,
+                                  qk_scale, BLOCK_N, IEEE)
+    shift = w_lo - n_sink  # virtual index -> position past the sinks
+    acc, m_i, l_i = _attend_range(acc, m_i, l_i, q, tl.maximum(start, n_sink) + shift, end + shift, plen, pk_base,
+                                  pv_base, gk_base, gv_base, stride_pkl, stride_gkl, q_limit, m_valid, offs_n,
+                                  offs_d, qk_scale, BLOCK_N, IEEE)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -134,7 +156,7 @@ def _merge_kernel(
     O_PART, LSE_PART, OUT, PREFIX_LEN, CACHED_LEN,
     stride_oa, stride_oh, stride_ot, stride_os,
     stride_la, stride_lh, stride_lt,
-    stride_a, stride_h, stride_t,
+    stride_a, stride_h, stride_t, window, sink,
     T: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
@@ -142,7 +164,8 @@ def _merge_kernel(
     h = tl.program_id(1)
     t = tl.program_id(2)
     total = tl.load(PREFIX_LEN + a) + tl.load(CACHED_LEN + a) + T
-    n_valid = tl.cdiv(total, _chunk_len(total, NUM_SPLITS, MIN_CHUNK, BLOCK_N))
+    n_vis, _, _ = _visible_len(total, window, sink)
+    n_valid = tl.cdiv(n_vis, _chunk_len(n_vis, NUM_SPLITS, MIN_CHUNK, BLOCK_N))
     merge_splits(O_PART, LSE_PART, OUT, a * stride_oa + h * stride_oh + t * stride_ot,
                  a * stride_la + h * stride_lh + t * stride_lt, a * stride_a + h * stride_h + t * stride_t,
                  stride_os, n_valid, D, SPLITS_P2)
@@ -173,21 +196,25 @@ def decode_attention_triton(
     scale: float | None = None,
     num_splits: int | None = None,
     min_chunk: int = MIN_CHUNK,
+    window: int | None = None,
+    sink: int = 0,
 ) -> torch.Tensor:
     """Launch the split + merge kernels (as the custom op ``sparrow::decode_attention``, opaque to
-    ``torch.compile`` and safe inside CUDA graphs)."""
+    ``torch.compile`` and safe inside CUDA graphs). ``window``: attend only to the first ``sink`` and the
+    last ``window`` positions of each row (``None``: all)."""
     if num_splits is None:
-        num_splits = num_splits_for(prefix_k.shape[2] + gen_k.shape[2])
+        longest = prefix_k.shape[2] + gen_k.shape[2]
+        num_splits = num_splits_for(longest if window is None else min(longest, window + sink))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _decode_attention_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
-                                float(scale), int(num_splits), int(min_chunk))
+                                float(scale), int(num_splits), int(min_chunk), int(window or 0), int(sink))
 
 
 @torch.library.custom_op("sparrow::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, gen_k: torch.Tensor, gen_v: torch.Tensor,
     row_slot: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor,
-    scale: float, num_splits: int, min_chunk: int,
+    scale: float, num_splits: int, min_chunk: int, window: int, sink: int,
 ) -> torch.Tensor:
     A, Hq, T, D = q.shape
     Hkv = prefix_k.shape[1]
@@ -204,7 +231,7 @@ def _decode_attention_op(
         gen_k.stride(0), gen_k.stride(1), gen_k.stride(2),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        scale * 1.4426950408889634,
+        scale * 1.4426950408889634, window, sink,
         T=T, QPK=qpk, D=D, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk,
         IEEE=q.dtype == torch.float32,
     )
@@ -213,7 +240,7 @@ def _decode_attention_op(
         o_part, lse_part, out, prefix_len, cached_len,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), window, sink,
         T=T, D=D, NUM_SPLITS=num_splits, MIN_CHUNK=min_chunk, BLOCK_N=block_n,
         SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
     )
@@ -222,5 +249,5 @@ def _decode_attention_op(
 
 @_decode_attention_op.register_fake
 def _(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, scale, num_splits,
-      min_chunk):
+      min_chunk, window, sink):
     return q.new_empty(q.shape)  # contiguous, as the real op's output (q may arrive as a strided view)
