@@ -72,12 +72,15 @@ EVAL_SEED = 1_000_003  # held-out examples (training uses --seed, 0 by default)
 # defaults; the benchmarks evaluate on EVAL_TASKS, so training and evaluation agree.
 @dataclass(frozen=True)
 class TrainExample:
-    """A training sequence's text: ``prompt`` then ``answer``, and the character spans of ``prompt`` that are
-    supervised like the answer (the earlier answers of a multi-question example)."""
+    """A training sequence's text: ``prompt`` then ``answer``; the character spans of ``prompt`` supervised
+    like the answer (the earlier answers of a multi-question example) and the characters left out of the
+    loss (the separator after an earlier answer: where the evaluation's single question ends with ``<eos>``,
+    a multi-question example goes on, and the model cannot know which)."""
 
     prompt: str
     answer: str
     spans: tuple[tuple[int, int], ...] = ()
+    ignore: tuple[int, ...] = ()
 
 
 _STATEMENT = re.compile(r"([a-z]+)=([a-z0-9]+);")
@@ -116,12 +119,14 @@ class MultiQuery:
             value = assign.__getitem__
         r = random.Random(f"mq:{seed}:{index}")
         picked = r.sample(candidates, min(len(candidates), self.queries - 1))
-        text, spans = body, []
+        text, spans, ignore = body, [], []
         for k in picked:
             text += f"?{k}="
-            spans.append((len(text), len(text) + len(value(k)) + 1))
-            text += value(k) + ";"
-        return TrainExample(f"{text}?{question}", ex.answer, tuple(spans))
+            spans.append((len(text), len(text) + len(value(k))))
+            text += value(k)
+            ignore.append(len(text))
+            text += ";"
+        return TrainExample(f"{text}?{question}", ex.answer, tuple(spans), tuple(ignore))
 
 
 TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
@@ -131,6 +136,7 @@ TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
     "kv_mq": lambda n: MultiQuery(KVRetrieval(n)),
     "kv_vary_mq": lambda n: MultiQuery(KVRetrieval(n, vary_pairs=True)),
     "vt_mq": lambda n: MultiQuery(VariableTracking(n)),
+    "vt1_mq": lambda n: MultiQuery(VariableTracking(n, hops=1)),  # one hop fewer: a variable-tracking curriculum
 }
 # Multi-question families carry most of the signal: with one question per sequence no run of ours left the
 # copy-any-value plateau (H200: four 5-minute runs, CPU: a dozen); with them a 6-layer model of width 384
@@ -166,31 +172,37 @@ def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int]:
     return ids.astype(np.int64), len(ex.prompt) + 1
 
 
+PROMPT, ANSWER, IGNORED = 0, 1, 2  # the loss role of each token
+
+
 def train_tokens(task, seed: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-    """``<bos> prompt answer <eos>`` as int64 ids, and which tokens are supervised as answers (the answer,
-    ``<eos>`` and a multi-question example's earlier answers)."""
+    """``<bos> prompt answer <eos>`` as int64 ids, and each token's loss role: ``ANSWER`` for the answer,
+    ``<eos>`` and a multi-question example's earlier answers, ``IGNORED`` for the separators after those,
+    ``PROMPT`` for the rest."""
     ex = task.example(seed, index)
     ids = np.concatenate([[_TOK.bos_id], encode_text(ex.prompt), encode_text(ex.answer), [_TOK.eos_id]])
-    supervised = np.zeros(len(ids), dtype=bool)
-    supervised[len(ex.prompt) + 1:] = True
+    role = np.full(len(ids), PROMPT, dtype=np.int8)
+    role[len(ex.prompt) + 1:] = ANSWER
     for a, b in getattr(ex, "spans", ()):
-        supervised[a + 1:b + 1] = True
-    return ids.astype(np.int64), supervised
+        role[a + 1:b + 1] = ANSWER
+    for i in getattr(ex, "ignore", ()):
+        role[i + 1] = IGNORED
+    return ids.astype(np.int64), role
 
 
 def make_rows(job: tuple[str, int, int, int, int]) -> tuple[str, np.ndarray, np.ndarray]:
-    """Worker job ``(family, context, seed, first index, count)`` -> (family, ids [count, T], supervised
-    [count, T])."""
+    """Worker job ``(family, context, seed, first index, count)`` -> (family, ids [count, T], loss roles
+    [count, T]; padding is ``IGNORED``)."""
     fam, n, seed, start, count = job
     task = TRAIN_FAMILIES[fam](n)
     rows = [train_tokens(task, seed, i) for i in range(start, start + count)]
     width = max(len(r) for r, _ in rows)
     out = np.full((count, width), _TOK.pad_id, dtype=np.int64)
-    sup = np.zeros((count, width), dtype=bool)
+    roles = np.full((count, width), IGNORED, dtype=np.int8)
     for j, (r, m) in enumerate(rows):
         out[j, :len(r)] = r
-        sup[j, :len(m)] = m
-    return fam, out, sup
+        roles[j, :len(m)] = m
+    return fam, out, roles
 
 
 @dataclass
@@ -206,9 +218,9 @@ def assemble(parts: list[tuple[str, np.ndarray, np.ndarray]], context: int) -> B
     width = max(p[1].shape[1] for p in parts)
     toks = np.concatenate([np.pad(p[1], ((0, 0), (0, width - p[1].shape[1])), constant_values=_TOK.pad_id)
                            for p in parts])
-    sup = np.concatenate([np.pad(p[2], ((0, 0), (0, width - p[2].shape[1]))) for p in parts])
-    answer = sup[:, 1:]  # target t predicts tokens[:, t + 1]
-    prompt = (toks[:, 1:] != _TOK.pad_id) & ~answer
+    roles = np.concatenate([np.pad(p[2], ((0, 0), (0, width - p[2].shape[1])), constant_values=IGNORED)
+                            for p in parts])[:, 1:]  # target t predicts tokens[:, t + 1]
+    answer, prompt = roles == ANSWER, roles == PROMPT
     fams = [p[0] for p in parts for _ in range(p[1].shape[0])]
     return Batch(torch.from_numpy(toks), torch.from_numpy(prompt), torch.from_numpy(answer), fams, context)
 

@@ -131,3 +131,32 @@ def test_curriculum_holds_an_unsolved_level_past_its_time_cap():
     assert [e["reason"] for e in cur.events] == ["time", "accuracy"]
     old = Curriculum(TrainConfig(min_context=256, max_context=1024, ramp=0.5, min_advance_acc=0.0), budget_s=100.0)
     assert old.update(26.0)  # min_advance_acc=0: the time cap alone
+
+
+@pytest.mark.parametrize("family,context", [("kv_mq", 64), ("kv_vary_mq", 200), ("vt_mq", 128), ("vt_mq", 300)])
+def test_multi_question_examples_ask_true_values_and_end_like_the_evaluation(family, context):
+    import re
+
+    task = train_task_model.TRAIN_FAMILIES[family](context)
+    for i in range(20):
+        ex = task.example(5, i)
+        base = task.base.example(5, i)
+        body = base.prompt.rsplit("?", 1)[0]
+        assert ex.prompt.startswith(body) and ex.prompt.endswith(base.prompt[len(body):])
+        assert ex.answer == base.answer  # the final question is the evaluation's
+        assign = dict(re.findall(r"([a-z]+)=([a-z0-9]+);", body))
+
+        def value(v):
+            while not assign[v].isdigit():
+                v = assign[v]
+            return assign[v]
+
+        asked = re.findall(r"\?([a-z]+)=([0-9]+);", ex.prompt[len(body):])
+        assert len(asked) == len(ex.spans) >= 1 and len(set(k for k, _ in asked)) == len(asked)
+        assert all(value(k) == v for k, v in asked)
+        assert [ex.prompt[a:b] for a, b in ex.spans] == [v for _, v in asked]
+        assert all(ex.prompt[j] == ";" and ex.prompt[j - 1].isdigit() for j in ex.ignore)
+        ids, role = train_task_model.train_tokens(task, 5, i)
+        n_ans = sum(len(v) for _, v in asked) + len(ex.answer) + 1
+        assert (role == train_task_model.ANSWER).sum() == n_ans and (role == train_task_model.IGNORED).sum() == len(asked)
+        assert role[-1] == train_task_model.ANSWER and ids[-1] == train_task_model._TOK.eos_id
