@@ -234,9 +234,10 @@ class BatchStream:
     """
 
     def __init__(self, mix: dict[str, float], seed: int, tokens_per_step: int, workers: int = 0,
-                 prefetch: int = 4, chunk: int = 16) -> None:
+                 prefetch: int = 4, chunk: int = 16, min_examples: int = 1) -> None:
         self.mix = {k: v for k, v in mix.items() if v > 0}
         self.seed, self.tokens_per_step, self.chunk = seed, tokens_per_step, chunk
+        self.min_examples = min_examples
         self.prefetch = prefetch if workers else 0
         self.next_index = {k: 0 for k in self.mix}
         self.pending: deque = deque()
@@ -249,7 +250,7 @@ class BatchStream:
             self.pool = mp.get_context("fork" if "fork" in methods else "spawn").Pool(workers)
 
     def batch_size(self, context: int) -> int:
-        return max(1, self.tokens_per_step // (context + 8))
+        return max(1, self.min_examples, self.tokens_per_step // (context + 8))
 
     def counts(self, B: int) -> dict[str, int]:
         w = sum(self.mix.values())
@@ -456,6 +457,7 @@ class TrainConfig:
     advance_acc: float = 0.8
     min_advance_acc: float = 0.3
     tokens_per_step: int = 8192
+    min_examples: int = 8  # per step, whatever the context: long-context steps are not single examples
     mix: dict = field(default_factory=lambda: dict(DEFAULT_MIX))
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
@@ -567,7 +569,7 @@ def train(cfg: TrainConfig) -> dict:
         for f in TRAIN_FAMILIES.values():
             f(n)  # validates the knobs at both ends of the curriculum
     torch.manual_seed(cfg.seed)
-    stream = BatchStream(cfg.mix, cfg.seed, cfg.tokens_per_step, workers=cfg.workers)
+    stream = BatchStream(cfg.mix, cfg.seed, cfg.tokens_per_step, workers=cfg.workers, min_examples=cfg.min_examples)
     model = cfg.model.build().to(device)
     init_weights(model, cfg.init_std, residual_scaling=cfg.residual_init_scaling)
     n_params = count_params(model)
@@ -754,6 +756,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-advance-acc", type=float, default=d.min_advance_acc,
                    help="accuracy a level needs before its time cap may double the context (0: time alone)")
     p.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
+    p.add_argument("--min-examples", type=int, default=d.min_examples,
+                   help="examples per step at least (long contexts exceed --tokens-per-step)")
     p.add_argument("--mix", default=",".join(f"{k}={v}" for k, v in DEFAULT_MIX.items()),
                    help="training families and weights")
     p.add_argument("--lr", type=float, default=d.lr)
@@ -791,7 +795,8 @@ def config_from_args(args) -> TrainConfig:
                           rope_base=args.rope_base, tie_word_embeddings=args.tie_embeddings),
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
         advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,
-        tokens_per_step=args.tokens_per_step, mix=mix, lr=args.lr, warmup_steps=args.warmup_steps,
+        tokens_per_step=args.tokens_per_step, min_examples=args.min_examples, mix=mix, lr=args.lr,
+        warmup_steps=args.warmup_steps,
         prompt_weight=args.prompt_weight, weight_decay=args.weight_decay, lr_schedule=args.lr_schedule,
         beta2=args.beta2, residual_init_scaling=args.residual_init_scaling,
         workers=args.workers if args.workers is not None else (min(4, max(0, (os.cpu_count() or 1) - 2))

@@ -158,5 +158,6 @@ def test_multi_question_examples_ask_true_values_and_end_like_the_evaluation(fam
         assert all(ex.prompt[j] == ";" and ex.prompt[j - 1].isdigit() for j in ex.ignore)
         ids, role = train_task_model.train_tokens(task, 5, i)
         n_ans = sum(len(v) for _, v in asked) + len(ex.answer) + 1
-        assert (role == train_task_model.ANSWER).sum() == n_ans and (role == train_task_model.IGNORED).sum() == len(asked)
+        assert (role == train_task_model.ANSWER).sum() == n_ans
+        assert (role == train_task_model.IGNORED).sum() == len(asked)
         assert role[-1] == train_task_model.ANSWER and ids[-1] == train_task_model._TOK.eos_id
