@@ -134,3 +134,18 @@ def test_launch_config_splits_k_for_small_batches():
     many = launch_config(256, 4864, 896, num_sms=132)
     assert few["SPLIT_K"] > 1 and many["SPLIT_K"] == 1
     assert few["SPLIT_K"] <= -(-896 // few["BLOCK_K"])  # never more splits than K steps
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_custom_op_schema_fake_and_compiled_graph(bias):
+    """The kernel runs as one opaque custom op: its fake kernel gives the real shapes, and a fullgraph
+    compiled step (dynamic row count, as the engine's buckets) calls it without graph breaks."""
+    from sparrow.kernels.int8_linear.triton_int8_linear import _int8_linear_op
+
+    (x, q, s, b), _ = _case((3, 5), 40, 72, torch.float32, bias)
+    torch.library.opcheck(_int8_linear_op, (x, q, s, b, -1), test_utils=("test_schema", "test_faketensor"))
+    step = torch.compile(lambda x: int8_linear(x, q, s, b, impl="triton", validate=False) * 2, fullgraph=True,
+                         dynamic=True)
+    for rows in (x, x[:1]):
+        ref = int8_linear_reference(rows.cpu(), q.cpu(), s.cpu(), None if b is None else b.cpu())
+        assert rel_err(step(rows), 2 * ref) < 1e-5
