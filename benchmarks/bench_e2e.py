@@ -7,7 +7,10 @@ training signal (reward, held-out accuracy, the rollout/trainer mismatch) stay t
 Model and workload. The task model of ``train_task_model.py`` (``--model DIR``, or ``--train-minutes M``
 trains one first in this process), a Qwen2 model over the character vocabulary of
 :class:`~sparrow.rl.CharTokenizer`. Its bf16 shards are merged into one safetensors file, the recipe's
-``checkpoint``. Task: :class:`~sparrow.rl.KVRetrieval` (or ``--task variable_tracking``) with prompts of
+``checkpoint``. Task: :class:`~sparrow.rl.KVRetrieval` (or ``--task variable_tracking``, or ``--task kv_list``:
+:class:`~sparrow.rl.KVListRetrieval`, up to 32 keys asked at once, response lengths with a long tail up to
+128 tokens, where decoding and speculation matter; train the model with the ``kvl`` family in its mix for it,
+e.g. ``--train-args "--mix kv_mq=0.3,kv_vary_mq=0.1,vt_mq=0.2,kv=0.1,vt=0.1,kvl=0.2"``) with prompts of
 ``--context`` characters (= tokens, plus ``<bos>``), exact-match reward (``--reward``), ``--prompts-per-step`` x
 ``--group`` samples per step at temperature 1, at most ``--max-new`` new tokens.
 
@@ -87,7 +90,8 @@ CONFIGS: dict[str, dict[str, bool]] = {
     "spec_only": {"rtpurbo": False, "spec": True, "sparse_sync": False},
     "sparse_sync_only": {"rtpurbo": False, "spec": False, "sparse_sync": True},
 }
-TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking"}
+TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking",
+         "kv_list": "sparrow.rl.KVListRetrieval"}
 REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.CharAccuracy"}
 PHASES = ("prefill", "decode", "logprob", "train", "sync", "sync_apply", "drafter_refresh", "rollout", "step")
 
@@ -392,7 +396,8 @@ def build_parser():
     p.add_argument("--context", type=int, default=None, help="prompt characters = tokens (default 8192; quick 256)")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=None, help="default 8; quick 2")
-    p.add_argument("--max-new", type=int, default=None, help="sampling max_new_tokens (default 8; quick 4)")
+    p.add_argument("--max-new", type=int, default=None,
+                   help="sampling max_new_tokens (default 8, kv_list 132; quick 4)")
     p.add_argument("--minibatches", type=int, default=2, help="policy updates per step (>1: a separate π_old pass)")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--reward", default=None, choices=list(REWARDS),
@@ -430,7 +435,7 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     q = args.quick
     defaults = dict(steps=2 if q else 8, context=256 if q else 8192, prompts_per_step=2 if q else 8,
-                    max_new=4 if q else 8, eval_prompts=8 if q else 64, spec_toggle="always" if q else "cost_model",
+                    max_new=4 if q else (132 if args.task == "kv_list" else 8), eval_prompts=8 if q else 64, spec_toggle="always" if q else "cost_model",
                     draft_lengths="2" if q else "2,4", ratio=0.5 if q else 0.25, profile_seqs=2 if q else 8,
                     fit_seqs=2 if q else 8, fit_steps=20 if q else 200, queries_per_seq=64 if q else 256,
                     reward="char_accuracy" if q else "exact_match", lr=1e-3 if q else 1e-5)

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 from sparrow.attention.dense import DenseAttention
 from sparrow.models import qwen2
-from sparrow.rl.tasks import KVRetrieval, VariableTracking
+from sparrow.rl.tasks import KVListRetrieval, KVRetrieval, VariableTracking
 from sparrow.rl.tokenizer import CHARS, CharTokenizer
 
 FORMAT = "sparrow-task-model"
@@ -137,6 +137,7 @@ TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
     "kv_vary_mq": lambda n: MultiQuery(KVRetrieval(n, vary_pairs=True)),
     "vt_mq": lambda n: MultiQuery(VariableTracking(n)),
     "vt1_mq": lambda n: MultiQuery(VariableTracking(n, hops=1)),  # one hop fewer: a variable-tracking curriculum
+    "kvl": lambda n: KVListRetrieval(n),  # several keys asked at once: the long-tailed responses of bench_e2e
 }
 # Multi-question families carry most of the signal: with one question per sequence no run of ours left the
 # copy-any-value plateau (H200: four 5-minute runs, CPU: a dozen); with them a 6-layer model of width 384

@@ -63,3 +63,14 @@ def test_e2e_quick_pipeline(tmp_path, one_thread):
     matplotlib.use("Agg")
     bench_e2e.plot(doc, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_e2e_quick_runs_the_long_tailed_task(tmp_path, one_thread):
+    """``--task kv_list`` (several keys asked at once, long-tailed responses) through the all-on run."""
+    bench_e2e.main(["--quick", "--task", "kv_list", "--configs", "all_on", "--max-new", "12", "--out", str(tmp_path),
+                    "--work-dir", str(tmp_path / "work")])
+    doc = json.loads((tmp_path / "e2e.json").read_text())
+    assert doc["complete"] is True and doc["failed"] == [] and [r["config"] for r in doc["rows"]] == ["all_on"]
+    assert doc["config"]["task"] == "kv_list"
+    assert math.isfinite(doc["rows"][0]["reward_mean"])

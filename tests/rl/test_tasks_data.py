@@ -8,6 +8,7 @@ from sparrow.rl import (
     CombinedReward,
     ExactMatch,
     FormatReward,
+    KVListRetrieval,
     KVRetrieval,
     ListSource,
     MathAnswer,
@@ -19,7 +20,8 @@ from sparrow.rl import (
     read_jsonl,
 )
 
-TASKS = [KVRetrieval(context_len=200), VariableTracking(context_len=300, hops=3), NeedleQA(context_len=400)]
+TASKS = [KVRetrieval(context_len=200), VariableTracking(context_len=300, hops=3), NeedleQA(context_len=400),
+         KVListRetrieval(context_len=300, max_asked=8)]
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda t: type(t).__name__)
@@ -31,7 +33,7 @@ def test_tasks_are_deterministic_exact_length_and_answerable(task):
         ex = task.example(0, i)
         assert len(ex.prompt) == task.context_len
         assert tok.decode(tok.encode(ex.prompt)) == ex.prompt
-        assert ex.answer.isdigit()
+        assert ex.answer.replace(";", "").isdigit()
 
 
 def test_answers_follow_from_the_context():
@@ -47,11 +49,30 @@ def test_answers_follow_from_the_context():
     assert assign[v] == vt.answer
 
 
+def test_kv_list_answers_follow_from_the_context_with_a_long_tail():
+    task = KVListRetrieval(context_len=400, max_asked=16, tail=1.5)
+    sizes = []
+    for i in range(400):
+        ex = task.example(2, i)
+        body, q = ex.prompt.split("?")
+        keys, values = q.rstrip("=").split(","), ex.answer.split(";")
+        assert len(keys) == len(values) == len(set(keys)) and len(keys) <= task.most_asked
+        assert all(f"{k}={v};" in body for k, v in zip(keys, values))
+        sizes.append(len(keys))
+    # a long tail: mostly one key, some asking for many
+    assert sizes.count(1) > len(sizes) / 3 and max(sizes) >= 8
+    assert KVListRetrieval(context_len=40).most_asked == 3  # what fits: 3 pairs and a 3-key question
+
+
 def test_bad_task_configs():
     with pytest.raises(ValueError, match="too short"):
         KVRetrieval(context_len=10)
     with pytest.raises(ValueError, match="too short"):
         VariableTracking(context_len=20, hops=5)
+    with pytest.raises(ValueError, match="too short"):
+        KVListRetrieval(context_len=10)
+    with pytest.raises(ValueError, match="tail"):
+        KVListRetrieval(tail=-1.0)
     with pytest.raises(ValueError, match="alphabet"):
         CharTokenizer().encode("héllo")
 

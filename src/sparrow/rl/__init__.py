@@ -13,11 +13,12 @@ from sparrow.rl.grpo import GRPOConfig, aggregation_weights, group_advantages, g
 from sparrow.rl.logprobs import hidden_states, response_logprobs
 from sparrow.rl.rewards import CharAccuracy, CombinedReward, ExactMatch, FormatReward, MathAnswer, Reward, extract_final_answer
 from sparrow.rl.rollout_batch import RolloutBatch, build_rollout_batch
-from sparrow.rl.tasks import Example, KVRetrieval, NeedleQA, VariableTracking
+from sparrow.rl.tasks import Example, KVListRetrieval, KVRetrieval, NeedleQA, VariableTracking
 from sparrow.rl.tokenizer import CharTokenizer
 
 __all__ = [
-    "CharAccuracy", "CharTokenizer", "CombinedReward", "Example", "ExactMatch", "FormatReward", "GRPOConfig", "KVRetrieval",
+    "CharAccuracy", "CharTokenizer", "CombinedReward", "Example", "ExactMatch", "FormatReward", "GRPOConfig",
+    "KVListRetrieval", "KVRetrieval",
     "ListSource", "MathAnswer", "NeedleQA", "Reward", "RolloutBatch", "TaskSource", "VariableTracking",
     "aggregation_weights", "build_rollout_batch", "extract_final_answer", "group_advantages", "grpo_loss",
     "hidden_states", "importance_weights", "latest_checkpoint", "load_checkpoint", "prompt_loader", "read_jsonl",

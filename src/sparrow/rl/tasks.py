@@ -9,6 +9,8 @@ an :class:`Example` (prompt text, answer text). The texts use only the character
 * :class:`VariableTracking` — chains of assignments (``b=a``) hopping from a number to the asked
   variable, among distractor chains.
 * :class:`NeedleQA` — a sentence ("the code of NAME is N") hidden in filler text; a question about it.
+* :class:`KVListRetrieval` — like :class:`KVRetrieval`, but asks for several keys at once; the answer lists
+  their values, and the number asked follows a power law: response lengths with a long tail.
 """
 
 from __future__ import annotations
@@ -97,6 +99,64 @@ class KVRetrieval:
         body = "".join(f"{k}={v};" for k, v in zip(keys, values))
         body += "." * (budget - len(body))  # exact length
         return Example(f"{body}?{keys[q]}=", values[q], "kv_retrieval", index)
+
+
+@dataclass(frozen=True)
+class KVListRetrieval:
+    """``key=value;`` pairs (distinct keys), then ``?k1,k2,...,kn=``; the answer is ``v1;v2;...;vn``.
+
+    The number of keys asked is drawn with probability proportional to ``n ** -tail`` for ``1 <= n <=``
+    :attr:`most_asked` (``max_asked``, or fewer if the context cannot hold that many pairs and the question),
+    so most answers are short and a few are long: a rollout batch with long-tailed response lengths
+    (``n * (value_len + 1)`` tokens with ``<eos>``).
+
+    Attributes:
+        context_len: prompt length in characters.
+        key_len, value_len: characters per key / digits per value.
+        max_asked: most keys asked in one question.
+        tail: power-law exponent of the number asked (larger: shorter answers).
+    """
+
+    context_len: int = 256
+    key_len: int = 3
+    value_len: int = 3
+    max_asked: int = 32
+    tail: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.key_len < 1 or self.value_len < 1 or self.max_asked < 1:
+            raise ValueError("key_len, value_len and max_asked must be >= 1")
+        if self.tail < 0:
+            raise ValueError(f"tail must be >= 0, got {self.tail}")
+        if self.most_asked < 1:
+            raise ValueError(f"context_len {self.context_len} is too short for one pair and its question")
+
+    @property
+    def most_asked(self) -> int:
+        """The most keys an example can ask at this context length."""
+        pair = self.key_len + self.value_len + 2
+        return min(self.max_asked, (self.context_len - 1) // (pair + self.key_len + 1), 26**self.key_len)
+
+    def example(self, seed: int, index: int) -> Example:
+        r = _rng(seed, index, "kvl")
+        sizes = range(1, self.most_asked + 1)
+        n = r.choices(sizes, weights=[k ** -self.tail for k in sizes])[0]
+        pair = self.key_len + self.value_len + 2
+        budget = self.context_len - (n * (self.key_len + 1) + 1)
+        count = min(budget // pair, 26**self.key_len)
+        keys: list[str] = []
+        seen = set()
+        while len(keys) < count:
+            k = _word(r, self.key_len, string.ascii_lowercase)
+            if k not in seen:
+                seen.add(k)
+                keys.append(k)
+        values = [_number(r, self.value_len) for _ in keys]
+        asked = r.sample(range(count), n)
+        body = "".join(f"{k}={v};" for k, v in zip(keys, values))
+        body += "." * (budget - len(body))
+        question = "?" + ",".join(keys[i] for i in asked) + "="
+        return Example(body + question, ";".join(values[i] for i in asked), "kv_list", index)
 
 
 @dataclass(frozen=True)
