@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, measure, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+from runner import (  # noqa: E402
+    base_parser, graphed, measure, print_table, triton_interpreter_without_cuda, write_json,
+)
 
 triton_interpreter_without_cuda()  # before anything imports triton
 from sparrow.kernels.int8_linear import int8_linear, quantize_int8  # noqa: E402
@@ -31,21 +33,6 @@ MODELS = {"qwen2.5-0.5b": (896, 4864, 128), "qwen2.5-1.5b": (1536, 8960, 256)}  
 def layer_shapes(hidden: int, mlp: int, kv: int) -> list[tuple[int, int]]:
     """(out, in) of q, k, v, o, gate, up, down."""
     return [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (mlp, hidden), (mlp, hidden), (hidden, mlp)]
-
-
-def graphed(fn):
-    if not torch.cuda.is_available():
-        return fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def torchao_linears(weights: list[torch.Tensor]):

@@ -28,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, measure, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+from runner import (  # noqa: E402
+    base_parser, graphed, measure, print_table, triton_interpreter_without_cuda, write_json,
+)
 
 triton_interpreter_without_cuda()  # before anything imports triton
 from sparrow.attention.base import DecodeMeta, LayerShape  # noqa: E402
@@ -40,22 +42,6 @@ from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_tri
 
 NAME = "rtpurbo_decode"
 GEN = 16  # generation-slot capacity: the new token is written at index 0
-
-
-def graphed(fn):
-    """A CUDA graph replaying ``fn`` (warm-up on a side stream first); eager ``fn`` without CUDA."""
-    if not torch.cuda.is_available():
-        return fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def hot_indexer_keys(B: int, L: int, density: float, block: int, u: torch.Tensor, seed: int) -> torch.Tensor:

@@ -118,6 +118,22 @@ def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, min_time
     return _quantiles(samples)
 
 
+def graphed(fn):
+    """A CUDA graph replaying ``fn`` (warm-up on a side stream first); eager ``fn`` without CUDA."""
+    if not torch.cuda.is_available():
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second, GB/s) measured now."""
     if not torch.cuda.is_available():

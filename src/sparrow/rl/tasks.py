@@ -45,6 +45,18 @@ def _word(r: random.Random, n: int, alphabet: str = _KEY_ALPHABET) -> str:
     return "".join(r.choice(alphabet) for _ in range(n))
 
 
+def _distinct_words(r: random.Random, count: int, length: int) -> list[str]:
+    """``count`` distinct lowercase words of ``length`` letters, in draw order."""
+    words: list[str] = []
+    seen = set()
+    while len(words) < count:
+        w = _word(r, length, string.ascii_lowercase)
+        if w not in seen:
+            seen.add(w)
+            words.append(w)
+    return words
+
+
 def _number(r: random.Random, n: int) -> str:
     return str(r.randrange(10 ** (n - 1), 10**n))
 
@@ -87,13 +99,7 @@ class KVRetrieval:
         n = max(self.min_pairs, budget // pair)
         if self.vary_pairs:
             n = r.randint(self.min_pairs, n)
-        keys: list[str] = []
-        seen = set()
-        while len(keys) < n:
-            k = _word(r, self.key_len, string.ascii_lowercase)
-            if k not in seen:
-                seen.add(k)
-                keys.append(k)
+        keys = _distinct_words(r, n, self.key_len)
         values = [_number(r, self.value_len) for _ in keys]
         q = r.randrange(n)
         body = "".join(f"{k}={v};" for k, v in zip(keys, values))
@@ -144,13 +150,7 @@ class KVListRetrieval:
         pair = self.key_len + self.value_len + 2
         budget = self.context_len - (n * (self.key_len + 1) + 1)
         count = min(budget // pair, 26**self.key_len)
-        keys: list[str] = []
-        seen = set()
-        while len(keys) < count:
-            k = _word(r, self.key_len, string.ascii_lowercase)
-            if k not in seen:
-                seen.add(k)
-                keys.append(k)
+        keys = _distinct_words(r, count, self.key_len)
         values = [_number(r, self.value_len) for _ in keys]
         asked = r.sample(range(count), n)
         body = "".join(f"{k}={v};" for k, v in zip(keys, values))
@@ -185,13 +185,7 @@ class VariableTracking:
 
     def example(self, seed: int, index: int) -> Example:
         r = _rng(seed, index, "vt")
-        names: list[str] = []
-        seen = set()
-        while len(names) < self.chains * (self.hops + 1):
-            v = _word(r, 2, string.ascii_lowercase)
-            if v not in seen:
-                seen.add(v)
-                names.append(v)
+        names = _distinct_words(r, self.chains * (self.hops + 1), 2)
         chains = [names[c * (self.hops + 1):(c + 1) * (self.hops + 1)] for c in range(self.chains)]
         values = [_number(r, self.value_len) for _ in range(self.chains)]
         # interleave the statements of all chains, keeping each chain's order
