@@ -12,7 +12,8 @@ from sparrow.kernels.int8_linear.triton_int8_linear import int8_linear_triton, l
 from tests.helpers import DEVICE, rel_err
 
 # (leading dims of x, N, K): decode-sized row counts, odd widths, K not a multiple of the K step
-SHAPES = [((1,), 40, 72), ((3,), 130, 200), ((17,), 64, 128), ((2, 5), 24, 17), ((33,), 96, 300), ((70,), 48, 40)]
+SHAPES = [((1,), 40, 72), ((3,), 130, 200), ((17,), 64, 128), ((2, 5), 24, 17), ((33,), 96, 300), ((70,), 48, 40),
+          ((130,), 20, 24)]
 
 
 def _case(lead, N, K, dtype, bias=True, seed=0):

@@ -109,12 +109,13 @@ compile_(dd._merge_kernel,
 P8 = "*i8"
 for M, N, K in ((8, 896, 896), (256, 4864, 896)):
     cfg = il.launch_config(M, N, K, 132)
+    warps = cfg.pop("num_warps")
     for split in sorted({1, cfg["SPLIT_K"]}):
         for has_bias in (False, True):
             compile_(il._int8_linear_kernel,
                      dict(X=PB, W=P8, S=PF, B=PB, Y=PB, WS=PF, M=i32, N=i32, K=i32,
                           **strides("stride_xm", "stride_wn", "stride_ym", "stride_wsk", "stride_wsm")),
-                     dict(HAS_BIAS=has_bias, IEEE=False, **{**cfg, "SPLIT_K": split}), num_warps=4, num_stages=3)
+                     dict(HAS_BIAS=has_bias, IEEE=False, **{**cfg, "SPLIT_K": split}), num_warps=warps, num_stages=3)
 compile_(il._splitk_reduce_kernel,
          dict(WS=PF, S=PF, B=PB, Y=PB, N=i32, **strides("stride_wsk", "stride_wsm", "stride_ym")),
          dict(HAS_BIAS=True, SPLIT_K=4, BLOCK=256))

@@ -10,6 +10,8 @@ The weight is read at one byte per element, half of what a bf16 linear reads.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -73,6 +75,7 @@ def _splitk_reduce_kernel(
     tl.store(Y + m * stride_ym + offs, y.to(Y.dtype.element_ty), mask=ok)
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -80,15 +83,17 @@ def _num_sms(device: torch.device) -> int:
 
 
 def launch_config(M: int, N: int, K: int, num_sms: int, split_k: int | None = None) -> dict:
-    """Tile sizes and K split for an ``[M, K] x [N, K]^T`` product: row tiles of 16-64, 64 output columns,
-    128-wide K steps; K split until about two programs per SM (at most one K step per split)."""
-    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    """Tile sizes and K split for an ``[M, K] x [N, K]^T`` product: row tiles of 16-128 (each row tile reads the
+    weight once), 64 output columns, 128-wide K steps; a grid of less than one program per SM is split along K
+    up to about two programs per SM (at most one K step per split)."""
+    block_m = 16 if M <= 16 else (32 if M <= 32 else (64 if M <= 64 else 128))
     block_n = 64 if N >= 64 else max(16, triton.next_power_of_2(N))
     block_k = min(128, max(16, triton.next_power_of_2(K)))
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
-    if split_k is None:
-        split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(K, block_k)))
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=int(split_k))
+    if split_k is None:  # split only grids of less than one wave
+        split_k = 1 if tiles >= num_sms else max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(K, block_k)))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=int(split_k),
+                num_warps=8 if block_m == 128 else 4)
 
 
 def int8_linear_triton(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
@@ -117,7 +122,7 @@ def _int8_linear_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
     _int8_linear_kernel[grid](
         x2, qweight, scale, b, y, ws, M, N, K,
         x2.stride(0), qweight.stride(0), y.stride(0), ws.stride(0) if sk > 1 else 0, ws.stride(1) if sk > 1 else 0,
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, num_warps=4, num_stages=3, **cfg,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, num_stages=3, **cfg,
     )
     if sk > 1:
         block = 256
