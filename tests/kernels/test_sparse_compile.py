@@ -1,7 +1,8 @@
 """The RTPurbo Triton kernels (and the dense decode and drafter int8 linear kernels) compile for an sm_90 GPU
-(offline, no device needed), at the shapes the H200 benchmarks use (bf16, head_dim 128, 8 query heads per kv head, indexer dim 16, 64/128-token blocks) and at
-the unit tests' small float32 shapes (8- and 16-token blocks, head_dim 16). The installed Triton may accept
-dot shapes that the GPU's older Triton rejects (K < 16): the kernels pad such blocks to 16 lanes anyway.
+(offline, no device needed), at the shapes the H200 benchmarks use (bf16, head_dim 128, 8 query heads per kv
+head, indexer dim 16, 64/128-token blocks) and at the unit tests' small float32 shapes (8- and 16-token
+blocks, head_dim 16). The installed Triton may accept dot shapes that the GPU's older Triton rejects (K < 16):
+the kernels pad such blocks to 16 lanes anyway.
 
 Catches what the interpreter accepts but the compiler rejects (tl.dot shapes, dtype mismatches, loop-carried
 type changes). Runs in a subprocess without ``TRITON_INTERPRET``.
