@@ -96,32 +96,6 @@ REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.
 PHASES = ("prefill", "decode", "logprob", "train", "sync", "sync_apply", "drafter_refresh", "rollout", "step")
 
 
-class StepLogger:
-    """The recipe's metric logger (``metric_logger._component_``): keeps every ``log_dict`` call in
-    :attr:`records` and appends it as one JSON line to ``<log_dir>/metrics.jsonl``."""
-
-    def __init__(self, log_dir: str) -> None:
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        self.path = Path(log_dir) / "metrics.jsonl"
-        self._file = self.path.open("a")
-        self.records: list[dict[str, float]] = []
-
-    def log_config(self, config) -> None:
-        pass
-
-    def log(self, name: str, data, step: int) -> None:
-        self.log_dict({name: data}, step)
-
-    def log_dict(self, payload: dict, step: int) -> None:
-        rec = {"step": int(step), **{k: float(v) for k, v in payload.items()}}
-        self.records.append(rec)
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
-
-
 def log(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
@@ -203,7 +177,7 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "total_steps": args.steps, "checkpoint_every": 0, "resume_from_checkpoint": False,
         # held-out accuracy at the start and at the end (--eval-prompts 0: none)
         "eval": {"every": args.steps if args.eval_prompts else 0, "prompts": max(1, args.eval_prompts)},
-        "metric_logger": {"_component_": f"{__name__}.StepLogger", "log_dir": None},
+        "metric_logger": {"_component_": "sparrow.rl.JsonlLogger", "log_dir": None},
         "plot": False,
     }
 

@@ -349,7 +349,8 @@ class GRPORecipe:
             r = self.receiver.receive(self.transport)
             stats["time/sync_apply_s"] = r.total_s
         if self.cfg.sync.check_bitwise and self.step % self.cfg.sync.check_bitwise == 0:
-            self._check_sync(new)
+            self._check_sync(new)  # raises on any difference
+            stats["sync/bitwise_checked"] = 1.0
         return stats
 
     def _check_sync(self, sent: dict[str, torch.Tensor] | None) -> None:
@@ -412,7 +413,10 @@ class GRPORecipe:
                     "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
                     "rollout/tokens_per_s": n_tokens / max(metrics["time/rollout_s"], 1e-9),
                 })
+            t0 = time.perf_counter()
             metrics.update(self._sync())
+            self._wait_device()
+            metrics["time/sync_total_s"] = time.perf_counter() - t0  # gather, send, apply (and check), on device
             if self.is_rollout and self.drafter is not None:  # the drafter follows the new weights
                 t0 = time.perf_counter()
                 self.drafter.refresh()

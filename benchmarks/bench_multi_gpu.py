@@ -1,0 +1,192 @@
+"""Decoupled trainer and rollout ranks on several GPUs: GRPO step and weight-sync times, sparse vs dense sync,
+with the rollout copy's bits checked against the trainer's after every sync.
+
+Layouts (``--gpus N``, one ``tune run --nproc_per_node N sparrow_grpo`` each): with 2 GPUs one trainer and one
+rollout rank; with 4, one trainer and three rollout ranks (the sync is a broadcast), then two FSDP2 trainers
+and two rollout ranks (``trainer_ranks=2``). Each layout runs twice, ``sync.codec=auto`` (sparse) and
+``sync.codec=dense``, from the same seed.
+
+Model: Qwen2.5-1.5B's shape (28 layers, width 1536, 12 query / 2 kv heads, MLP 8960) over the character
+vocabulary of :class:`~sparrow.rl.CharTokenizer` — 1.31B parameters, random init (``init_std``) — trained in
+bf16 autocast with fp32 master weights and AdamW at lr 1e-6 (the regime where ~1-4% of bf16 elements change per
+step; the reward is character accuracy, so a random model's groups have non-zero advantages and the weights
+move). Task: :class:`~sparrow.rl.KVRetrieval` at ``--context`` tokens, ``--prompts`` x 8 samples per step.
+The recipe config is the shipped ``recipes/configs/tiny_kv_retrieval.yaml`` with overrides (listed in the
+JSON). Every run has ``sync.check_bitwise=1``: the run stops if any rollout rank's bits differ after a sync, and
+``sync/bitwise_checked`` counts the checks that passed. NVLink multicast is kept off (``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``).
+
+Reported per run (medians over the steps after ``--warmup-steps``): step time, rollout / train time, sync time
+on the sender (``time/sync_s``: encode + send), the whole sync on the device (``time/sync_total_s``: gather,
+send, receive, apply and the bit check), wire and dense bytes. Summary: dense / sparse sync time per layout.
+
+Usage: ``python benchmarks/bench_multi_gpu.py --gpus 2`` (a 2-GPU machine, ~5 min) or ``--gpus 4``; ``--quick``
+runs a tiny model on CPU processes (gloo), a smoke test of the script.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runner import base_parser, print_table, write_json  # noqa: E402
+
+from sparrow.rl import read_metrics  # noqa: E402
+
+NAME = "multi_gpu"
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "recipes" / "configs" / "tiny_kv_retrieval.yaml"
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def model_overrides(args) -> list[str]:
+    if args.quick:
+        dims = dict(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, intermediate_dim=128)
+    else:
+        dims = dict(num_layers=28, embed_dim=1536, num_heads=12, num_kv_heads=2, intermediate_dim=8960)
+    seq = args.context + 1 + args.max_new + 8
+    return [f"model.{k}={v}" for k, v in dims.items()] + [f"model.max_seq_len={seq}"]
+
+
+def overrides(args, out: Path) -> list[str]:
+    cuda = not args.quick
+    o = [
+        f"output_dir={out}", "checkpoint=null", "init_std=0.02", f"total_steps={args.steps}", "checkpoint_every=0",
+        "eval.every=0", "plot=false", f"task.context_len={args.context}", "task.key_len=3", "task.value_len=3",
+        "task.vary_pairs=false", f"engine.max_prompt_len={args.context + 1}", f"engine.max_new_tokens={args.max_new}",
+        f"sampling.max_new_tokens={args.max_new}", f"prompts_per_step={args.prompts}", "group_size=8",
+        f"engine.max_rows={8 * args.prompts}", "micro_batch_size=16", "optimizer.lr=1e-6",
+        "optimizer.betas=[0.9,0.999]", "sync.check_bitwise=1", "sync.verify=true",
+        "reward._component_=sparrow.rl.CharAccuracy",  # partial credit: non-zero advantages from a random model
+        "metric_logger._component_=sparrow.rl.JsonlLogger", f"metric_logger.log_dir={out}/logs",
+        f"device={'cuda' if cuda else 'cpu'}", f"trainer_precision={'bf16-mixed' if cuda else 'fp32'}",
+        f"engine.compile={'true' if cuda else 'false'}", "dist_timeout_s=600",
+    ]
+    if cuda:
+        o += ["engine.cuda_graphs=true", "engine.sync_every=16", "optimizer.fused=true"]
+    return o + model_overrides(args)
+
+
+def layouts(gpus: int) -> list[tuple[int, int]]:
+    """(processes, trainer ranks) for this many GPUs."""
+    if gpus < 2:
+        raise SystemExit("--gpus must be at least 2")
+    out = [(2, 1)]
+    if gpus >= 4:
+        out += [(4, 1), (4, 2)]
+    return out
+
+
+def run_one(args, nproc: int, trainers: int, codec: str, work: Path) -> dict:
+    out = work / f"n{nproc}_t{trainers}_{codec}"
+    shutil.rmtree(out, ignore_errors=True)
+    tune = str(Path(sys.executable).parent / "tune")
+    cmd = [tune, "run", "--nproc_per_node", str(nproc), "sparrow_grpo", "--config", str(CONFIG),
+           *overrides(args, out), f"trainer_ranks={trainers}", f"sync.codec={codec}"]
+    env = dict(os.environ, **NO_MULTICAST, **({"OMP_NUM_THREADS": "1"} if args.quick else {}))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=args.timeout, env=env)
+    wall = time.perf_counter() - t0
+    row = {"processes": nproc, "trainers": trainers, "rollout_ranks": nproc - trainers, "codec": codec,
+           "returncode": proc.returncode, "wall_s": wall}
+    if proc.returncode != 0:
+        row["error"] = (proc.stdout[-1500:] + proc.stderr[-3000:]).strip()
+        print(f"run failed ({nproc} processes, {trainers} trainers, {codec}):\n{row['error']}", flush=True)
+        return row
+    recs = [r for r in read_metrics(out / "logs") if "time/step_s" in r]
+    timed = [r for r in recs if r["step"] > args.warmup_steps] or recs
+
+    def med(key: str) -> float | None:
+        vals = [r[key] for r in timed if key in r]
+        return statistics.median(vals) if vals else None
+
+    row.update({
+        "steps": len(recs), "timed_steps": len(timed), "step_s": med("time/step_s"), "rollout_s": med("time/rollout_s"),
+        "train_s": med("time/train_s"), "sync_send_s": med("time/sync_s"), "sync_total_s": med("time/sync_total_s"),
+        "sync_gather_s": med("time/sync_gather_s"), "wire_mb": (med("sync/wire_bytes") or 0) / 1e6,
+        "dense_mb": (med("sync/dense_bytes") or 0) / 1e6, "density": med("sync/density"),
+        "bitwise_checks_passed": int(sum(r.get("sync/bitwise_checked", 0) for r in recs)),
+    })
+    return row
+
+
+def run(args) -> None:
+    if args.quick:
+        args.gpus, args.context, args.max_new, args.prompts, args.steps = 2, 48, 4, 2, 3
+        args.warmup_steps = 1
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for nproc, trainers in layouts(args.gpus):
+        for codec in ("auto", "dense"):
+            row = run_one(args, nproc, trainers, codec, work)
+            rows.append(row)
+            print_table([row], [k for k in row if k != "error"])
+    summary = []
+    for nproc, trainers in layouts(args.gpus):
+        pair = {r["codec"]: r for r in rows if r["processes"] == nproc and r["trainers"] == trainers}
+        s, d = pair.get("auto", {}), pair.get("dense", {})
+        if s.get("sync_total_s") and d.get("sync_total_s"):
+            summary.append({"processes": nproc, "trainers": trainers, "sparse_sync_s": s["sync_total_s"],
+                            "dense_sync_s": d["sync_total_s"], "sync_speedup": d["sync_total_s"] / s["sync_total_s"],
+                            "payload_ratio": d["wire_mb"] / max(s["wire_mb"], 1e-12),
+                            "sparse_step_s": s["step_s"], "dense_step_s": d["step_s"]})
+    print()
+    if summary:
+        print_table(summary, list(summary[0]))
+    config = {"gpus": args.gpus, "context": args.context, "max_new": args.max_new, "prompts": args.prompts,
+              "group": 8, "steps": args.steps, "warmup_steps": args.warmup_steps, "quick": args.quick,
+              "recipe_config": str(CONFIG.relative_to(REPO)),
+              "overrides": overrides(args, Path("OUT")), "env": NO_MULTICAST}
+    write_json(NAME, config, rows, args.out, extra={"summary": summary,
+                                                   "failed": [r for r in rows if r["returncode"] != 0]})
+    if any(r["returncode"] != 0 for r in rows):
+        raise SystemExit("some runs failed (see 'failed' in the JSON)")
+
+
+def plot(result: dict, png_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r.get("returncode") == 0]
+    labels = sorted({(r["processes"], r["trainers"]) for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.38
+    for ax, key, title in ((axes[0], "sync_total_s", "weight sync (device, incl. bit check)"),
+                           (axes[1], "step_s", "GRPO step")):
+        for i, codec in enumerate(("auto", "dense")):
+            vals = [next((r[key] for r in rows if (r["processes"], r["trainers"]) == lab and r["codec"] == codec), 0)
+                    for lab in labels]
+            ax.bar([j + (i - 0.5) * width for j in range(len(labels))], vals, width,
+                   label="sparse (auto)" if codec == "auto" else "dense")
+        ax.set_xticks(range(len(labels)), [f"{p} GPUs\n{t} trainer(s)" for p, t in labels])
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(title)
+        ax.legend()
+    model = "a tiny model on CPU processes" if result["config"].get("quick") else "1.3B model"
+    fig.suptitle(f"Decoupled trainer / rollout ranks, {model}, sparse vs dense weight sync")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--max-new", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the medians")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
+    p.add_argument("--work-dir", default="multi_gpu_runs")
+    run(p.parse_args())
+
+
+if __name__ == "__main__":
+    main()
