@@ -161,3 +161,23 @@ def test_multi_question_examples_ask_true_values_and_end_like_the_evaluation(fam
         assert (role == train_task_model.ANSWER).sum() == n_ans
         assert (role == train_task_model.IGNORED).sum() == len(asked)
         assert role[-1] == train_task_model.ANSWER and ids[-1] == train_task_model._TOK.eos_id
+
+
+@pytest.mark.slow
+def test_seeds_trains_several_and_keeps_the_best(tmp_path):
+    out = tmp_path / "best"
+    small = ["--device", "cpu", "--layers", "1", "--dim", "32", "--heads", "2", "--kv-heads", "1", "--mlp", "64",
+             "--min-context", "64", "--max-context", "128", "--minutes", "0.03", "--tokens-per-step", "1024",
+             "--eval-examples", "4", "--final-eval-examples", "8", "--eval-every", "2", "--out", str(out)]
+    report = train_task_model.main([*small, "--seeds", "3,4"])
+    assert report["chosen_seed"] in (3, 4) and [c["seed"] for c in report["candidates"]] == [3, 4]
+    chosen = next(c for c in report["candidates"] if c["seed"] == report["chosen_seed"])
+    others = [c for c in report["candidates"] if c is not chosen]
+    key = lambda c: (c["handled_context"], c["mean_accuracy"])  # noqa: E731
+    assert all(key(chosen) >= key(c) for c in others)
+    assert report["train"]["seed"] == report["chosen_seed"]
+    model = train_task_model.load_task_model(out)  # the kept shards load with the report beside them
+    kept = train_task_model.load_task_model(out / f"seed_{report['chosen_seed']}")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), kept.state_dict().values()))
+    assert train_task_model._without(["--seeds", "1,2", "--lr=3", "--out", "x", "--minutes", "1"],
+                                     ("--seeds", "--lr", "--out")) == ["--minutes", "1"]
