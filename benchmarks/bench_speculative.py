@@ -291,6 +291,8 @@ def main() -> None:
     p.add_argument("--hysteresis", type=float, default=0.03)
     p.add_argument("--prior", type=float, default=0.8, help="acceptance assumed before any is measured")
     p.add_argument("--sync-every", type=int, default=16)
+    p.add_argument("--bucket-growth", type=int, choices=[2, 4], default=2,
+                   help="batch buckets are powers of this (4: half the CUDA graphs to compile and capture)")
     p.add_argument("--train-seconds", type=float, default=60.0)
     p.add_argument("--train-seq", type=int, default=2048, help="training sequence length (the chain is local)")
     p.add_argument("--train-batch", type=int, default=8)
@@ -327,7 +329,8 @@ def main() -> None:
         f"(min {min(map(len, prompts))}, max {max(map(len, prompts))})")
 
     rows = args.prompts * args.samples
-    buckets = tuple(b for b in (2**i for i in range(1, 20)) if b < rows) + (rows,)  # no bucket 1: one compile
+    # no bucket 1 (one compile); --bucket-growth 4 keeps every other power of two: fewer graphs to capture
+    buckets = tuple(b for b in (args.bucket_growth**i for i in range(1, 20)) if 1 < b < rows) + (rows,)
     cfg = EngineConfig(max_rows=rows, max_prompts=args.prompts, max_prompt_len=args.max_prompt,
                        max_new_tokens=args.max_new, max_draft=args.max_draft, sync_every=args.sync_every,
                        compile=cuda or args.compile, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),
