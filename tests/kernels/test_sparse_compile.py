@@ -48,11 +48,12 @@ i64, i32, f32 = "i64", "i32", "fp32"
 P64, P32, PF, PB = "*i64", "*i32", "*fp32", "*bf16"
 for mode, ncol in ((0, 4096), (1, 4096), (2, 1024)):
     for keep_all in (False, True):
-        compile_(tp._topp_kernel,
-                 dict(SCORES=PF, SEL_IDX=P32, SEL_CNT=P32, A0=P64, A1=P64, NB=i32, stride_s=i32, stride_i=i32,
-                      H_INNER=i32, INNER=i32, top_p=f32),
-                 dict(MODE=mode, BLOCK=64, QBLOCK=128, SINK_BLOCKS=1, LOCAL_WINDOW=128, CHUNK=ncol, ITERS=32,
-                      KEEP_ALL=keep_all), num_warps=8)
+        for one_chunk in (False, True):
+            compile_(tp._topp_kernel,
+                     dict(SCORES=PF, SEL_IDX=P32, SEL_CNT=P32, A0=P64, A1=P64, NB=i32, stride_s=i32, stride_i=i32,
+                          H_INNER=i32, INNER=i32, top_p=f32),
+                     dict(MODE=mode, BLOCK=64, QBLOCK=128, SINK_BLOCKS=1, LOCAL_WINDOW=128, CHUNK=ncol, ITERS=32,
+                          KEEP_ALL=keep_all, ONE_CHUNK=one_chunk), num_warps=8)
 strides = lambda *names: {n: i64 for n in names}
 for T in (1, 2):
     compile_(sd._score_kernel,
@@ -129,4 +130,4 @@ def test_rtpurbo_kernels_compile_sm90():
     if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 6 + 2 * (1 + 2 + 2 + 1) + 2 + 3 + 7
+    assert proc.stdout.count("ok ") == 12 + 2 * (1 + 2 + 2 + 1) + 2 + 3 + 7

@@ -63,6 +63,31 @@ def test_triton_selection_is_minimal_and_matches_reference(n, nb, p, scale, seed
     assert torch.equal(tri, ref)  # continuous random scores: no ties
 
 
+@pytest.mark.parametrize("nb", [20, 70, 200])
+def test_row_in_registers_and_chunked_rows_select_the_same_blocks(nb):
+    """A row that fits one chunk is bisected in registers; a longer one is re-read at every step. Forcing
+    16-block chunks sends the same rows down the chunked path: the selections are identical, bit for bit."""
+    from sparrow.kernels.topp.triton_topp import MODE_EXPLICIT, topp_select_triton
+
+    g = torch.Generator().manual_seed(nb)
+    s = torch.randn(6, nb, generator=g) * 3
+    s[1] = 0.5  # ties everywhere
+    s[2, : nb // 2] = float("-inf")  # blocks with no mass
+    s[4] = torch.linspace(0.0, 0.01, nb)[torch.randperm(nb, generator=g)]  # near-equal scores: a fine threshold
+    s[4, 0] = -20.0  # ... found in a wide bracket
+    q_hi = torch.randint(0, nb * 4, (6,), generator=g)
+    q_hi[3] = q_hi[4] = nb * 4 - 1  # every block valid
+    args = to_device((s, q_hi // 2, q_hi))
+    for p in (0.3, 0.9):
+        kw = dict(mode=MODE_EXPLICIT, block=4, sink_blocks=1, local_window=6)
+        one = topp_select_triton(args[0], args[1], args[2], p, **kw)
+        chunked = topp_select_triton(args[0], args[1], args[2], p, chunk=16, **kw)
+        assert torch.equal(one[1], chunked[1])
+        for n in range(6):
+            c = int(one[1][n])
+            assert torch.equal(one[0][n, :c], chunked[0][n, :c])
+
+
 @pytest.mark.parametrize("broken", ["drop-last", "add-extra", "ascending"])
 def test_minimality_check_rejects_broken_selections(broken):
     """Negative control: the property check must fail on selections that are not the minimal top-p set."""

@@ -7,6 +7,10 @@ with ``sum_{x_b >= tau} exp(x_b - max) >= top_p * sum_b exp(x_b - max)`` — the
 bracket (below fp32 resolution after 32 halvings of an 80-nat range) — and writes the ids of the
 kept blocks, forced blocks (sinks, local window) included, in ascending order, with their count.
 Nothing leaves the device: the threshold, the list and the count stay in device memory.
+
+A row of at most 4096 blocks (256K tokens at 64-token blocks) is read once into registers and exponentiated
+once; each bisection step is then a compare and a sum in registers. Longer rows are re-read at every step.
+At batch 1 the selection is a single program, so these serial steps are the latency of a sparse decode step.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def _topp_kernel(
     NB, stride_s, stride_i, H_INNER, INNER, top_p,
     MODE: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
     LOCAL_WINDOW: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     q_lo, q_hi = _row_bounds(n, A0, A1, H_INNER, INNER, MODE, QBLOCK)
@@ -65,6 +70,38 @@ def _topp_kernel(
     offs = tl.arange(0, CHUNK)
     row = SCORES + n * stride_s
 
+    if ONE_CHUNK:  # the whole row in registers: loaded once, exponentiated once, bisected without reloads
+        valid = offs < n_valid
+        x = tl.load(row + offs, mask=valid, other=float("-inf"))
+        tau = tl.full([], float("-inf"), dtype=tl.float32)
+        if not KEEP_ALL:
+            m = tl.max(x, 0)
+            mn = tl.min(tl.where(x > float("-inf"), x, float("inf")), 0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            e = tl.exp(x - m_safe)  # the same terms _mass_above sums: its results, bit for bit
+            target = top_p * tl.sum(e, 0)
+            lo = tl.maximum(mn, m_safe - 80.0)
+            lo = tl.where(tl.sum(tl.where(x >= lo, e, 0.0), 0) >= target, lo, mn)
+            hi = m_safe + 1.0
+            for _ in range(ITERS):
+                mid = (lo + hi) * 0.5
+                ok = tl.sum(tl.where(x >= mid, e, 0.0), 0) >= target
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid)
+            tau = tl.where(m == float("-inf"), float("-inf"), lo)
+        sel = valid & ((x >= tau) | (offs < SINK_BLOCKS) | (offs >= first_local))
+        pos = tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(SEL_IDX + n * stride_i + pos, offs.to(tl.int32), mask=sel)
+        tl.store(SEL_CNT + n, tl.sum(sel.to(tl.int32), 0))
+    else:
+        _select_chunked(row, SEL_IDX + n * stride_i, SEL_CNT + n, n_valid, first_local, top_p, offs,
+                        SINK_BLOCKS, CHUNK, ITERS, KEEP_ALL)
+
+
+@triton.jit
+def _select_chunked(row, out, cnt_ptr, n_valid, first_local, top_p, offs, SINK_BLOCKS: tl.constexpr,
+                    CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr):
+    """Rows longer than one chunk: every bisection step re-reads the row."""
     tau = tl.full([], float("-inf"), dtype=tl.float32)
     if not KEEP_ALL:
         m = tl.full([], float("-inf"), dtype=tl.float32)
@@ -90,7 +127,6 @@ def _topp_kernel(
         tau = tl.where(m == float("-inf"), float("-inf"), lo)  # no finite score: keep every valid block
 
     cnt = tl.zeros([], dtype=tl.int32)
-    out = SEL_IDX + n * stride_i
     for c0 in range(0, n_valid, CHUNK):
         o = c0 + offs
         valid = o < n_valid
@@ -99,7 +135,7 @@ def _topp_kernel(
         pos = cnt + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(out + pos, o.to(tl.int32), mask=sel)
         cnt += tl.sum(sel.to(tl.int32), 0)
-    tl.store(SEL_CNT + n, cnt)
+    tl.store(cnt_ptr, cnt)
 
 
 def topp_select_triton(
@@ -117,22 +153,24 @@ def topp_select_triton(
     qblock: int = 1,
     iters: int = 32,
     sel_idx: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """scores: [N, NB] float32 (row stride free, unit column stride). Returns (idx [N, NB] int32, cnt [N] int32).
 
     ``mode`` picks how a row's query positions are found: explicit ``a0 = q_lo, a1 = q_hi`` [N];
     decode (``a0 = prefix_len, a1 = cached_len`` [A], rows ``(a * H + h) * T + t`` with ``inner = T``,
     ``h_inner = H * T``); prefill (``a0 = prompt_len`` [P], rows ``(p * H + h) * Qb + qb`` with
-    ``inner = Qb``, ``h_inner = H * Qb``, query blocks of ``qblock`` tokens).
+    ``inner = Qb``, ``h_inner = H * Qb``, query blocks of ``qblock`` tokens). ``chunk`` (a power of two, at least
+    16) overrides the blocks read per step (tests: rows longer than one chunk at small sizes).
     """
     N, NB = scores.shape
     if sel_idx is None:
         sel_idx = torch.empty((N, NB), dtype=torch.int32, device=scores.device)
     cnt = torch.empty((N,), dtype=torch.int32, device=scores.device)
-    chunk = min(4096, max(16, triton.next_power_of_2(NB)))
+    chunk = chunk or min(4096, max(16, triton.next_power_of_2(NB)))
     _topp_kernel[(N,)](
         scores, sel_idx, cnt, a0, a1, NB, scores.stride(0), sel_idx.stride(0), h_inner, inner, float(top_p),
         MODE=mode, BLOCK=block, QBLOCK=qblock, SINK_BLOCKS=sink_blocks, LOCAL_WINDOW=local_window, CHUNK=chunk,
-        ITERS=iters, KEEP_ALL=top_p >= 1.0, num_warps=4 if chunk <= 1024 else 8,
+        ITERS=iters, KEEP_ALL=top_p >= 1.0, ONE_CHUNK=NB <= chunk, num_warps=4 if chunk <= 1024 else 8,
     )
     return sel_idx, cnt
