@@ -81,6 +81,18 @@ for T in (1, 2):
                                 "stride_os", "stride_la", "stride_lh", "stride_lt"), qk_scale=f32),
                  dict(T=T, QPK=QPK, D=D, BLOCK_M=max(16, QPK * T), BLOCK_N=64, NUM_SPLITS=32,
                       MIN_CHUNK=256, SINKS=4, SINK_P2=16, WINDOW=8192, WP=8192, WG=8256, IEEE=ieee), num_warps=8)
+        compile_(sd._attn_kernel,  # both kinds of heads in one launch
+                 dict(Q=PT, PK=PT, PV=PT, GK=PT, GV=PT, SEL_IDX=P32, SEL_CNT=P32, RET_HEADS=P64, PLK=PT, PLV=PT,
+                      GLK=PT, GLV=PT, LOC_HEADS=P64, ROW_SLOT=P64, PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64,
+                      O_PART=PF, LSE_PART=PF,
+                      **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                                "stride_gs", "stride_gh", "stride_gl", "stride_si", "stride_lps", "stride_lph",
+                                "stride_lpl", "stride_lgs", "stride_lgh", "stride_lgl", "stride_oa", "stride_oh",
+                                "stride_ot", "stride_os", "stride_la", "stride_lh", "stride_lt"),
+                      qk_scale=f32, H_RET=i32),
+                 dict(T=T, QPK=QPK, D=D, IEEE=ieee, RET_BLOCK_M=16, BLOCK=BLOCK, RET_BLOCK_N=max(16, BLOCK), NS_RET=64,
+                      MIN_BLOCKS=4, LOC_BLOCK_M=max(16, QPK * T), LOC_BLOCK_N=64, NS_LOC=32, MIN_CHUNK=256, SINKS=4,
+                      SINK_P2=16, WINDOW=8192, WP=8192, WG=8256), num_warps=8)
     compile_(sd._merge_kernel,
              dict(O_PART=PF, LSE_PART=PF, OUT=PB, HEAD_IS_RET=P32,
                   **strides("stride_oa", "stride_oh", "stride_ot", "stride_os", "stride_la", "stride_lh",
@@ -130,4 +142,4 @@ def test_rtpurbo_kernels_compile_sm90():
     if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 12 + 2 * (1 + 2 + 2 + 1) + 2 + 3 + 7
+    assert proc.stdout.count("ok ") == 12 + 2 * (1 + 3 + 3 + 1) + 2 + 3 + 7

@@ -1,6 +1,7 @@
 """Triton kernels for RTPurbo decode: indexer block scores, top-p selection, sparse + local split-KV attention.
 
-One decode call is five launches, none of which waits on the host:
+One decode call is four launches, none of which waits on the host (steps 3 and 4 share one launch,
+``_attn_kernel``, when a layer has both kinds of heads; ``fuse=False`` launches them apart):
 
 1. ``_score_kernel`` — program per (row, retrieval head, new token, split): indexer scores
    ``q_idx . k_idx`` of the split's tokens (prompt tokens read in place from the prefix slot, generated
@@ -121,9 +122,28 @@ def _ret_attn_kernel(
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
 ):
-    a = tl.program_id(0)
-    ht = tl.program_id(1)
-    split = tl.program_id(2)
+    _ret_attn(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+              Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART,
+              LSE_PART, stride_qa, stride_qh, stride_qt, stride_ps, stride_ph, stride_pl, stride_gs, stride_gh,
+              stride_gl, stride_si, stride_oa, stride_oh, stride_ot, stride_os, stride_la, stride_lh, stride_lt,
+              qk_scale, H_RET, T, QPK, D, BLOCK_M, BLOCK, BLOCK_N, NUM_SPLITS, MIN_BLOCKS, IEEE)
+
+
+@triton.jit
+def _ret_attn(
+    a, ht, split,
+    Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    stride_qa, stride_qh, stride_qt,
+    stride_ps, stride_ph, stride_pl,
+    stride_gs, stride_gh, stride_gl,
+    stride_si,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    qk_scale, H_RET,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Program (row ``a``, retrieval head and new token ``ht``, ``split``) of the retrieval-head attention."""
     hr = ht // T
     t = ht % T
     hkv = tl.load(RET_HEADS + hr)
@@ -188,9 +208,28 @@ def _local_attn_kernel(
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, SINKS: tl.constexpr, SINK_P2: tl.constexpr,
     WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr,
 ):
-    a = tl.program_id(0)
-    hl = tl.program_id(1)
-    split = tl.program_id(2)
+    _local_attn(tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+                stride_qa, stride_qh, stride_qt, stride_ps, stride_ph, stride_pl, stride_gs, stride_gh, stride_gl,
+                stride_oa, stride_oh, stride_ot, stride_os, stride_la, stride_lh, stride_lt, qk_scale,
+                T, QPK, D, BLOCK_M, BLOCK_N, NUM_SPLITS, MIN_CHUNK, SINKS, SINK_P2, WINDOW, WP, WG, IEEE)
+
+
+@triton.jit
+def _local_attn(
+    a, hl, split,
+    Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    stride_qa, stride_qh, stride_qt,
+    stride_ps, stride_ph, stride_pl,
+    stride_gs, stride_gh, stride_gl,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    qk_scale,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, SINKS: tl.constexpr, SINK_P2: tl.constexpr,
+    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Program (row ``a``, local head ``hl``, ``split``) of the sinks + window attention."""
     hkv = tl.load(LOC_HEADS + hl)
     pslot = tl.load(PREFIX_SLOT + a)
     rslot = tl.load(ROW_SLOT + a)
@@ -250,6 +289,43 @@ def _local_attn_kernel(
 
 
 @triton.jit
+def _attn_kernel(
+    Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, PLK, PLV, GLK, GLV, LOC_HEADS,
+    ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    stride_qa, stride_qh, stride_qt,
+    stride_ps, stride_ph, stride_pl, stride_gs, stride_gh, stride_gl, stride_si,
+    stride_lps, stride_lph, stride_lpl, stride_lgs, stride_lgh, stride_lgl,
+    stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt,
+    qk_scale, H_RET,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
+    RET_BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, RET_BLOCK_N: tl.constexpr, NS_RET: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr,
+    LOC_BLOCK_M: tl.constexpr, LOC_BLOCK_N: tl.constexpr, NS_LOC: tl.constexpr, MIN_CHUNK: tl.constexpr,
+    SINKS: tl.constexpr, SINK_P2: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr,
+):
+    """Retrieval and local heads in one launch: programs ``(a, 0 .. H_RET*T - 1, split)`` are retrieval
+    (head, token) pairs, the following ones local heads; each runs only its own number of splits."""
+    a = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    if h < H_RET * T:
+        if split < NS_RET:
+            _ret_attn(a, h, split, Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN,
+                      CACHED_LEN, O_PART, LSE_PART, stride_qa, stride_qh, stride_qt, stride_ps, stride_ph, stride_pl,
+                      stride_gs, stride_gh, stride_gl, stride_si, stride_oa, stride_oh, stride_ot, stride_os,
+                      stride_la, stride_lh, stride_lt, qk_scale, H_RET, T, QPK, D, RET_BLOCK_M, BLOCK, RET_BLOCK_N,
+                      NS_RET, MIN_BLOCKS, IEEE)
+    else:
+        if split < NS_LOC:
+            _local_attn(a, h - H_RET * T, split, Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT,
+                        PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, stride_qa, stride_qh, stride_qt, stride_lps,
+                        stride_lph, stride_lpl, stride_lgs, stride_lgh, stride_lgl, stride_oa, stride_oh, stride_ot,
+                        stride_os, stride_la, stride_lh, stride_lt, qk_scale, T, QPK, D, LOC_BLOCK_M, LOC_BLOCK_N,
+                        NS_LOC, MIN_CHUNK, SINKS, SINK_P2, WINDOW, WP, WG, IEEE)
+
+
+@triton.jit
 def _merge_kernel(
     O_PART, LSE_PART, OUT, HEAD_IS_RET,
     stride_oa, stride_oh, stride_ot, stride_os,
@@ -285,7 +361,7 @@ def sparse_decode_triton(
     q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads, head_is_ret, *,
     top_p: float, block: int, num_sinks: int, window: int, ret_window: int, scale: float | None = None,
     return_selection: bool = False, ret_splits: int | None = None, local_splits: int | None = None,
-    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK,
+    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK, fuse: bool = True,
 ):
     A, Hq, T, D = q.shape
     Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
@@ -320,37 +396,45 @@ def sparse_decode_triton(
             local_window=ret_window, inner=T, h_inner=Hr * T,
         )
         selection = (sel_idx, sel_cnt)
-        _ret_attn_kernel[(A, Hr * T, ns_ret)](
-            q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v, sel_idx, sel_cnt, ret_heads, row_slot,
-            prefix_slot, prefix_len, cached_len, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2),
-            cache.prefix_k.stride(0), cache.prefix_k.stride(1), cache.prefix_k.stride(2),
-            cache.gen_k.stride(0), cache.gen_k.stride(1), cache.gen_k.stride(2),
-            sel_idx.stride(0),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            qk_scale, Hr,
-            T=T, QPK=qpk, D=D, BLOCK_M=max(16, triton.next_power_of_2(qpk)), BLOCK=block,
-            BLOCK_N=max(16, block), NUM_SPLITS=ns_ret, MIN_BLOCKS=ret_min_blocks, IEEE=ieee,
-            num_warps=8 if D >= 128 else 4,
+    ret = dict(BLOCK=block, MIN_BLOCKS=ret_min_blocks, NS_RET=ns_ret if Hr else 1,
+               RET_BLOCK_M=max(16, triton.next_power_of_2(qpk)), RET_BLOCK_N=max(16, block))
+    loc_block_m = max(16, triton.next_power_of_2(T * qpk))
+    loc = dict(LOC_BLOCK_M=loc_block_m, LOC_BLOCK_N=64 if D <= 64 or loc_block_m <= 64 else 32,
+               NS_LOC=ns_loc if Hl else 1, MIN_CHUNK=local_min_chunk, SINKS=num_sinks,
+               SINK_P2=max(16, triton.next_power_of_2(max(num_sinks, 1))), WINDOW=window, WP=max(Wp, 1), WG=Wg)
+    q_strides = (q.stride(0), q.stride(1), q.stride(2))
+    out_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+                   lse_part.stride(0), lse_part.stride(1), lse_part.stride(2))
+    full = (cache.prefix_k.stride(0), cache.prefix_k.stride(1), cache.prefix_k.stride(2),
+            cache.gen_k.stride(0), cache.gen_k.stride(1), cache.gen_k.stride(2))
+    ring = (cache.prefix_lk.stride(0), cache.prefix_lk.stride(1), cache.prefix_lk.stride(2),
+            cache.gen_lk.stride(0), cache.gen_lk.stride(1), cache.gen_lk.stride(2))
+    warps = 8 if D >= 128 else 4
+    if Hr and Hl and fuse:  # one launch for both kinds of heads
+        _attn_kernel[(A, Hr * T + Hl, ns)](
+            q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v, sel_idx, sel_cnt, ret_heads,
+            cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv, loc_heads,
+            row_slot, prefix_slot, prefix_len, cached_len, o_part, lse_part,
+            *q_strides, *full, sel_idx.stride(0), *ring, *out_strides, qk_scale, Hr,
+            T=T, QPK=qpk, D=D, IEEE=ieee, **ret, **loc, num_warps=warps,
         )
-    if Hl:
-        block_m = max(16, triton.next_power_of_2(T * qpk))
-        _local_attn_kernel[(A, Hl, ns_loc)](
-            q, cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv, loc_heads, row_slot, prefix_slot,
-            prefix_len, cached_len, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2),
-            cache.prefix_lk.stride(0), cache.prefix_lk.stride(1), cache.prefix_lk.stride(2),
-            cache.gen_lk.stride(0), cache.gen_lk.stride(1), cache.gen_lk.stride(2),
-            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-            qk_scale,
-            T=T, QPK=qpk, D=D, BLOCK_M=block_m, BLOCK_N=64 if D <= 64 or block_m <= 64 else 32,
-            num_warps=8 if D >= 128 else 4,
-            NUM_SPLITS=ns_loc, MIN_CHUNK=local_min_chunk, SINKS=num_sinks,
-            SINK_P2=max(16, triton.next_power_of_2(max(num_sinks, 1))), WINDOW=window, WP=max(Wp, 1), WG=Wg,
-            IEEE=ieee,
-        )
+    else:
+        if Hr:
+            _ret_attn_kernel[(A, Hr * T, ns_ret)](
+                q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v, sel_idx, sel_cnt, ret_heads, row_slot,
+                prefix_slot, prefix_len, cached_len, o_part, lse_part, *q_strides, *full, sel_idx.stride(0),
+                *out_strides, qk_scale, Hr,
+                T=T, QPK=qpk, D=D, BLOCK_M=ret["RET_BLOCK_M"], BLOCK=block, BLOCK_N=ret["RET_BLOCK_N"],
+                NUM_SPLITS=ns_ret, MIN_BLOCKS=ret_min_blocks, IEEE=ieee, num_warps=warps,
+            )
+        if Hl:
+            _local_attn_kernel[(A, Hl, ns_loc)](
+                q, cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv, loc_heads, row_slot, prefix_slot,
+                prefix_len, cached_len, o_part, lse_part, *q_strides, *ring, *out_strides, qk_scale,
+                T=T, QPK=qpk, D=D, BLOCK_M=loc["LOC_BLOCK_M"], BLOCK_N=loc["LOC_BLOCK_N"], NUM_SPLITS=ns_loc,
+                MIN_CHUNK=local_min_chunk, SINKS=num_sinks, SINK_P2=loc["SINK_P2"], WINDOW=window, WP=loc["WP"],
+                WG=Wg, IEEE=ieee, num_warps=warps,
+            )
     out = torch.empty_like(q)
     _merge_kernel[(A, Hq, T)](
         o_part, lse_part, out, head_is_ret,
