@@ -48,13 +48,15 @@ against step and against cumulative timed wall-clock seconds, one line per confi
 
 Usage (H200): ``python benchmarks/train_task_model.py --minutes 6 --out task_model`` once, then, for a
 9-minute slot, ``python benchmarks/bench_e2e.py --model task_model --steps 6 --deadline-minutes 8.5
---density-probe`` (the deadline skips what would not fit). CPU smoke run (a tiny model trained for seconds,
+--density-probe`` (the deadline skips what would not fit; ``--context auto`` runs at the longest context the
+model handles, from its accuracy table). CPU smoke run (a tiny model trained for seconds,
 context 256, 2 steps, compile off, character-accuracy reward; figures mean nothing):
 ``python benchmarks/bench_e2e.py --quick``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
 import json
@@ -367,7 +369,9 @@ def build_parser():
     p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 8; quick 2)")
     p.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the timed figures")
     p.add_argument("--task", default="kv_retrieval", choices=list(TASKS))
-    p.add_argument("--context", type=int, default=None, help="prompt characters = tokens (default 8192; quick 256)")
+    p.add_argument("--context", type=_context, default=None,
+                   help="prompt characters = tokens (default 8192; quick 256), or 'auto': the longest context at "
+                        "which the model's held-out accuracy on the task (kv_retrieval for kv_list) reaches 0.5")
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=None, help="default 8; quick 2")
     p.add_argument("--max-new", type=int, default=None,
@@ -405,11 +409,32 @@ def build_parser():
     return p
 
 
+def _context(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--context takes a number of tokens or 'auto', not {text!r}") from None
+
+
+def handled_context(report: dict, task: str, bar: float = 0.5) -> int:
+    """The longest context of the model's accuracy table at which the task's accuracy reaches ``bar`` (the
+    shortest measured one if none does)."""
+    name = "variable_tracking" if task == "variable_tracking" else "kv_retrieval"
+    rows = [r for r in report["accuracy"] if r["task"] == name]
+    if not rows:
+        raise SystemExit(f"the model's report has no {name} accuracy: give --context explicitly")
+    good = [r["context"] for r in rows if r["accuracy"] >= bar]
+    return max(good) if good else min(r["context"] for r in rows)
+
+
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     q = args.quick
     defaults = dict(steps=2 if q else 8, context=256 if q else 8192, prompts_per_step=2 if q else 8,
-                    max_new=4 if q else (132 if args.task == "kv_list" else 8), eval_prompts=8 if q else 64, spec_toggle="always" if q else "cost_model",
+                    max_new=4 if q else (132 if args.task == "kv_list" else 8), eval_prompts=8 if q else 64,
+                    spec_toggle="always" if q else "cost_model",
                     draft_lengths="2" if q else "2,4", ratio=0.5 if q else 0.25, profile_seqs=2 if q else 8,
                     fit_seqs=2 if q else 8, fit_steps=20 if q else 200, queries_per_seq=64 if q else 256,
                     reward="char_accuracy" if q else "exact_match", lr=1e-3 if q else 1e-5)
@@ -442,6 +467,9 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
 
     # -- setup
     model_dir, report, train_s = prepare_model(args, work)
+    if args.context == "auto":
+        args.context = handled_context(report, args.task)
+        log(f"--context auto: {args.context} tokens (the longest the model handles)", t_start)
     need = args.context + 1 + args.max_new
     if need > report["model"]["max_seq_len"]:
         raise SystemExit(f"context {args.context} + <bos> + {args.max_new} new tokens does not fit the model's "

@@ -69,8 +69,23 @@ def test_e2e_quick_pipeline(tmp_path, one_thread):
 def test_e2e_quick_runs_the_long_tailed_task(tmp_path, one_thread):
     """``--task kv_list`` (several keys asked at once, long-tailed responses) through the all-on run."""
     bench_e2e.main(["--quick", "--task", "kv_list", "--configs", "all_on", "--max-new", "12", "--out", str(tmp_path),
-                    "--work-dir", str(tmp_path / "work")])
+                    "--work-dir", str(tmp_path / "work"), "--context", "auto"])
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert doc["complete"] is True and doc["failed"] == [] and [r["config"] for r in doc["rows"]] == ["all_on"]
     assert doc["config"]["task"] == "kv_list"
+    assert doc["config"]["context"] in (128, 256)  # the quick model's accuracy table
     assert math.isfinite(doc["rows"][0]["reward_mean"])
+
+
+def test_handled_context_is_the_longest_context_the_model_solves():
+    acc = [{"task": t, "context": c, "accuracy": a} for t, c, a in (
+        ("kv_retrieval", 64, 1.0), ("kv_retrieval", 1024, 0.8), ("kv_retrieval", 2048, 0.3),
+        ("variable_tracking", 64, 0.4), ("variable_tracking", 1024, 0.1))]
+    report = {"accuracy": acc}
+    assert bench_e2e.handled_context(report, "kv_retrieval") == 1024
+    assert bench_e2e.handled_context(report, "kv_list") == 1024
+    assert bench_e2e.handled_context(report, "variable_tracking") == 64  # none reaches 0.5: the shortest
+    with pytest.raises(SystemExit, match="--context"):
+        bench_e2e.handled_context({"accuracy": []}, "kv_retrieval")
+    with pytest.raises(SystemExit):
+        bench_e2e.build_parser().parse_args(["--context", "long"])
