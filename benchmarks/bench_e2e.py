@@ -422,11 +422,10 @@ def handled_context(report: dict, task: str, bar: float = 0.5) -> int:
     """The longest context of the model's accuracy table at which the task's accuracy reaches ``bar`` (the
     shortest measured one if none does)."""
     name = "variable_tracking" if task == "variable_tracking" else "kv_retrieval"
-    rows = [r for r in report["accuracy"] if r["task"] == name]
-    if not rows:
+    contexts = [r["context"] for r in report["accuracy"] if r["task"] == name]
+    if not contexts:
         raise SystemExit(f"the model's report has no {name} accuracy: give --context explicitly")
-    good = [r["context"] for r in rows if r["accuracy"] >= bar]
-    return max(good) if good else min(r["context"] for r in rows)
+    return ttm.longest_handled(report, bar, [name]) or min(contexts)
 
 
 def main(argv=None) -> dict:

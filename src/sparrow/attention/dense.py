@@ -46,6 +46,15 @@ def write_rows(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v:
     cache_v.index_put_(idx, v.to(cache_v.dtype))
 
 
+def decode_impl(impl: str, head_dim: int, device: torch.device) -> str:
+    """The decode kernel ``impl="auto"`` stands for: Triton on CUDA for power-of-two head dims >= 16, else the
+    eager reference."""
+    if impl != "auto":
+        return impl
+    pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    return "triton" if device.type == "cuda" and pow2 else "reference"
+
+
 class DenseAttention(AttentionBackend):
     """Exact attention with a full KV cache.
 
@@ -78,13 +87,6 @@ class DenseAttention(AttentionBackend):
                 reasons.append(f"the Triton decode kernel needs a power-of-two head_dim >= 16, got {self.shape.head_dim}")
         return reasons
 
-    def _impl_for(self, device: torch.device) -> str:
-        if self.impl != "auto":
-            return self.impl
-        d = self.shape.head_dim
-        pow2 = d >= 16 and d & (d - 1) == 0
-        return "triton" if device.type == "cuda" and pow2 else "reference"
-
     def forward_train(self, q, k, v, *, q_pre=None, k_pre=None, mask=None):
         # q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]
         gqa = self.shape.num_heads != self.shape.num_kv_heads
@@ -115,5 +117,5 @@ class DenseAttention(AttentionBackend):
         return decode_attention(
             q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v,
             meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len,
-            impl=self._impl_for(q.device), validate=False,
+            impl=decode_impl(self.impl, self.shape.head_dim, q.device), validate=False,
         )

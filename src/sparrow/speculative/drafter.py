@@ -6,8 +6,8 @@ the attention backends and the KV cache. Only the transformer layers' linear wei
 and the MLP) are quantized copies. ``int8`` uses Sparrow's weight-only int8 linear
 (:class:`~sparrow.kernels.int8_linear.Int8Linear`: a Triton kernel on CUDA that reads the weight as int8);
 ``int4`` and ``fp8`` use torchao. (torchao's int8 weight-only linear runs on CUDA through ATen's
-``_weight_int8pack_mm``, a kernel measured on an H200 at 95% of a draft step and 10-40x slower than the bf16
-step it was meant to undercut.) Optionally (``window=``) the draft attends to a window of the cache
+``_weight_int8pack_mm``, measured on an H200 at 95% of a draft step, which came out 10-26x slower than the
+bf16 step it was meant to undercut.) Optionally (``window=``) the draft attends to a window of the cache
 (:class:`~sparrow.speculative.window.WindowedDraftAttention`), which makes a draft step's cost independent
 of the context length.
 
@@ -74,10 +74,8 @@ class DrafterConfig:
 
 
 def _torchao_config(fmt: str, group_size: int, version: int | None = None):
-    from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    from torchao.quantization import Float8WeightOnlyConfig, Int4WeightOnlyConfig
 
-    if fmt == "int8":
-        return Int8WeightOnlyConfig(set_inductor_config=False)
     if fmt == "int4":
         kw = {} if version is None else {"version": version}
         return Int4WeightOnlyConfig(group_size=group_size, set_inductor_config=False, **kw)
@@ -122,8 +120,8 @@ def resolve_weight_format(cfg: DrafterConfig, device: torch.device, dtype: torch
         return "none", None
     if cfg.weight == "int8":
         return "int8", None  # Sparrow's own kernel: runs everywhere
-    candidates: list[tuple[str, int | None]] = {
-        "int8": [("int8", None)], "int4": [("int4", None), ("int4", 1)], "fp8": [("fp8", None)]}[cfg.weight]
+    candidates: list[tuple[str, int | None]] = {"int4": [("int4", None), ("int4", 1)],
+                                                "fp8": [("fp8", None)]}[cfg.weight]
     tried = []
     for fmt, version in candidates:
         label = fmt if version is None else f"{fmt} (version {version})"

@@ -14,7 +14,7 @@ pass overwrites them. Acceptance decides whether the shortcut pays; exactness do
 from __future__ import annotations
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape
-from sparrow.attention.dense import DenseAttention, DenseKVCache, write_rows
+from sparrow.attention.dense import DenseKVCache, decode_impl, write_rows
 from sparrow.kernels.decode_attention import decode_attention
 
 
@@ -37,7 +37,6 @@ class WindowedDraftAttention(AttentionBackend):
         if sink < 0:
             raise ValueError(f"sink must be >= 0, got {sink}")
         self.window, self.sink = int(window), int(sink)
-        self._kernel = DenseAttention(shape)  # the dense backend's choice of decode kernel per device
 
     def forward_train(self, q, k, v, *, q_pre=None, k_pre=None, mask=None):
         raise NotImplementedError("WindowedDraftAttention is a drafter's decode path; train with the target")
@@ -54,7 +53,8 @@ class WindowedDraftAttention(AttentionBackend):
         return decode_attention(
             q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v,
             meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len,
-            window=max(self.window, q.shape[2]), sink=self.sink, impl=self._kernel._impl_for(q.device), validate=False,
+            window=max(self.window, q.shape[2]), sink=self.sink,
+            impl=decode_impl("auto", self.shape.head_dim, q.device), validate=False,
         )
 
     def extra_repr(self) -> str:

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.common.triton_dot import dot
 from sparrow.kernels.common.triton_merge import merge_splits
 
 
@@ -29,20 +30,14 @@ def _chunk_len(total, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, BLOCK_N
 def _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, kv_mask, visible, qk_scale, IEEE: tl.constexpr):
     k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)  # [BLOCK_N, D]
     v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
-    if IEEE:  # float32 caches: exact float32 products, not tf32
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    s = dot(q, tl.trans(k), IEEE) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.common.triton_dot import dot
+
 
 @triton.jit
 def _int8_linear_kernel(
@@ -42,11 +44,7 @@ def _int8_linear_kernel(
         k_ok = k < k_hi
         x = tl.load(X + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W + offs_n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        w = w.to(x.dtype)
-        if IEEE:  # float32 activations: exact float32 products, not tf32
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc += dot(x, tl.trans(w.to(x.dtype)), IEEE)
     if SPLIT_K == 1:
         y = acc * tl.load(S + offs_n, mask=n_ok, other=0.0)[None, :]
         if HAS_BIAS:

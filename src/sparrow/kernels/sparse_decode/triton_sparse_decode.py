@@ -1,19 +1,19 @@
 """Triton kernels for RTPurbo decode: indexer block scores, top-p selection, sparse + local split-KV attention.
 
-One decode call is four launches, none of which waits on the host (steps 3 and 4 share one launch,
-``_attn_kernel``, when a layer has both kinds of heads; ``fuse=False`` launches them apart):
+One decode call is four launches, none of which waits on the host:
 
 1. ``_score_kernel`` — program per (row, retrieval head, new token, split): indexer scores
    ``q_idx . k_idx`` of the split's tokens (prompt tokens read in place from the prefix slot, generated
    ones from the row's slot), reduced to one log-mass per 64-token block (logsumexp).
 2. :func:`sparrow.kernels.topp.triton_topp.topp_select_triton` — bisection threshold on the block
    log-masses (no sort), compacted list of kept blocks (top-p + sinks + local window) per query.
-3. ``_ret_attn_kernel`` — program per (row, retrieval head, new token, split): the split's share of the
-   *kept-block list* (so work is balanced whatever the selection's layout), exact attention with an
-   online softmax for the head's ``q_per_kv`` queries as one tile.
-4. ``_local_attn_kernel`` — program per (row, local head, split): sinks + sliding window from the ring
-   buffers, like the dense split-KV kernel but over at most ``window + T - 1`` positions.
-5. ``_merge_kernel`` — per (row, query head, new token): log-sum-exp merge of the splits.
+3. ``_attn_kernel`` — both kinds of heads in one launch. A retrieval program (row, retrieval head, new
+   token, split; ``_ret_attn``) takes the split's share of the *kept-block list* (so work is balanced
+   whatever the selection's layout): exact attention with an online softmax for the head's ``q_per_kv``
+   queries as one tile. A local program (row, local head, split; ``_local_attn``) reads sinks + sliding
+   window from the ring buffers, like the dense split-KV kernel but over at most ``window + T - 1``
+   positions.
+4. ``_merge_kernel`` — per (row, query head, new token): log-sum-exp merge of the splits.
 
 Selection is block-granular (64 tokens): a block's score is the logsumexp of its tokens' indexer scores,
 i.e. its exact share of the indexer's softmax mass, so "top-p over blocks" keeps whole blocks whose mass
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparrow.kernels.common.triton_dot import dot
 from sparrow.kernels.common.triton_merge import merge_splits
 from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
 
@@ -83,20 +84,14 @@ def _score_kernel(
 
 @triton.jit
 def _attend(acc, m_i, l_i, q, k, v, visible, qk_scale, IEEE: tl.constexpr):
-    if IEEE:  # float32 caches: exact float32 products, not tf32
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # log2 domain
+    s = dot(q, tl.trans(k), IEEE) * qk_scale  # log2 domain
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
     return acc, m_new, l_i
 
 
@@ -107,26 +102,6 @@ def _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_
     lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
     tl.store(O_PART + o_row[:, None] + offs_d[None, :], out, mask=m_valid[:, None])
     tl.store(LSE_PART + l_row, lse, mask=m_valid)
-
-
-@triton.jit
-def _ret_attn_kernel(
-    Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
-    stride_qa, stride_qh, stride_qt,
-    stride_ps, stride_ph, stride_pl,
-    stride_gs, stride_gh, stride_gl,
-    stride_si,
-    stride_oa, stride_oh, stride_ot, stride_os,
-    stride_la, stride_lh, stride_lt,
-    qk_scale, H_RET,
-    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
-):
-    _ret_attn(tl.program_id(0), tl.program_id(1), tl.program_id(2),
-              Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART,
-              LSE_PART, stride_qa, stride_qh, stride_qt, stride_ps, stride_ph, stride_pl, stride_gs, stride_gh,
-              stride_gl, stride_si, stride_oa, stride_oh, stride_ot, stride_os, stride_la, stride_lh, stride_lt,
-              qk_scale, H_RET, T, QPK, D, BLOCK_M, BLOCK, BLOCK_N, NUM_SPLITS, MIN_BLOCKS, IEEE)
 
 
 @triton.jit
@@ -193,26 +168,6 @@ def _ret_attn(
     o_row = a * stride_oa + heads * stride_oh + t * stride_ot + split * stride_os
     l_row = a * stride_la + heads * stride_lh + t * stride_lt + split
     _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
-
-
-@triton.jit
-def _local_attn_kernel(
-    Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
-    stride_qa, stride_qh, stride_qt,
-    stride_ps, stride_ph, stride_pl,
-    stride_gs, stride_gh, stride_gl,
-    stride_oa, stride_oh, stride_ot, stride_os,
-    stride_la, stride_lh, stride_lt,
-    qk_scale,
-    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, SINKS: tl.constexpr, SINK_P2: tl.constexpr,
-    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr,
-):
-    _local_attn(tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
-                stride_qa, stride_qh, stride_qt, stride_ps, stride_ph, stride_pl, stride_gs, stride_gh, stride_gl,
-                stride_oa, stride_oh, stride_ot, stride_os, stride_la, stride_lh, stride_lt, qk_scale,
-                T, QPK, D, BLOCK_M, BLOCK_N, NUM_SPLITS, MIN_CHUNK, SINKS, SINK_P2, WINDOW, WP, WG, IEEE)
 
 
 @triton.jit
@@ -305,7 +260,8 @@ def _attn_kernel(
     SINKS: tl.constexpr, SINK_P2: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr,
 ):
     """Retrieval and local heads in one launch: programs ``(a, 0 .. H_RET*T - 1, split)`` are retrieval
-    (head, token) pairs, the following ones local heads; each runs only its own number of splits."""
+    (head, token) pairs, the following ones local heads (either kind may be absent); each runs only its own
+    number of splits."""
     a = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -361,7 +317,7 @@ def sparse_decode_triton(
     q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads, head_is_ret, *,
     top_p: float, block: int, num_sinks: int, window: int, ret_window: int, scale: float | None = None,
     return_selection: bool = False, ret_splits: int | None = None, local_splits: int | None = None,
-    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK, fuse: bool = True,
+    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK,
 ):
     A, Hq, T, D = q.shape
     Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
@@ -409,32 +365,21 @@ def sparse_decode_triton(
             cache.gen_k.stride(0), cache.gen_k.stride(1), cache.gen_k.stride(2))
     ring = (cache.prefix_lk.stride(0), cache.prefix_lk.stride(1), cache.prefix_lk.stride(2),
             cache.gen_lk.stride(0), cache.gen_lk.stride(1), cache.gen_lk.stride(2))
-    warps = 8 if D >= 128 else 4
-    if Hr and Hl and fuse:  # one launch for both kinds of heads
-        _attn_kernel[(A, Hr * T + Hl, ns)](
-            q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v, sel_idx, sel_cnt, ret_heads,
-            cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv, loc_heads,
-            row_slot, prefix_slot, prefix_len, cached_len, o_part, lse_part,
-            *q_strides, *full, sel_idx.stride(0), *ring, *out_strides, qk_scale, Hr,
-            T=T, QPK=qpk, D=D, IEEE=ieee, **ret, **loc, num_warps=warps,
-        )
-    else:
-        if Hr:
-            _ret_attn_kernel[(A, Hr * T, ns_ret)](
-                q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v, sel_idx, sel_cnt, ret_heads, row_slot,
-                prefix_slot, prefix_len, cached_len, o_part, lse_part, *q_strides, *full, sel_idx.stride(0),
-                *out_strides, qk_scale, Hr,
-                T=T, QPK=qpk, D=D, BLOCK_M=ret["RET_BLOCK_M"], BLOCK=block, BLOCK_N=ret["RET_BLOCK_N"],
-                NUM_SPLITS=ns_ret, MIN_BLOCKS=ret_min_blocks, IEEE=ieee, num_warps=warps,
-            )
-        if Hl:
-            _local_attn_kernel[(A, Hl, ns_loc)](
-                q, cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv, loc_heads, row_slot, prefix_slot,
-                prefix_len, cached_len, o_part, lse_part, *q_strides, *ring, *out_strides, qk_scale,
-                T=T, QPK=qpk, D=D, BLOCK_M=loc["LOC_BLOCK_M"], BLOCK_N=loc["LOC_BLOCK_N"], NUM_SPLITS=ns_loc,
-                MIN_CHUNK=local_min_chunk, SINKS=num_sinks, SINK_P2=loc["SINK_P2"], WINDOW=window, WP=loc["WP"],
-                WG=Wg, IEEE=ieee, num_warps=warps,
-            )
+    if not Hr:
+        sel_idx = sel_cnt = row_slot
+
+    def live(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+        # a kind of head the layer lacks has empty tensors, whose pointers may be null: no program reads them
+        return t if t.numel() else fallback
+
+    _attn_kernel[(A, Hr * T + Hl, ns)](
+        q, *(live(t, q) for t in (cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v)), sel_idx, sel_cnt,
+        live(ret_heads, row_slot), *(live(t, q) for t in (cache.prefix_lk, cache.prefix_lv, cache.gen_lk,
+                                                           cache.gen_lv)), live(loc_heads, row_slot),
+        row_slot, prefix_slot, prefix_len, cached_len, o_part, lse_part,
+        *q_strides, *full, sel_idx.stride(0), *ring, *out_strides, qk_scale, Hr,
+        T=T, QPK=qpk, D=D, IEEE=ieee, **ret, **loc, num_warps=8 if D >= 128 else 4,
+    )
     out = torch.empty_like(q)
     _merge_kernel[(A, Hq, T)](
         o_part, lse_part, out, head_is_ret,

@@ -14,12 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _scores(q, k, IEEE: tl.constexpr):
-    if IEEE:  # float32 indexer: exact float32 products, not tf32 (the selection must match the reference)
-        return tl.dot(q, tl.trans(k), input_precision="ieee")
-    return tl.dot(q, tl.trans(k))
+from sparrow.kernels.common.triton_dot import dot
 
 
 @triton.jit
@@ -50,7 +45,7 @@ def _block_mass_kernel(
     for kb in range(0, qb + 1):
         j = kb * BLOCK + offs
         k = tl.load(k_base + j[:, None] * stride_ks + offs_r[None, :], mask=(j < plen)[:, None], other=0.0)
-        s = _scores(q, k, IEEE) * LOG2E
+        s = dot(q, tl.trans(k), IEEE) * LOG2E
         s = tl.where((j[None, :] <= i[:, None]) & (j < plen)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -62,7 +57,7 @@ def _block_mass_kernel(
     for kb in range(0, qb + 1):
         j = kb * BLOCK + offs
         k = tl.load(k_base + j[:, None] * stride_ks + offs_r[None, :], mask=(j < plen)[:, None], other=0.0)
-        s = _scores(q, k, IEEE) * LOG2E
+        s = dot(q, tl.trans(k), IEEE) * LOG2E
         vis = (j[None, :] <= i[:, None]) & (j < plen)[None, :] & q_real[:, None]
         pm = tl.where(vis, tl.exp2(s - lse[:, None]), 0.0)
         mass = tl.sum(tl.sum(pm, 1), 0) / n_q
