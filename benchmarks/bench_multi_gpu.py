@@ -86,8 +86,9 @@ def layouts(gpus: int) -> list[tuple[int, int]]:
 def run_one(args, nproc: int, trainers: int, codec: str, work: Path) -> dict:
     out = work / f"n{nproc}_t{trainers}_{codec}"
     shutil.rmtree(out, ignore_errors=True)
-    tune = str(Path(sys.executable).parent / "tune")
-    cmd = [tune, "run", "--nproc_per_node", str(nproc), "sparrow_grpo", "--config", str(CONFIG),
+    # torchtune's CLI as a module: works wherever the package is importable (no console script needed)
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", str(nproc), "sparrow_grpo",
+           "--config", str(CONFIG),
            *overrides(args, out), f"trainer_ranks={trainers}", f"sync.codec={codec}"]
     env = dict(os.environ, **NO_MULTICAST, **({"OMP_NUM_THREADS": "1"} if args.quick else {}))
     t0 = time.perf_counter()

@@ -221,7 +221,8 @@ def run_phase(label, engine, prompts, params, args, costs, save=None, deadline=N
     configs = [
         ("AR", AlwaysOff()),
         ("SD toggle+adaptive", CostModelToggle(costs, margin=args.margin, hysteresis=args.hysteresis,
-                                               adaptive=AdaptiveDraft(lengths=tuple(args.lengths), prior=args.prior))),
+                                               adaptive=AdaptiveDraft(lengths=tuple(args.lengths), prior=args.prior),
+                                               probe_every=args.probe_every)),
         (f"SD always k={args.always_k}", AlwaysOn(args.always_k)),
     ]
     out = []
@@ -288,6 +289,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=1024, help="draft attention window (0: full attention)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--margin", type=float, default=0.05)
+    p.add_argument("--probe-every", type=int, default=8,
+                   help="cost-model toggle: while off, speculate one block in this many to re-measure acceptance")
     p.add_argument("--hysteresis", type=float, default=0.03)
     p.add_argument("--prior", type=float, default=0.8, help="acceptance assumed before any is measured")
     p.add_argument("--sync-every", type=int, default=16)

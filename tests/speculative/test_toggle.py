@@ -116,6 +116,40 @@ def test_cost_model_toggle_speculates_only_where_it_pays_with_hysteresis():
         CostModelToggle(costs, margin=-1)
 
 
+def _small_batch_pays() -> CostModel:
+    """SD pays at bucket 1 when acceptance is high (draft a tenth of a target step), never at bucket 64."""
+    buckets = (1, 64)
+    return CostModel(key="x", target={b: (1.0, 0.0) for b in buckets},
+                     draft={1: (0.1, 0.0), 64: (1.0, 0.0)},
+                     verify={b: {2: (1.0, 0.0), 4: (1.0, 0.0)} for b in buckets})
+
+
+@pytest.mark.parametrize("probe_every", [0, 4])
+def test_cost_model_toggle_probes_to_remeasure_acceptance(probe_every):
+    t = CostModelToggle(_small_batch_pays(), adaptive=AdaptiveDraft(lengths=(2, 4), prior=0.8),
+                        probe_every=probe_every)
+    small = StepStats(1, 10.0, 10, bucket=1)
+    assert t.decide(small).speculate
+    t.observe(proposed=4096, accepted=0, rows=1)  # the first tokens of every response: nothing accepted
+    decisions = [t.decide(small).speculate for _ in range(12)]
+    if probe_every == 0:  # negative control: acceptance is never measured again, SD stays off for good
+        assert decisions == [False] * 12
+        return
+    # off, except every probe_every-th block, which speculates to measure acceptance
+    assert decisions == [(i + 1) % probe_every == 0 for i in range(12)] and t.probes == 3
+    t.observe(proposed=4096, accepted=4000, rows=1)  # the probe saw high acceptance: SD is back on
+    assert t.decide(small).speculate and t.on
+    # where even perfect acceptance would not pay, probing would only cost time: never
+    t.reset()
+    big = StepStats(64, 10.0, 10, bucket=64)
+    assert not any(t.decide(big).speculate for _ in range(3 * probe_every)) and t.probes == 0
+
+
+def test_cost_model_toggle_rejects_negative_probe_interval():
+    with pytest.raises(ValueError, match="probe_every"):
+        CostModelToggle(_small_batch_pays(), probe_every=-1)
+
+
 def test_calibrate_on_the_engine_and_cache(tmp_path):
     model = random_tiny("qwen2")
     cfg = EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=16, compile=False, sync_every=2, max_draft=3)

@@ -16,7 +16,8 @@ from sparrow.rl.grpo import GRPOConfig
 from sparrow.rollout.engine import EngineConfig, Sample
 
 COMPONENT = "component"  # any keyword arguments: the component's constructor validates them
-SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis"}
+SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis",
+                    "probe_every"}
 
 RECIPE_KEYS: dict[str, Any] = {
     "name": None, "model_dir": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
@@ -171,4 +172,4 @@ def build_toggle(spec_cfg, engine, params):
         return ThresholdToggle(spec_cfg.max_active, spec_cfg.get("num_draft", 4), adaptive=adaptive)
     costs = CostModel.calibrate(engine, params)
     return CostModelToggle(costs, margin=spec_cfg.get("margin", 0.05), hysteresis=spec_cfg.get("hysteresis", 0.03),
-                           adaptive=adaptive or AdaptiveDraft())
+                           adaptive=adaptive or AdaptiveDraft(), probe_every=spec_cfg.get("probe_every", 8))

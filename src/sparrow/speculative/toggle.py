@@ -85,8 +85,10 @@ class AdaptiveDraft:
         self.alpha = self.prior
         self.observed_tokens = 0
 
-    def best(self, costs: CostModel | None, stats: StepStats, max_draft: int | None = None) -> tuple[int, float]:
-        """(draft length, predicted speedup over plain decoding) maximising tokens per second.
+    def best(self, costs: CostModel | None, stats: StepStats, max_draft: int | None = None,
+             alpha: float | None = None) -> tuple[int, float]:
+        """(draft length, predicted speedup over plain decoding) maximising tokens per second, at the measured
+        acceptance (or at ``alpha``, e.g. 1.0 for the best case).
 
         Without a cost model, the draft and verify steps are assumed to cost as much as a target step
         each (the worst case for a self-drafter); the speedup is then ``tau / (k + 1)``.
@@ -97,7 +99,7 @@ class AdaptiveDraft:
         for k in self.lengths:
             if max_draft is not None and k > max_draft:
                 continue
-            tau = expected_tokens_per_cycle(self.alpha, k)
+            tau = expected_tokens_per_cycle(self.alpha if alpha is None else alpha, k)
             if costs is None:
                 s = tau / (k + 1)
             else:
@@ -157,6 +159,13 @@ class CostModelToggle(ToggleController):
     stays on until the prediction falls below ``1 + margin - hysteresis``; once off, it needs
     ``1 + margin``.
 
+    Probing: acceptance is measured only while speculating, so an estimate that fell (e.g. on the
+    unpredictable first tokens of every response, which all rows decode at once) would keep SD off for
+    good. While off, every ``probe_every``-th block speculates anyway to measure acceptance again, unless
+    even perfect acceptance would not reach ``1 + margin`` there (then no acceptance could turn SD on, and
+    probing would only cost time). A probe costs at most one block in ``probe_every`` run at the
+    speculative rate.
+
     Args:
         costs: measured step costs (:meth:`CostModel.calibrate` or :meth:`CostModel.load`).
         margin: required predicted gain (0.05: 5 %).
@@ -164,23 +173,31 @@ class CostModelToggle(ToggleController):
         adaptive: acceptance tracking and candidate draft lengths (default :class:`AdaptiveDraft()`).
         fixed_draft: use this draft length instead of adapting it (the on / off decision still uses the
             measured acceptance).
+        probe_every: while off, speculate one block in this many to measure acceptance (0: never).
 
     Raises:
-        ValueError: negative ``margin`` / ``hysteresis``, ``hysteresis > margin + 1``, ``fixed_draft < 1``.
+        ValueError: negative ``margin`` / ``hysteresis`` / ``probe_every``, ``hysteresis > margin + 1``,
+            ``fixed_draft < 1``.
     """
 
     def __init__(self, costs: CostModel, margin: float = 0.05, hysteresis: float = 0.03,
-                 adaptive: AdaptiveDraft | None = None, fixed_draft: int | None = None) -> None:
+                 adaptive: AdaptiveDraft | None = None, fixed_draft: int | None = None,
+                 probe_every: int = 8) -> None:
         if margin < 0 or hysteresis < 0:
             raise ValueError(f"margin and hysteresis must be >= 0, got {margin}, {hysteresis}")
+        if probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0, got {probe_every}")
         if fixed_draft is not None and fixed_draft < 1:
             raise ValueError(f"fixed_draft must be >= 1, got {fixed_draft}")
         self.costs, self.margin, self.hysteresis = costs, float(margin), float(hysteresis)
         self.adaptive = adaptive or AdaptiveDraft()
         if fixed_draft is not None:
             self.adaptive.lengths = (int(fixed_draft),)
+        self.probe_every = int(probe_every)
         self.on = False
         self.last_prediction: float | None = None
+        self.probes = 0  # speculative blocks run only to measure acceptance
+        self._blocks_off = 0
 
     def predict(self, stats: StepStats) -> tuple[int, float]:
         """(draft length, predicted speedup) for the next block."""
@@ -191,7 +208,17 @@ class CostModelToggle(ToggleController):
         self.last_prediction = speedup
         threshold = 1.0 + self.margin - (self.hysteresis if self.on else 0.0)
         self.on = speedup >= threshold
-        return SpecDecision(True, k) if self.on else SpecDecision(False, 0)
+        if self.on:
+            self._blocks_off = 0
+            return SpecDecision(True, k)
+        self._blocks_off += 1
+        if self.probe_every and self._blocks_off >= self.probe_every:
+            self._blocks_off = 0
+            k1, best_case = self.adaptive.best(self.costs, stats, alpha=1.0)
+            if best_case >= 1.0 + self.margin:
+                self.probes += 1
+                return SpecDecision(True, k1)
+        return SpecDecision(False, 0)
 
     def observe(self, *, proposed: int, accepted: int, rows: int, seconds: float | None = None) -> None:
         self.adaptive.observe(proposed, accepted)
@@ -199,7 +226,8 @@ class CostModelToggle(ToggleController):
     def reset(self) -> None:
         self.adaptive.reset()
         self.on = False
+        self.probes = self._blocks_off = 0
 
     def __repr__(self) -> str:
-        return (f"CostModelToggle(margin={self.margin}, hysteresis={self.hysteresis}, "
+        return (f"CostModelToggle(margin={self.margin}, hysteresis={self.hysteresis}, probe_every={self.probe_every}, "
                 f"lengths={self.adaptive.lengths}, alpha={self.adaptive.alpha:.3f})")
