@@ -163,3 +163,29 @@ def test_validation():
         sparse_decode_attention(*args, SparseDecodeConfig(0.7, 2, 4, 24, 8))
     with pytest.raises(ValueError, match="impl"):
         sparse_decode_attention(*args, cfg, impl="cuda")
+
+
+def test_custom_op_schema_fake_and_compiled_graph():
+    """The engine's path is one opaque custom op: its fake kernel gives the real shape, and a fullgraph compiled
+    step with a dynamic row count (the engine's buckets) calls it without graph breaks and matches the
+    reference. (Traced as a user Triton kernel instead, Inductor re-typed a float argument as float64 and the
+    kernel failed to compile on the GPU.)"""
+    from sparrow.kernels.sparse_decode.triton_sparse_decode import _sparse_decode_op
+
+    cfg = SparseDecodeConfig(top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8)
+    args, _ = _make(A=3, Hkv=3, ret=(0, 2), qpk=2, T=1, D=16, P=2, Lp=63, R=4, Lg=20)
+    ref = sparse_decode_attention(*args, cfg, impl="reference")
+    dargs = to_device(args)
+    q, q_idx, cache, *meta = dargs
+    torch.library.opcheck(_sparse_decode_op, (q, q_idx, *cache, *meta, 0.6, 8, 4, 24, 8, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    def step(q, q_idx, row_slot, prefix_slot, prefix_len, cached_len):
+        out = sparse_decode_attention(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, *meta[4:],
+                                      cfg, impl="triton", validate=False)
+        return out * 2
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    for rows in (slice(None), slice(0, 1)):
+        got = compiled(q[rows], q_idx[rows], *(m[rows] for m in meta[:4]))
+        assert rel_err(got.cpu(), 2 * ref[rows]) < 1e-5

@@ -390,3 +390,40 @@ def sparse_decode_triton(
         SPLITS_P2=max(2, triton.next_power_of_2(ns)),
     )
     return (out, selection) if return_selection else out
+
+
+@torch.library.custom_op("sparrow::sparse_decode", mutates_args=())
+def _sparse_decode_op(
+    q: torch.Tensor, q_idx: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, gen_k: torch.Tensor,
+    gen_v: torch.Tensor, prefix_ik: torch.Tensor, gen_ik: torch.Tensor, prefix_lk: torch.Tensor,
+    prefix_lv: torch.Tensor, gen_lk: torch.Tensor, gen_lv: torch.Tensor, row_slot: torch.Tensor,
+    prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor, ret_heads: torch.Tensor,
+    loc_heads: torch.Tensor, head_is_ret: torch.Tensor, top_p: float, block: int, num_sinks: int, window: int,
+    ret_window: int, scale: float,
+) -> torch.Tensor:
+    from .api import RTPurboCache
+
+    cache = RTPurboCache(prefix_k, prefix_v, gen_k, gen_v, prefix_ik, gen_ik, prefix_lk, prefix_lv, gen_lk, gen_lv)
+    return sparse_decode_triton(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
+                                head_is_ret, top_p=top_p, block=block, num_sinks=num_sinks, window=window,
+                                ret_window=ret_window, scale=scale)
+
+
+@_sparse_decode_op.register_fake
+def _(q, q_idx, prefix_k, prefix_v, gen_k, gen_v, prefix_ik, gen_ik, prefix_lk, prefix_lv, gen_lk, gen_lv, row_slot,
+      prefix_slot, prefix_len, cached_len, ret_heads, loc_heads, head_is_ret, top_p, block, num_sinks, window,
+      ret_window, scale):
+    return torch.empty_like(q)
+
+
+def sparse_decode_op(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
+                     head_is_ret, *, top_p: float, block: int, num_sinks: int, window: int, ret_window: int,
+                     scale: float | None = None) -> torch.Tensor:
+    """:func:`sparse_decode_triton` as the custom op ``sparrow::sparse_decode``: opaque to ``torch.compile``
+    (Inductor does not re-trace the Triton kernels; it re-typed a float argument as float64 inside them) and
+    safe inside CUDA graphs. Returns the attention output only."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _sparse_decode_op(q, q_idx, *cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
+                             head_is_ret, float(top_p), int(block), int(num_sinks), int(window), int(ret_window),
+                             float(scale))
+
