@@ -165,7 +165,10 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "attention": {"_component_": "sparrow.attention.dense"},
         "engine": {"max_rows": rows, "max_prompts": max(args.prompts_per_step, min(args.eval_prompts, rows)),
                    "max_prompt_len": args.context + 1, "max_new_tokens": args.max_new, "sync_every": args.sync_every,
-                   "compile": args.compile, "cuda_graphs": args.compile and cuda},
+                   "compile": args.compile, "cuda_graphs": args.compile and cuda,
+                   # fewer batch buckets, fewer graphs to compile and capture (speculation captures a draft and
+                   # a verify graph per bucket and draft length): powers of --bucket-growth, and the full batch
+                   "batch_buckets": [b for b in (args.bucket_growth ** i for i in range(20)) if b < rows] + [rows]},
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new},
         "group_size": args.group, "prompts_per_step": args.prompts_per_step, "ppo_epochs": 1,
         "minibatches": args.minibatches, "micro_batch_size": args.micro_batch, "logprob_chunk": 4096,
@@ -298,8 +301,10 @@ def run_row(name: str, seed: int, steps: list[dict], records: list[dict], timing
         eval_start=evals[0] if len(evals) > 1 else None, eval_final=evals[-1] if evals else None,
         mismatch_kl=_mean(col("mismatch_kl", steps)), is_clip_frac=_mean(col("is_clip_frac", steps)),
         policy_clip_frac=_mean(col("policy_clip_frac", steps)),
-        spec_acceptance=_mean(col("spec/acceptance", steps)),
-        spec_tokens_per_cycle=_mean(col("spec/tokens_per_cycle", steps)),
+        # steps that ran no speculative cycle measured no acceptance (the toggle kept SD off): left out
+        spec_acceptance=_mean([r.get("spec/acceptance") for r in steps if r.get("spec/cycles")]),
+        spec_tokens_per_cycle=_mean([r.get("spec/tokens_per_cycle") for r in steps if r.get("spec/cycles")]),
+        spec_cycles=sum(r.get("spec/cycles") or 0 for r in steps) if any("spec/cycles" in r for r in steps) else None,
         decode_density=_mean(col("attention/decode_density", steps)),
         decode_ret_density=_mean(col("attention/decode_ret_density", steps)),
         prefill_ret_density=_mean(col("attention/prefill_ret_density", steps)),
@@ -383,6 +388,8 @@ def build_parser():
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-5; quick 1e-3)")
     p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts (default 64; quick 8; 0: no eval)")
     p.add_argument("--sync-every", type=int, default=16, help="engine decode steps between host checks")
+    p.add_argument("--bucket-growth", type=int, default=4, choices=[2, 4],
+                   help="engine batch buckets are powers of this (4: about half the CUDA graphs of 2)")
     p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                    help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)")
     p.add_argument("--spec-toggle", default=None, choices=["always", "threshold", "cost_model"],

@@ -95,6 +95,35 @@ def run(args) -> None:
                extra={"torchao_error": ao_error} if ao_error else None)
 
 
+def plot(result: dict, png_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for model in models:
+        rs = sorted((r for r in rows if r["model"] == model), key=lambda r: r["M"])
+        ms = [r["M"] for r in rs]
+        axes[0].plot(ms, [r["speedup_vs_bf16"] for r in rs], "o-", label=f"{model}: Sparrow int8")
+        if any(r.get("torchao_int8_ms") for r in rs):
+            axes[0].plot(ms, [r["bf16_ms"] / r["torchao_int8_ms"] for r in rs], "s--", label=f"{model}: torchao int8")
+        axes[1].plot(ms, [r["int8_weight_GBps"] for r in rs], "o-", label=f"{model}: Sparrow int8")
+        axes[1].plot(ms, [r["bf16_weight_GBps"] for r in rs], "s--", label=f"{model}: bf16 (cuBLAS)")
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_ylabel("speed vs bf16 linear (x)")
+    axes[0].set_title("one layer's 7 linears, CUDA graphs")
+    axes[1].set_ylabel("weight bytes read per second (GB/s)")
+    axes[1].set_title("achieved weight bandwidth")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows (active decode batch)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Drafter int8 weight-only linear ({result['environment'].get('device', '')})")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=50)
