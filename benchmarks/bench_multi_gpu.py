@@ -168,7 +168,7 @@ def plot(result: dict, png_path: Path) -> None:
         ax.set_xticks(range(len(labels)), [f"{p} GPUs\n{t} trainer(s)" for p, t in labels])
         ax.set_ylabel("seconds (median)")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(loc="lower center", framealpha=0.9)
     model = "a tiny model on CPU processes" if result["config"].get("quick") else "1.3B model"
     fig.suptitle(f"Decoupled trainer / rollout ranks, {model}, sparse vs dense weight sync")
     fig.tight_layout()
