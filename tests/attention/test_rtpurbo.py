@@ -205,3 +205,24 @@ def test_gpu_engine_with_triton_kernels_compiled_and_graphed():
                                                                                              window=16))).cuda()
     out2 = _engine(sparse2, compile=True, cuda_graphs=True).generate(_prompts(), 2, params)
     assert len(out2) == 10
+
+
+@pytest.mark.slow
+def test_engine_compiles_the_triton_path_with_inductor_and_a_drafter():
+    """The GPU configuration of an all-on rollout, on the CPU: RTPurbo's Triton decode (the interpreter) inside
+    decode, draft and verify steps compiled by Inductor, with a speculative drafter; greedy output equals the
+    uncompiled reference path's. (Inductor tracing the RTPurbo Triton kernels itself broke this on the GPU.)"""
+    from sparrow.speculative import AlwaysOn, DrafterConfig, QuantizedSelfDrafter
+
+    dense = random_tiny("qwen2")
+    prof = HeadProfile.from_scores(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), 0.5)
+    outs = []
+    for impl, compile_ in (("reference", False), ("triton", True)):
+        sparse = use_attention(copy.deepcopy(dense), rtpurbo_attention(prof, None, _cfg(top_p=0.8, impl=impl,
+                                                                                       window=8)))
+        eng = RolloutEngine(sparse, EngineConfig(max_rows=4, max_prompt_len=64, max_new_tokens=12, sync_every=3,
+                                                 compile=compile_, max_draft=2),
+                            drafter=QuantizedSelfDrafter(sparse, DrafterConfig(weight="none")))
+        eng.toggle = AlwaysOn(2)
+        outs.append(eng.generate(_prompts()[:3], 1, SamplingParams(temperature=0.0, max_new_tokens=12)))
+    assert [s.tokens.tolist() for s in outs[1]] == [s.tokens.tolist() for s in outs[0]]
