@@ -262,7 +262,9 @@ class GRPORecipe:
         updates = cfg.ppo_epochs * cfg.minibatches
         t0 = time.perf_counter()
         if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)
-            with torch.no_grad():
+            # in the training forward's precision: at the first update π_θ / π_old is then exactly 1 (an fp32
+            # π_old against a bf16-autocast π_θ made it noise, and ran the pass in fp32 matmuls)
+            with torch.no_grad(), self._autocast():
                 old = torch.cat([self._logprobs(rb.tokens[s], rb.prompt_len[s], rb.response_len[s], **lp_kwargs)
                                  for s in self._micro(range(N))])
         self._wait_device()

@@ -243,3 +243,42 @@ def test_bitwise_sync_check_catches_one_flipped_bit(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="rollout weights differ"):
         recipe._check_sync(sent)
     recipe.cleanup()
+
+
+def test_old_policy_logprobs_use_the_training_forwards_precision(tmp_path, monkeypatch):
+    """With several updates per step, π_old comes from a separate no-grad pass; it must run in the precision of
+    the training forward (bf16 autocast on the GPU), so that at the first update π_θ / π_old is exactly 1. Checked
+    on the CPU with bf16 autocast standing in for the GPU's, bit for bit."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    spec = importlib.util.spec_from_file_location("sparrow_grpo_recipe", REPO / "recipes" / "sparrow_grpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
+        TINY + [f"output_dir={tmp_path}", "ppo_epochs=1", "minibatches=2", "micro_batch_size=16"]))
+    recipe = mod.GRPORecipe(cfg)
+    recipe.setup(cfg)
+    monkeypatch.setattr(recipe, "_autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    seen = []
+    real = mod.grpo_loss
+
+    def spy(lp, old, *a, **k):
+        seen.append((lp.detach().clone(), old.detach().clone()))
+        return real(lp, old, *a, **k)
+
+    monkeypatch.setattr(mod, "grpo_loss", spy)
+    prompts, gen, rewards = recipe._rollout(next(recipe.data_iter))
+    adv = mod.group_advantages(rewards.view(-1, recipe.group), recipe.grpo.advantage_scale).flatten()
+    rb = mod.build_rollout_batch(prompts, gen.samples, recipe.group, rewards, adv, pad_id=recipe.tokenizer.pad_id)
+    first_rows = rb.select(torch.arange(8))  # the first minibatch, one micro-batch
+    with torch.no_grad():  # what π_old was before: the same pass in fp32
+        fp32 = recipe._logprobs(first_rows.tokens, first_rows.prompt_len, first_rows.response_len,
+                                max_response_len=rb.max_response_len, temperature=1.0, chunk_size=cfg.logprob_chunk)
+    recipe._train_on(rb)
+    lp, old = seen[0]  # the first update: nothing has changed the weights yet
+    assert torch.equal(lp.view(torch.int32), old.view(torch.int32))
+    assert not torch.equal(fp32.view(torch.int32), lp.view(torch.int32))  # the check tells the precisions apart
+    recipe.cleanup()
