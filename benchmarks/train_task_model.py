@@ -847,20 +847,31 @@ def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def train_seeds(argv: list[str], seeds: list[int], out: Path, workers: int | None) -> dict:
-    """Train one model per seed at once (subprocesses sharing the device), keep the best (:func:`model_score`)
-    in ``out``; the report lists every candidate. Leaving the tasks' plateau is partly luck: several seeds in
-    one budget make a usable model far more likely."""
+def seed_devices(n_seeds: int, device: str, n_gpus: int) -> list[str | None]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each seed's process: round-robin over the GPUs when training on CUDA
+    with several of them (None: inherit the caller's)."""
+    if not device.startswith("cuda") or n_gpus < 2 or ":" in device:
+        return [None] * n_seeds
+    return [str(i % n_gpus) for i in range(n_seeds)]
+
+
+def train_seeds(argv: list[str], seeds: list[int], out: Path, workers: int | None, device: str = "cuda") -> dict:
+    """Train one model per seed at once (subprocesses sharing the device, or spread over the GPUs when there are
+    several), keep the best (:func:`model_score`) in ``out``; the report lists every candidate. Leaving the
+    tasks' plateau is partly luck: several seeds in one budget make a usable model far more likely."""
     out.mkdir(parents=True, exist_ok=True)
     per = workers if workers is not None else max(1, ((os.cpu_count() or 2) - 2) // len(seeds))
     base = _without(argv, ("--seeds", "--seed", "--out", "--workers"))
+    visible = seed_devices(len(seeds), device, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     procs = {}
-    for seed in seeds:
+    for seed, gpu in zip(seeds, visible):
         d = out / f"seed_{seed}"
         d.mkdir(exist_ok=True)
         log = (d / "train.log").open("w")
+        env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {}))
         procs[seed] = (subprocess.Popen([sys.executable, __file__, *base, "--seed", str(seed), "--out", str(d),
-                                         "--workers", str(per)], stdout=log, stderr=subprocess.STDOUT), d, log)
+                                         "--workers", str(per)], stdout=log, stderr=subprocess.STDOUT, env=env),
+                       d, log)
     candidates = []
     for seed, (proc, d, log) in procs.items():
         proc.wait()
@@ -896,7 +907,7 @@ def main(argv=None) -> dict | None:
     if len(seeds) > 1:
         if args.quick or args.time_batches:
             raise SystemExit("--seeds trains full runs: not with --quick or --time-batches")
-        return train_seeds(argv, seeds, Path(args.out or "task_model"), args.workers)
+        return train_seeds(argv, seeds, Path(args.out or "task_model"), args.workers, args.device)
     if seeds:
         args.seed = seeds[0]
     cfg = config_from_args(args)

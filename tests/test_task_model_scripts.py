@@ -183,6 +183,13 @@ def test_seeds_trains_several_and_keeps_the_best(tmp_path, monkeypatch):
                                      ("--seeds", "--lr", "--out")) == ["--minutes", "1"]
 
 
+def test_seed_processes_spread_over_the_gpus():
+    assert train_task_model.seed_devices(5, "cuda", 2) == ["0", "1", "0", "1", "0"]
+    assert train_task_model.seed_devices(3, "cuda", 1) == [None] * 3  # one GPU: all share it
+    assert train_task_model.seed_devices(2, "cuda:1", 2) == [None] * 2  # a device named: respected
+    assert train_task_model.seed_devices(2, "cpu", 4) == [None] * 2
+
+
 def test_longest_handled_and_model_score():
     acc = [{"task": t, "context": c, "accuracy": a} for t, c, a in (
         ("kv_retrieval", 64, 1.0), ("variable_tracking", 64, 0.9), ("kv_retrieval", 128, 0.85),
