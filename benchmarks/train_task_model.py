@@ -38,8 +38,8 @@ length, progress). :func:`load_task_model` rebuilds the model from them::
     model = load_task_model("DIR", device="cuda", dtype=torch.bfloat16)
 
 Usage: ``python benchmarks/train_task_model.py --minutes 6 --out DIR`` (H200), ``--seeds 0,1,2`` to train one
-model per seed at once on the same GPU and keep the best (leaving the plateau is partly luck), ``--quick``
-(CPU, seconds).
+model per seed at once (on one GPU, or spread over several) and keep the best (leaving the plateau is partly
+luck), ``--quick`` (CPU, seconds).
 """
 
 from __future__ import annotations
