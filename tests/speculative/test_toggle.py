@@ -145,6 +145,55 @@ def test_cost_model_toggle_probes_to_remeasure_acceptance(probe_every):
     assert not any(t.decide(big).speculate for _ in range(3 * probe_every)) and t.probes == 0
 
 
+@pytest.mark.parametrize("correct", [True, False])
+def test_cost_model_toggle_corrects_the_calibration_with_measured_block_times(correct):
+    # calibrated: SD pays at bucket 1 (predicted ~2.3x at alpha 0.8); in the rollout a cycle takes 4x its
+    # calibrated time (host syncs, bookkeeping) while plain steps take what was calibrated
+    costs = _small_batch_pays()
+    t = CostModelToggle(costs, adaptive=AdaptiveDraft(lengths=(2, 4), prior=0.8), probe_every=0,
+                        correct_costs=correct, ema_blocks=2)
+    small = StepStats(1, 10.0, 10, bucket=1)
+    k, first = t.predict(small)
+    assert first > 1.5 and t.decide(small).speculate
+    for _ in range(6):
+        t.observe_block(small, num_draft=k, steps=4, seconds=4 * 4.0 * costs.cycle(1, 10.0, k))
+        t.observe_block(small, num_draft=0, steps=16, seconds=16 * costs.target_step(1, 10.0))
+    if not correct:  # negative control: the calibration alone keeps speculating where it does not pay
+        assert t.predict(small)[1] == pytest.approx(first) and t.decide(small).speculate
+        return
+    assert t.time_ratio[(1, True)] == pytest.approx(4.0) and t.time_ratio[(1, False)] == pytest.approx(1.0)
+    assert t.predict(small)[1] == pytest.approx(first / 4) and not t.decide(small).speculate
+    # an outlier block (a graph captured inside it) moves the average by at most the clamp
+    t.observe_block(small, num_draft=0, steps=1, seconds=1e3)
+    assert t.time_ratio[(1, False)] <= 0.5 * 1.0 + 0.5 * 4.0 + 1e-9
+
+
+def test_engine_reports_every_block_to_the_toggle():
+    from sparrow.speculative import SpecDecision, ToggleController
+
+    class Alternate(ToggleController):  # speculate every other block; record the block reports
+        def __init__(self):
+            self.n, self.blocks = 0, []
+
+        def decide(self, stats):
+            self.n += 1
+            return SpecDecision(True, 2) if self.n % 2 else SpecDecision(False, 0)
+
+        def observe_block(self, stats, *, num_draft, steps, seconds):
+            self.blocks.append((stats.bucket, num_draft, steps, seconds))
+
+    model = random_tiny("qwen2")
+    toggle = Alternate()
+    eng = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=12, compile=False,
+                                            sync_every=3, max_draft=2), drafter=QuantizedSelfDrafter(model))
+    eng.toggle = toggle
+    g = eng.generate([[1, 2, 3], [4, 5]], 2, SamplingParams(temperature=1.0, max_new_tokens=12, seed=0))
+    assert len(toggle.blocks) == toggle.n > 1 and all(sec > 0 for *_, sec in toggle.blocks)
+    assert sum(st for _, k, st, _ in toggle.blocks if k) == g.stats.spec_cycles > 0
+    assert sum(st for _, k, st, _ in toggle.blocks) == g.stats.decode_steps
+    assert {k for _, k, _, _ in toggle.blocks} == {0, 2}
+
+
 def test_cost_model_toggle_rejects_negative_probe_interval():
     with pytest.raises(ValueError, match="probe_every"):
         CostModelToggle(_small_batch_pays(), probe_every=-1)
@@ -184,3 +233,13 @@ def test_engine_reports_toggle_feedback():
     assert set(g.stats.draft_len_hist) <= {1, 2, 3}
     torch.testing.assert_close(torch.tensor(g.stats.tokens_per_cycle), torch.tensor(
         1 + g.stats.draft_accepted / g.stats.spec_row_cycles))
+
+
+def test_calibration_at_the_longest_draft_length():
+    """Calibration times draft steps alone, then cycles: a cycle must start its drafts at index 0 whatever a
+    draft-only step left behind (it started at 1, and a cycle of max_draft drafts indexed past the buffers)."""
+    model = random_tiny("qwen2")
+    eng = RolloutEngine(model, EngineConfig(max_rows=2, max_prompt_len=16, max_new_tokens=8, compile=False,
+                                            sync_every=2, max_draft=2), drafter=QuantizedSelfDrafter(model))
+    m = CostModel.calibrate(eng, SamplingParams(temperature=1.0, max_new_tokens=8), steps=1, cache_dir=None)
+    assert sorted(m.verify[2]) == [2, 3]  # one draft length (2 = max_draft), its verify cost reused for 3

@@ -17,7 +17,7 @@ from sparrow.rollout.engine import EngineConfig, Sample
 
 COMPONENT = "component"  # any keyword arguments: the component's constructor validates them
 SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis",
-                    "probe_every"}
+                    "probe_every", "correct_costs"}
 
 RECIPE_KEYS: dict[str, Any] = {
     "name": None, "model_dir": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
@@ -172,4 +172,5 @@ def build_toggle(spec_cfg, engine, params):
         return ThresholdToggle(spec_cfg.max_active, spec_cfg.get("num_draft", 4), adaptive=adaptive)
     costs = CostModel.calibrate(engine, params)
     return CostModelToggle(costs, margin=spec_cfg.get("margin", 0.05), hysteresis=spec_cfg.get("hysteresis", 0.03),
-                           adaptive=adaptive or AdaptiveDraft(), probe_every=spec_cfg.get("probe_every", 8))
+                           adaptive=adaptive or AdaptiveDraft(), probe_every=spec_cfg.get("probe_every", 8),
+                           correct_costs=spec_cfg.get("correct_costs", True))

@@ -122,6 +122,10 @@ class ToggleController(abc.ABC):
     def observe(self, *, proposed: int, accepted: int, rows: int, seconds: float | None = None) -> None:
         """Feedback after a speculative block: draft tokens proposed and accepted over ``rows`` row-cycles."""
 
+    def observe_block(self, stats: StepStats, *, num_draft: int, steps: int, seconds: float) -> None:
+        """Feedback after every block, speculative (``num_draft`` > 0: ``steps`` cycles) or not (``steps``
+        decode steps): its wall-clock ``seconds``, host sync included, on the rows ``stats`` describes."""
+
     def reset(self) -> None:
         """Forget measured acceptance (e.g. when a new rollout phase starts)."""
 

@@ -191,6 +191,7 @@ class SpeculativeRunner:
                 if k > 1:  # ... and every draft length
                     torch._dynamo.mark_dynamic(dt, 1)
                     torch._dynamo.mark_dynamic(dp, 1)
+            self.cursor.zero_()  # verify leaves it at 0, but a draft-only step (calibration) leaves it at 1
             for _ in range(k):
                 draft(slots)
             verify(slots, dt, dp)
@@ -259,6 +260,7 @@ class SpeculativeRunner:
         proposed, accepted, row_cycles = host[2 * A:].tolist()
         tokens = sum(n - self._ngen.get(r, 1) for r, n in zip(active, n_gen))
 
+        self.toggle.observe_block(st, num_draft=k, steps=steps, seconds=seconds)
         stats.decode_steps += steps
         stats.row_steps += steps * bucket
         stats.active_hist[bucket] = stats.active_hist.get(bucket, 0) + steps

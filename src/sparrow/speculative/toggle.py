@@ -159,6 +159,15 @@ class CostModelToggle(ToggleController):
     stays on until the prediction falls below ``1 + margin - hysteresis``; once off, it needs
     ``1 + margin``.
 
+    Measured block times: the calibration times the steps alone, on rows set up for it; a rollout's blocks
+    also pay the host sync and bookkeeping, on rows whose contexts and acceptance vary. Each block's
+    wall-clock time is compared with what the cost model predicts for it (``steps`` target steps, or
+    ``steps`` cycles of ``k`` drafts), and an exponential average of that ratio is kept per batch bucket and
+    mode (plain / speculative; ``ema_blocks`` blocks' memory, each ratio clamped to ``[1/4, 4]`` so a block
+    that compiled or captured a graph cannot dominate). The predicted speedup is multiplied by
+    ``ratio_plain / ratio_spec`` where both are known (a mode not yet seen at a bucket counts as 1).
+    ``correct_costs=False`` keeps the calibrated costs as they are.
+
     Probing: acceptance is measured only while speculating, so an estimate that fell (e.g. on the
     unpredictable first tokens of every response, which all rows decode at once) would keep SD off for
     good. While off, every ``probe_every``-th block speculates anyway to measure acceptance again, unless
@@ -174,6 +183,8 @@ class CostModelToggle(ToggleController):
         fixed_draft: use this draft length instead of adapting it (the on / off decision still uses the
             measured acceptance).
         probe_every: while off, speculate one block in this many to measure acceptance (0: never).
+        correct_costs: scale the predicted speedup by the measured / predicted block times (see above).
+        ema_blocks: memory of that average, in blocks.
 
     Raises:
         ValueError: negative ``margin`` / ``hysteresis`` / ``probe_every``, ``hysteresis > margin + 1``,
@@ -182,11 +193,13 @@ class CostModelToggle(ToggleController):
 
     def __init__(self, costs: CostModel, margin: float = 0.05, hysteresis: float = 0.03,
                  adaptive: AdaptiveDraft | None = None, fixed_draft: int | None = None,
-                 probe_every: int = 8) -> None:
+                 probe_every: int = 8, correct_costs: bool = True, ema_blocks: int = 4) -> None:
         if margin < 0 or hysteresis < 0:
             raise ValueError(f"margin and hysteresis must be >= 0, got {margin}, {hysteresis}")
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
+        if ema_blocks < 1:
+            raise ValueError(f"ema_blocks must be >= 1, got {ema_blocks}")
         if fixed_draft is not None and fixed_draft < 1:
             raise ValueError(f"fixed_draft must be >= 1, got {fixed_draft}")
         self.costs, self.margin, self.hysteresis = costs, float(margin), float(hysteresis)
@@ -198,10 +211,33 @@ class CostModelToggle(ToggleController):
         self.last_prediction: float | None = None
         self.probes = 0  # speculative blocks run only to measure acceptance
         self._blocks_off = 0
+        self.correct_costs, self.ema_blocks = bool(correct_costs), int(ema_blocks)
+        self.time_ratio: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> measured / predicted
 
     def predict(self, stats: StepStats) -> tuple[int, float]:
         """(draft length, predicted speedup) for the next block."""
-        return self.adaptive.best(self.costs, stats)
+        k, speedup = self.adaptive.best(self.costs, stats)
+        return k, speedup * self.correction(stats.bucket or stats.active_rows)
+
+    def correction(self, bucket: int) -> float:
+        """``ratio_plain / ratio_spec`` of the measured / predicted block times at ``bucket`` (1 if unknown)."""
+        if not self.correct_costs:
+            return 1.0
+        return self.time_ratio.get((bucket, False), 1.0) / self.time_ratio.get((bucket, True), 1.0)
+
+    def observe_block(self, stats: StepStats, *, num_draft: int, steps: int, seconds: float) -> None:
+        bucket = stats.bucket or stats.active_rows
+        if num_draft > 0:
+            predicted = steps * self.costs.cycle(bucket, stats.mean_context, num_draft)
+        else:
+            predicted = steps * self.costs.target_step(bucket, stats.mean_context)
+        if steps < 1 or predicted <= 0 or not seconds > 0:
+            return
+        ratio = min(4.0, max(0.25, seconds / predicted))
+        key = (bucket, num_draft > 0)
+        w = 1.0 / self.ema_blocks
+        old = self.time_ratio.get(key)
+        self.time_ratio[key] = ratio if old is None else (1.0 - w) * old + w * ratio
 
     def decide(self, stats: StepStats) -> SpecDecision:
         k, speedup = self.predict(stats)
@@ -215,7 +251,7 @@ class CostModelToggle(ToggleController):
         if self.probe_every and self._blocks_off >= self.probe_every:
             self._blocks_off = 0
             k1, best_case = self.adaptive.best(self.costs, stats, alpha=1.0)
-            if best_case >= 1.0 + self.margin:
+            if best_case * self.correction(stats.bucket or stats.active_rows) >= 1.0 + self.margin:
                 self.probes += 1
                 return SpecDecision(True, k1)
         return SpecDecision(False, 0)
@@ -227,6 +263,7 @@ class CostModelToggle(ToggleController):
         self.adaptive.reset()
         self.on = False
         self.probes = self._blocks_off = 0
+        self.time_ratio.clear()
 
     def __repr__(self) -> str:
         return (f"CostModelToggle(margin={self.margin}, hysteresis={self.hysteresis}, probe_every={self.probe_every}, "
