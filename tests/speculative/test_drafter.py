@@ -35,7 +35,7 @@ def _caches_with_prompts(model, ps, gen_len=16):
 
 def test_drafter_shares_everything_but_quantized_linears():
     model = random_tiny("qwen2")
-    d = QuantizedSelfDrafter(model)
+    d = QuantizedSelfDrafter(model, DrafterConfig(fuse=False))
     assert d.weight_format == "int8"
     assert d.tok_embeddings is model.tok_embeddings and d.norm is model.norm and d.output is model.output
     for dl, tl in zip(d.layers, model.layers):
@@ -45,9 +45,32 @@ def test_drafter_shares_everything_but_quantized_linears():
         assert dl.attn.q_proj is not tl.attn.q_proj
         assert isinstance(dl.attn.q_proj, Int8Linear) and dl.attn.q_proj.qweight.dtype == torch.int8
         assert type(tl.attn.q_proj.weight) is torch.nn.Parameter  # the target is untouched
+        assert tl.attn.qkv_proj is None
     assert len(d.quantized_weights()) == 7 * len(model.layers)
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     assert d.weight_nbytes() < full
+
+
+def test_fused_int8_drafter_has_the_separate_codes_in_fewer_linears():
+    """The default int8 drafter computes q/k/v with one linear and the MLP's gate/up with another: the codes and
+    scales are the separate linears' stacked (per-output-channel quantization), bit for bit, and the draft
+    logits match the unfused drafter's; the target keeps its separate projections."""
+    model = random_tiny("qwen2", std=0.1)
+    ps = prompts()
+    fused, sep = QuantizedSelfDrafter(model), QuantizedSelfDrafter(model, DrafterConfig(fuse=False))
+    assert len(fused.quantized_weights()) == 4 * len(model.layers)
+    for fl, sl, tl in zip(fused.layers, sep.layers, model.layers):
+        qkv = fl.attn.qkv_proj
+        assert fl.attn.q_proj is None and tl.attn.qkv_proj is None and isinstance(tl.attn.q_proj, torch.nn.Linear)
+        assert torch.equal(qkv.qweight, torch.cat([sl.attn.q_proj.qweight, sl.attn.k_proj.qweight,
+                                                  sl.attn.v_proj.qweight]))
+        assert torch.equal(qkv.scale.view(torch.int32), torch.cat(
+            [sl.attn.q_proj.scale, sl.attn.k_proj.scale, sl.attn.v_proj.scale]).view(torch.int32))
+        assert torch.equal(qkv.bias, torch.cat([tl.attn.q_proj.bias, tl.attn.k_proj.bias, tl.attn.v_proj.bias]))
+        assert torch.equal(fl.mlp.gate_up.qweight, torch.cat([sl.mlp.w1.qweight, sl.mlp.w3.qweight]))
+    torch.testing.assert_close(_draft_logits(fused, model, ps), _draft_logits(sep, model, ps), rtol=1e-5, atol=1e-5)
+    # a step reads the same bytes: the fused bias copies stand in for the shared q/k/v biases
+    assert fused.weight_nbytes() == sep.weight_nbytes()
 
 
 def _draft_logits(d, model, ps):

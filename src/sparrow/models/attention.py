@@ -56,6 +56,9 @@ class SparrowAttention(nn.Module):
         self.q_proj = q_proj
         self.k_proj = k_proj
         self.v_proj = v_proj
+        # optional: one module computing [q | k | v] at once (a drafter's fused int8 projection); when set,
+        # it replaces the three projections in the forward passes
+        self.qkv_proj: nn.Module | None = None
         self.output_proj = output_proj
         self.pos_embeddings = pos_embeddings
         self.q_norm = q_norm
@@ -89,9 +92,14 @@ class SparrowAttention(nn.Module):
     def _qkv(self, x: torch.Tensor, input_pos: torch.Tensor | None):
         # x: [B, S, E] -> q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; pre-RoPE copies in the same layout
         b, s, _ = x.shape
-        q_pre = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k_pre = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is not None:
+            kv = self.num_kv_heads * self.head_dim
+            q_lin, k_lin, v_lin = self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q_lin, k_lin, v_lin = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_pre = q_lin.view(b, s, self.num_heads, self.head_dim)
+        k_pre = k_lin.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v_lin.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = q_pre, k_pre
         if self.pos_embeddings is not None:
             q = self.pos_embeddings(q, input_pos=input_pos)

@@ -3,7 +3,8 @@
 ``QuantizedSelfDrafter(model, DrafterConfig(weight="int8"))`` builds a draft model that shares with the
 target (no copies): token embeddings, every norm, RoPE tables, biases, the output projection (lm_head),
 the attention backends and the KV cache. Only the transformer layers' linear weights (q/k/v/o projections
-and the MLP) are quantized copies. ``int8`` uses Sparrow's weight-only int8 linear
+and the MLP) are quantized copies; with int8 (``fuse=True``) q/k/v are one linear and the MLP's gate/up
+another, whose biases are copies refreshed with the weights. ``int8`` uses Sparrow's weight-only int8 linear
 (:class:`~sparrow.kernels.int8_linear.Int8Linear`: a Triton kernel on CUDA that reads the weight as int8);
 ``int4`` and ``fp8`` use torchao. (torchao's int8 weight-only linear runs on CUDA through ATen's
 ``_weight_int8pack_mm``, measured on an H200 at 95% of a draft step, which came out 10-26x slower than the
@@ -54,6 +55,10 @@ class DrafterConfig:
         sink: first tokens always attended when ``window`` is set.
         fallback: when ``int4`` / ``fp8`` cannot run here, fall back to ``int8`` with a warning
             (``False``: raise).
+        fuse: with ``int8``, quantize the q / k / v projections as one linear and the MLP's gate / up
+            projections as another (four int8 launches per layer instead of seven: at decode-sized batches a
+            step is bound by launches, not weight bytes). Per-output-channel scales make the fused codes
+            identical to the separate ones.
     """
 
     weight: WeightFormat = "int8"
@@ -61,6 +66,7 @@ class DrafterConfig:
     window: int | None = None
     sink: int = 4
     fallback: bool = True
+    fuse: bool = True
 
     def __post_init__(self) -> None:
         if self.weight not in ("int8", "int4", "fp8", "none"):
@@ -205,17 +211,24 @@ class QuantizedSelfDrafter(Drafter):
             if not isinstance(m, nn.Linear) and not any(isinstance(c, nn.Linear) for c in m.modules()):
                 memo[id(m)] = m
         self.layers = copy.deepcopy(model.layers, memo)
-        self._pairs: list[tuple[str, nn.Linear, nn.Module]] = []
-        for (name, src), (_, dst) in zip(model.layers.named_modules(), self.layers.named_modules()):
-            if isinstance(src, nn.Linear) and self._quantizable(src):
-                self._pairs.append((name, src, dst))
+        # (name, the target's linears it is built from, the draft module); a fused module has several sources
+        self._pairs: list[tuple[str, list[nn.Linear], nn.Module]] = []
+        fused: set[str] = set()
+        if self.weight_format == "int8" and self.config.fuse:
+            fused = self._fuse_int8(model)
+        for name, src in model.layers.named_modules():
+            if isinstance(src, nn.Linear) and self._quantizable(src) and name not in fused:
+                self._pairs.append((name, [src], self.layers.get_submodule(name)))
         with torch.no_grad():
-            for i, (name, src, dst) in enumerate(self._pairs):
+            for i, (name, srcs, dst) in enumerate(self._pairs):
+                if isinstance(dst, Int8Linear):
+                    continue  # fused above
+                src = srcs[0]
                 if self.weight_format == "int8":  # swap the module: the bias stays the target's
                     new = Int8Linear(src.weight, src.bias)
                     parent, _, attr = name.rpartition(".")
                     setattr(self.layers.get_submodule(parent) if parent else self.layers, attr, new)
-                    self._pairs[i] = (name, src, new)
+                    self._pairs[i] = (name, srcs, new)
                 else:
                     dst.weight = nn.Parameter(_quantize_weight(src.weight, self._qconfig), requires_grad=False)
         if self.config.window is not None:
@@ -224,6 +237,31 @@ class QuantizedSelfDrafter(Drafter):
                                                             sink=self.config.sink)
         self.tok_embeddings, self.norm, self.output = model.tok_embeddings, model.norm, model.output
         self.last_refresh_s = 0.0
+
+    @torch.no_grad()
+    def _fuse_int8(self, model: TransformerDecoder) -> set[str]:
+        """Give each draft layer one int8 linear for q / k / v (``attn.qkv_proj``) and one for the MLP's gate /
+        up (a :class:`FusedGateUpMLP`); returns the names of the target linears they replace. Layers whose
+        modules do not have the expected shape keep separate linears."""
+        replaced: set[str] = set()
+        for i, (src_layer, dst_layer) in enumerate(zip(model.layers, self.layers)):
+            a, d = src_layer.attn, dst_layer.attn
+            if hasattr(d, "qkv_proj") and all(isinstance(getattr(a, n, None), nn.Linear)
+                                              for n in ("q_proj", "k_proj", "v_proj")):
+                srcs = [a.q_proj, a.k_proj, a.v_proj]
+                d.qkv_proj = Int8Linear(torch.cat([s.weight for s in srcs]), _cat_bias(srcs))
+                d.q_proj = d.k_proj = d.v_proj = None  # the fused module replaces them
+                self._pairs.append((f"{i}.attn.qkv_proj", srcs, d.qkv_proj))
+                replaced |= {f"{i}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj")}
+            m = src_layer.mlp
+            if all(isinstance(getattr(m, n, None), nn.Linear) for n in ("w1", "w2", "w3")):
+                srcs = [m.w1, m.w3]
+                gate_up = Int8Linear(torch.cat([s.weight for s in srcs]), _cat_bias(srcs))
+                dst_layer.mlp = FusedGateUpMLP(gate_up, Int8Linear(m.w2.weight, m.w2.bias), m.activation)
+                self._pairs.append((f"{i}.mlp.gate_up", srcs, gate_up))
+                self._pairs.append((f"{i}.mlp.w2", [m.w2], dst_layer.mlp.down))
+                replaced |= {f"{i}.mlp.w1", f"{i}.mlp.w2", f"{i}.mlp.w3"}
+        return replaced
 
     def _quantizable(self, lin: nn.Linear) -> bool:
         if self.weight_format == "none":
@@ -246,11 +284,13 @@ class QuantizedSelfDrafter(Drafter):
         target's. Time in :attr:`last_refresh_s`.
         """
         t0 = time.perf_counter()
-        for _, src, dst in self._pairs:
+        for _, srcs, dst in self._pairs:
             if isinstance(dst, Int8Linear):
-                dst.requantize_(src.weight)
+                dst.requantize_(srcs[0].weight if len(srcs) == 1 else torch.cat([s.weight for s in srcs]))
+                if len(srcs) > 1 and dst.bias is not None:  # a fused bias is a copy: refresh it too
+                    dst.bias.copy_(_cat_bias(srcs))
             else:
-                copy_quantized_(dst.weight, _quantize_weight(src.weight, self._qconfig))
+                copy_quantized_(dst.weight, _quantize_weight(srcs[0].weight, self._qconfig))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.last_refresh_s = time.perf_counter() - t0
@@ -267,6 +307,7 @@ class QuantizedSelfDrafter(Drafter):
         total = 0
         tensors = list(self.layers.parameters()) + list(self.norm.parameters())
         tensors += [t for _, _, d in self._pairs if isinstance(d, Int8Linear) for t in (d.qweight, d.scale)]
+        tensors += [d.bias for _, srcs, d in self._pairs if len(srcs) > 1 and d.bias is not None]
         out = self.output
         tensors.append(out.tied_module.weight if hasattr(out, "tied_module") else out.weight)
         for p in tensors:
@@ -291,3 +332,25 @@ class QuantizedSelfDrafter(Drafter):
         c = self.config
         win = "full" if c.window is None else f"window={c.window}, sink={c.sink}"
         return f"QuantizedSelfDrafter(weight={self.weight_format}, {win}, linears={len(self._pairs)})"
+
+
+def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The biases of ``linears`` end to end (zeros for a linear without one), or None if none has one."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias.detach() if lin.bias is not None else
+                      lin.weight.new_zeros(lin.out_features) for lin in linears])
+
+
+class FusedGateUpMLP(nn.Module):
+    """A gated MLP with its gate and up projections computed as one linear: ``down(act(gate) * up)``, where
+    ``[gate | up] = gate_up(x)`` (the drafter's form of torchtune's ``FeedForward``)."""
+
+    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: nn.Module) -> None:
+        super().__init__()
+        self.gate_up, self.down, self.activation = gate_up, down, activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(self.activation(gate) * up)
+
