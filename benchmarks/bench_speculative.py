@@ -21,6 +21,10 @@ always-on with ``--always-k`` drafts, in that order; the JSON is rewritten after
 short keeps what finished, and ``--deadline-minutes`` skips the runs that would end past it. The
 calibrated cost table is printed as soon as it is measured. Reported: rollout latency (prefill + decode),
 decode tokens/s per batch bucket, acceptance, tokens per cycle, draft-length histogram, drafter refresh time.
+Then (``--per-batch-tokens``, ``per_batch`` in the JSON) the three policies at each batch bucket held fixed:
+``b`` rows decode a fixed number of tokens without a stop token, so the batch never shrinks — the direct
+answer to "never slower at any active batch" (in the long-tailed rollout the AR run may never visit the
+small buckets: all its long rows finish together).
 
 Run (H200): ``python benchmarks/bench_speculative.py``; smoke run on CPU: ``python benchmarks/bench_speculative.py --quick``.
 """
@@ -216,17 +220,10 @@ def run_phase(label, engine, prompts, params, args, costs, save=None, deadline=N
     """AR, SD + cost-model toggle + adaptive length, SD always-on (in that order: the headline pair first).
     ``save(rows)`` runs after each run (partial results survive a kill); a run is skipped once the time
     already spent on AR would carry it past ``deadline`` (``time.perf_counter()`` seconds)."""
-    from sparrow.speculative import AdaptiveDraft, AlwaysOff, AlwaysOn, CostModelToggle
+    from sparrow.speculative import CostModelToggle
 
-    configs = [
-        ("AR", AlwaysOff()),
-        ("SD toggle+adaptive", CostModelToggle(costs, margin=args.margin, hysteresis=args.hysteresis,
-                                               adaptive=AdaptiveDraft(lengths=tuple(args.lengths), prior=args.prior),
-                                               probe_every=args.probe_every)),
-        (f"SD always k={args.always_k}", AlwaysOn(args.always_k)),
-    ]
     out = []
-    for name, toggle in configs:
+    for name, toggle in toggles(args, costs):
         if out and deadline is not None and time.perf_counter() + out[0]["latency_s"] > deadline:
             log(f"  {label} / {name}: skipped (deadline)")
             continue
@@ -254,6 +251,53 @@ def run_phase(label, engine, prompts, params, args, costs, save=None, deadline=N
     return out
 
 
+def toggles(args, costs):
+    """The three decoding policies compared: (name, toggle), a fresh toggle each time."""
+    from sparrow.speculative import AdaptiveDraft, AlwaysOff, AlwaysOn, CostModelToggle
+
+    return [
+        ("AR", AlwaysOff()),
+        ("SD toggle+adaptive", CostModelToggle(costs, margin=args.margin, hysteresis=args.hysteresis,
+                                               adaptive=AdaptiveDraft(lengths=tuple(args.lengths), prior=args.prior),
+                                               probe_every=args.probe_every)),
+        (f"SD always k={args.always_k}", AlwaysOn(args.always_k)),
+    ]
+
+
+def per_batch_phase(engine, prompts, args, costs, deadline=None) -> list[dict]:
+    """Decode speed at a fixed active batch: for each engine bucket ``b``, ``b`` rows (``b // samples``
+    prompts x ``samples``, or one prompt x ``b``) decode exactly ``--per-batch-tokens`` tokens each (no stop
+    token, so the batch never shrinks), under each policy. The long-tailed rollout mixes batch sizes; this
+    isolates them: the toggle should never be slower than AR at any batch size."""
+    from sparrow.rollout import SamplingParams
+
+    new_tokens = min(args.per_batch_tokens, args.max_new)
+    out = []
+    for b in engine.config.buckets:
+        if deadline is not None and time.perf_counter() > deadline:
+            log(f"  per-batch {b}: skipped (deadline)")
+            continue
+        n_s = min(b, args.samples)
+        n_p = b // n_s
+        params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=(), seed=1)
+        row = {"batch": b, "prompts": n_p, "samples": n_s, "new_tokens": new_tokens}
+        for name, toggle in toggles(args, costs):
+            engine.toggle = toggle
+            sync()
+            t0 = time.perf_counter()
+            gen = engine.generate(prompts[:n_p], n_s, params)
+            sync()
+            decode_s = time.perf_counter() - t0 - gen.stats.prefill_s
+            row[f"{name} tok/s"] = gen.stats.generated_tokens / decode_s
+            if name != "AR":
+                row[f"{name} /AR"] = row[f"{name} tok/s"] / row["AR tok/s"]
+                row[f"{name} acceptance"] = gen.stats.acceptance_rate if gen.stats.draft_proposed else None
+        out.append(row)
+        log(f"  per-batch {b}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
+                                             if k.endswith("/AR") and v is not None))
+    return out
+
+
 def bucket_table(rows: list[dict]) -> list[dict]:
     buckets = sorted({b for r in rows for b in r["bucket_tok_s"]})
     tog = next((r for r in rows if r["run"].startswith("SD toggle")), None)
@@ -272,7 +316,7 @@ def bucket_table(rows: list[dict]) -> list[dict]:
     return table
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.split("\n")[0])
     p.add_argument("--model", choices=["0.5b", "1.5b"], default="0.5b")
     p.add_argument("--prompts", type=int, default=32)
@@ -289,6 +333,8 @@ def main() -> None:
     p.add_argument("--window", type=int, default=1024, help="draft attention window (0: full attention)")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--margin", type=float, default=0.05)
+    p.add_argument("--per-batch-tokens", type=int, default=512,
+                   help="after the rollouts, decode this many tokens per row at each fixed batch size (0: skip)")
     p.add_argument("--probe-every", type=int, default=8,
                    help="cost-model toggle: while off, speculate one block in this many to re-measure acceptance")
     p.add_argument("--hysteresis", type=float, default=0.03)
@@ -307,7 +353,7 @@ def main() -> None:
     p.add_argument("--random", action="store_true", help="also run a latency-only phase on random weights first")
     p.add_argument("--calib-steps", type=int, default=6)
     p.add_argument("--compile", action="store_true", help="compile the steps off CUDA too (a slow smoke test)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if args.quick:
         args.prompts, args.samples = 4, 2
@@ -432,6 +478,14 @@ def main() -> None:
         print(f"decode tokens/s per batch bucket ('phase {phase}'):")
         bt = bucket_table(rows)
         print_table(bt, list(bt[0].keys()) if bt else ["bucket"])
+    if args.per_batch_tokens:
+        log(f"phase 'per_batch' ({args.per_batch_tokens} tokens per row, the batch held fixed)")
+        extra["per_batch"] = per_batch_phase(engine, prompts, args, costs, deadline)
+        if results:
+            save([r for r in results if r["phase"] == results[-1]["phase"]])  # rewrites the JSON with the table
+        if extra["per_batch"]:
+            print("\ndecode tokens/s at a fixed active batch:")
+            print_table(extra["per_batch"], list(extra["per_batch"][0].keys()))
     print(f"\ndrafter refresh (re-quantize in place after a weight sync): {extra['refresh_s'] * 1e3:.1f} ms")
 
 
@@ -439,7 +493,8 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in result["rows"] if r.get("phase") == "trained"] or result["rows"]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    per_batch = result.get("per_batch") or []
+    fig, ax = plt.subplots(1, 3 if per_batch else 2, figsize=(16 if per_batch else 11, 4))
     for r in rows:
         b = sorted(int(x) for x in r["bucket_tok_s"])
         ax[0].plot(b, [r["bucket_tok_s"][str(x)] if str(x) in r["bucket_tok_s"] else r["bucket_tok_s"][x] for x in b],
@@ -450,6 +505,15 @@ def plot(result: dict, png: Path) -> None:
     ax[0].legend()
     ax[1].bar([r["run"] for r in rows], [r["latency_s"] for r in rows])
     ax[1].set_ylabel("rollout latency (s)")
+    if per_batch:
+        bs = [r["batch"] for r in per_batch]
+        for key in [k for k in per_batch[0] if k.endswith("/AR")]:
+            ax[2].plot(bs, [r.get(key) for r in per_batch], marker="o", label=key.replace(" /AR", ""))
+        ax[2].axhline(1.0, color="grey", lw=0.8)
+        ax[2].set_xscale("log", base=2)
+        ax[2].set_xlabel("active batch (held fixed)")
+        ax[2].set_ylabel("decode speed vs AR (x)")
+        ax[2].legend()
     fig.suptitle("Speculative rollout (" + result["config"].get("model_shape", "") + ")")
     fig.tight_layout()
     fig.savefig(png, dpi=120)

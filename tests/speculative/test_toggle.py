@@ -127,7 +127,7 @@ def _small_batch_pays() -> CostModel:
 @pytest.mark.parametrize("probe_every", [0, 4])
 def test_cost_model_toggle_probes_to_remeasure_acceptance(probe_every):
     t = CostModelToggle(_small_batch_pays(), adaptive=AdaptiveDraft(lengths=(2, 4), prior=0.8),
-                        probe_every=probe_every)
+                        probe_every=probe_every, probe_max=16)
     small = StepStats(1, 10.0, 10, bucket=1)
     assert t.decide(small).speculate
     t.observe(proposed=4096, accepted=0, rows=1)  # the first tokens of every response: nothing accepted
@@ -135,8 +135,12 @@ def test_cost_model_toggle_probes_to_remeasure_acceptance(probe_every):
     if probe_every == 0:  # negative control: acceptance is never measured again, SD stays off for good
         assert decisions == [False] * 12
         return
-    # off, except every probe_every-th block, which speculates to measure acceptance
-    assert decisions == [(i + 1) % probe_every == 0 for i in range(12)] and t.probes == 3
+    # off, except the probe_every-th block, which speculates to measure acceptance; a probe that leaves SD off
+    # doubles the interval (4, then 8 blocks)
+    assert decisions == [i + 1 in (4, 12) for i in range(12)] and t.probes == 2
+    t.observe(proposed=4096, accepted=0, rows=1)
+    later = [t.decide(small).speculate for _ in range(200)]
+    assert sum(later) <= 200 // 16 + 1  # in the long run one block in probe_max (16 here)
     t.observe(proposed=4096, accepted=4000, rows=1)  # the probe saw high acceptance: SD is back on
     assert t.decide(small).speculate and t.on
     # where even perfect acceptance would not pay, probing would only cost time: never

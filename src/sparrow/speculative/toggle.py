@@ -172,8 +172,9 @@ class CostModelToggle(ToggleController):
     unpredictable first tokens of every response, which all rows decode at once) would keep SD off for
     good. While off, every ``probe_every``-th block speculates anyway to measure acceptance again, unless
     even perfect acceptance would not reach ``1 + margin`` there (then no acceptance could turn SD on, and
-    probing would only cost time). A probe costs at most one block in ``probe_every`` run at the
-    speculative rate.
+    probing would only cost time). Each probe that leaves SD off doubles the interval (up to
+    ``probe_max``); turning on resets it. So where SD does not pay, probes cost one block in ``probe_every``
+    at first and one in ``probe_max`` in the long run, run at the speculative rate.
 
     Args:
         costs: measured step costs (:meth:`CostModel.calibrate` or :meth:`CostModel.load`).
@@ -183,6 +184,7 @@ class CostModelToggle(ToggleController):
         fixed_draft: use this draft length instead of adapting it (the on / off decision still uses the
             measured acceptance).
         probe_every: while off, speculate one block in this many to measure acceptance (0: never).
+        probe_max: the longest interval between probes (after unsuccessful probes doubled it).
         correct_costs: scale the predicted speedup by the measured / predicted block times (see above).
         ema_blocks: memory of that average, in blocks.
 
@@ -193,7 +195,8 @@ class CostModelToggle(ToggleController):
 
     def __init__(self, costs: CostModel, margin: float = 0.05, hysteresis: float = 0.03,
                  adaptive: AdaptiveDraft | None = None, fixed_draft: int | None = None,
-                 probe_every: int = 8, correct_costs: bool = True, ema_blocks: int = 4) -> None:
+                 probe_every: int = 8, correct_costs: bool = True, ema_blocks: int = 4,
+                 probe_max: int = 64) -> None:
         if margin < 0 or hysteresis < 0:
             raise ValueError(f"margin and hysteresis must be >= 0, got {margin}, {hysteresis}")
         if probe_every < 0:
@@ -206,11 +209,12 @@ class CostModelToggle(ToggleController):
         self.adaptive = adaptive or AdaptiveDraft()
         if fixed_draft is not None:
             self.adaptive.lengths = (int(fixed_draft),)
-        self.probe_every = int(probe_every)
+        self.probe_every, self.probe_max = int(probe_every), max(int(probe_every), int(probe_max))
+        self._interval = self.probe_every
         self.on = False
         self.last_prediction: float | None = None
         self.probes = 0  # speculative blocks run only to measure acceptance
-        self._blocks_off = 0
+        self._blocks_off, self._probing = 0, False
         self.correct_costs, self.ema_blocks = bool(correct_costs), int(ema_blocks)
         self.time_ratio: dict[tuple[int, bool], float] = {}  # (bucket, speculative) -> measured / predicted
 
@@ -245,14 +249,18 @@ class CostModelToggle(ToggleController):
         threshold = 1.0 + self.margin - (self.hysteresis if self.on else 0.0)
         self.on = speedup >= threshold
         if self.on:
-            self._blocks_off = 0
+            self._blocks_off, self._interval = 0, self.probe_every
             return SpecDecision(True, k)
+        if self._probing:  # the last block was a probe and SD stays off: probe half as often
+            self._interval = min(2 * self._interval, self.probe_max)
+            self._probing = False
         self._blocks_off += 1
-        if self.probe_every and self._blocks_off >= self.probe_every:
+        if self.probe_every and self._blocks_off >= self._interval:
             self._blocks_off = 0
             k1, best_case = self.adaptive.best(self.costs, stats, alpha=1.0)
             if best_case * self.correction(stats.bucket or stats.active_rows) >= 1.0 + self.margin:
                 self.probes += 1
+                self._probing = True
                 return SpecDecision(True, k1)
         return SpecDecision(False, 0)
 
@@ -263,6 +271,7 @@ class CostModelToggle(ToggleController):
         self.adaptive.reset()
         self.on = False
         self.probes = self._blocks_off = 0
+        self._probing, self._interval = False, self.probe_every
         self.time_ratio.clear()
 
     def __repr__(self) -> str:
