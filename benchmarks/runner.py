@@ -21,6 +21,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -145,6 +146,27 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (t["median_ms"] * 1e-3) / 1e9
 
 
+_SITE = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)*?(site|dist)-packages/")
+_ABS = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)+([\w.+-]+)")
+
+
+def scrub_paths(obj: Any) -> Any:
+    """``obj`` (JSON-like) with no path of the machine it ran on: files of this repository become
+    repository-relative, installed packages' files ``site-packages/...``, any other absolute path its last
+    component (an output or scratch folder named on the command line)."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub_paths(v) for v in obj]
+    if isinstance(obj, Path):
+        obj = str(obj)
+    if not isinstance(obj, str):
+        return obj
+    obj = obj.replace(str(REPO) + "/", "")
+    obj = _SITE.sub(lambda m: f"{m.group(1)}-packages/", obj)
+    return _ABS.sub(lambda m: m.group(1), obj)
+
+
 def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path | None = None,
                extra: dict[str, Any] | None = None) -> Path:
     out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
@@ -154,7 +176,7 @@ def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], ou
     if extra:
         doc.update(extra)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.write_text(json.dumps(scrub_paths(doc), indent=1, default=str))
     tmp.replace(path)
     print(f"wrote {path}")
     return path
