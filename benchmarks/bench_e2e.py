@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import math
 import shlex
 import statistics
@@ -74,7 +73,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from runner import REPO, base_parser, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+from runner import (  # noqa: E402
+    REPO, base_parser, print_table, save_figure, triton_interpreter_without_cuda, write_json,
+)
 
 triton_interpreter_without_cuda()  # before anything imports triton
 import bench_rtpurbo_accuracy as acc  # noqa: E402
@@ -613,11 +614,9 @@ def plot(result: dict, png_path: Path) -> None:
     ax_s.legend(fontsize=7)
     cfg = result.get("config", {})
     device = result.get("environment", {}).get("device")
-    fig.suptitle(f"GRPO end to end: {cfg.get('task')} at {cfg.get('context')} tokens, "
-                 f"{cfg.get('prompts_per_step')}x{cfg.get('group')} samples/step ({device})")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png_path,
+                f"GRPO end to end: {cfg.get('task')} at {cfg.get('context')} tokens, "
+                f"{cfg.get('prompts_per_step')}x{cfg.get('group')} samples/step ({device})")
 
 
 if __name__ == "__main__":

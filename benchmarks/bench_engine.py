@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, write_json  # noqa: E402
+from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
 
 NAME = "engine"
 
@@ -195,9 +195,7 @@ def plot(result: dict, png: Path) -> None:
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Qwen2.5-0.5B shape, {result['environment']['device']}")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    save_figure(fig, png, f"Qwen2.5-0.5B shape, {result['environment']['device']}")
 
 
 if __name__ == "__main__":

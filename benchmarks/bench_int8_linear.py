@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, triton_interpreter_without_cuda, write_json,
+    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
 )
 
 triton_interpreter_without_cuda()  # before anything imports triton
@@ -118,10 +118,7 @@ def plot(result: dict, png_path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows (active decode batch)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Drafter int8 weight-only linear ({result['environment'].get('device', '')})")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png_path, f"Drafter int8 weight-only linear ({result['environment'].get('device', '')})")
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, write_json  # noqa: E402
+from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
 
 from sparrow.rl import read_metrics  # noqa: E402
 
@@ -170,10 +170,7 @@ def plot(result: dict, png_path: Path) -> None:
         ax.set_title(title)
         ax.legend(loc="lower center", framealpha=0.9)
     model = "a tiny model on CPU processes" if result["config"].get("quick") else "1.3B model"
-    fig.suptitle(f"Decoupled trainer / rollout ranks, {model}, sparse vs dense weight sync")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png_path, f"Decoupled trainer / rollout ranks, {model}, sparse vs dense weight sync")
 
 
 def main() -> None:

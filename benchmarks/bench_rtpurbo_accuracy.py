@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+from runner import base_parser, print_table, save_figure, triton_interpreter_without_cuda, write_json  # noqa: E402
 
 triton_interpreter_without_cuda()  # before anything imports triton
 import train_task_model as ttm  # noqa: E402
@@ -486,9 +486,7 @@ def plot(result: dict, png_path: Path) -> None:
         ax.set_ylabel("greedy exact-match accuracy")
         ax.set_title(task)
         ax.legend(fontsize=7, loc="lower left")
-    fig.suptitle("RTPurbo vs dense on a model trained on the tasks")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    save_figure(fig, png_path, "RTPurbo vs dense on a model trained on the tasks")
 
 
 def build_parser():

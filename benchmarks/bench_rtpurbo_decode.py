@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, triton_interpreter_without_cuda, write_json,
+    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
 )
 
 triton_interpreter_without_cuda()  # before anything imports triton
@@ -246,9 +246,7 @@ def plot(result: dict, png_path: Path) -> None:
         ax.axhline(1.0, color="gray", lw=0.5)
     axes[0].set_ylabel("speedup over SDPA decode (x)")
     axes[0].legend()
-    fig.suptitle("RTPurbo decode, one layer (32q/4kv, d128, bf16), 15% retrieval heads")
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    save_figure(fig, png_path, "RTPurbo decode, one layer (32q/4kv, d128, bf16), 15% retrieval heads")
 
 
 def main(argv=None) -> None:

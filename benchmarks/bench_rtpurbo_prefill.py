@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, measure, print_table, triton_interpreter_without_cuda, write_json  # noqa: E402
+from runner import (  # noqa: E402
+    base_parser, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
+)
 
 triton_interpreter_without_cuda()  # before anything imports triton
 from sparrow.attention.base import LayerShape  # noqa: E402
@@ -177,8 +179,7 @@ def plot(result: dict, png_path: Path) -> None:
     ax.set_title("RTPurbo prefill, one layer (32q/4kv, d128, bf16), 15% retrieval heads")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=120)
+    save_figure(fig, png_path)
 
 
 def main(argv=None) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, write_json  # noqa: E402
+from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
 
 NAME = "speculative"
 EOS = 1
@@ -514,9 +514,7 @@ def plot(result: dict, png: Path) -> None:
         ax[2].set_xlabel("active batch (held fixed)")
         ax[2].set_ylabel("decode speed vs AR (x)")
         ax[2].legend()
-    fig.suptitle("Speculative rollout (" + result["config"].get("model_shape", "") + ")")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    save_figure(fig, png, "Speculative rollout (" + result["config"].get("model_shape", "") + ")")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sync_payload import SyntheticGrads, device, linear_stack  # noqa: E402
-from runner import base_parser, copy_bandwidth_gbs, measure, print_table, write_json  # noqa: E402
+from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
 
 from sparrow.sync import SyncReceiver, SyncSender  # noqa: E402
 
@@ -127,9 +127,7 @@ def plot(result: dict, png_path) -> None:
     ax.set_ylabel("sync time (s)")
     ax.set_title(f"weight sync, {result['config']['params'] / 1e6:.3g}M params")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, png_path, dpi=130)
 
 
 if __name__ == "__main__":

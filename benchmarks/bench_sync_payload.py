@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runner import base_parser, print_table, write_json  # noqa: E402
+from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
 
 from sparrow.kernels.sync import api as K  # noqa: E402
 from sparrow.sync import empirical_entropy_bits, position_entropy_bits  # noqa: E402
@@ -239,9 +239,7 @@ def plot(result: dict, png_path) -> None:
     a2.set_ylabel("x smaller than dense bf16")
     a2.set_title(f"AdamW updates, {result['config'].get('params', 0) / 1e6:.3g}M params")
     a2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, png_path, dpi=130)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_sync_payload import device, perturb  # noqa: E402
-from runner import base_parser, copy_bandwidth_gbs, measure, print_table, write_json  # noqa: E402
+from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
 
 from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
 from sparrow.sync.stats import StageTimer  # noqa: E402
@@ -203,9 +203,7 @@ def plot(result: dict, png_path) -> None:
     a2.set_xlabel("changed elements (%)")
     a2.set_ylabel("GB/s")
     a2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, png_path, dpi=130)
 
 
 if __name__ == "__main__":

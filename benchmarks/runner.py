@@ -182,6 +182,17 @@ def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], ou
     return path
 
 
+def save_figure(fig, path: Path | str, title: str | None = None, dpi: int = 120) -> None:
+    """A benchmark plot's last step: title, layout, PNG, and the figure closed (``make_plots`` draws many)."""
+    import matplotlib.pyplot as plt
+
+    if title is not None:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def load_json(path: Path | str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
