@@ -74,7 +74,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from runner import (  # noqa: E402
-    REPO, base_parser, print_table, save_figure, triton_interpreter_without_cuda, write_json,
+    REPO, base_parser, batch_buckets, print_table, save_figure, triton_interpreter_without_cuda, write_json,
 )
 
 triton_interpreter_without_cuda()  # before anything imports triton
@@ -167,9 +167,8 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "engine": {"max_rows": rows, "max_prompts": max(args.prompts_per_step, min(args.eval_prompts, rows)),
                    "max_prompt_len": args.context + 1, "max_new_tokens": args.max_new, "sync_every": args.sync_every,
                    "compile": args.compile, "cuda_graphs": args.compile and cuda,
-                   # fewer batch buckets, fewer graphs to compile and capture (speculation captures a draft and
-                   # a verify graph per bucket and draft length): powers of --bucket-growth, and the full batch
-                   "batch_buckets": [b for b in (args.bucket_growth ** i for i in range(20)) if b < rows] + [rows]},
+                   # speculation captures a draft and a verify graph per bucket and draft length
+                   "batch_buckets": batch_buckets(rows, args.bucket_growth)},
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new},
         "group_size": args.group, "prompts_per_step": args.prompts_per_step, "ppo_epochs": 1,
         "minibatches": args.minibatches, "micro_batch_size": args.micro_batch, "logprob_chunk": 4096,

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
+from runner import base_parser, batch_buckets, print_table, save_figure, write_json  # noqa: E402
 
 NAME = "speculative"
 EOS = 1
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = args.prompts * args.samples
     # no bucket 1 (one compile); --bucket-growth 4 keeps every other power of two: fewer graphs to capture
-    buckets = tuple(b for b in (args.bucket_growth**i for i in range(1, 20)) if 1 < b < rows) + (rows,)
+    buckets = tuple(batch_buckets(rows, args.bucket_growth, smallest=2))
     cfg = EngineConfig(max_rows=rows, max_prompts=args.prompts, max_prompt_len=args.max_prompt,
                        max_new_tokens=args.max_new, max_draft=args.max_draft, sync_every=args.sync_every,
                        compile=cuda or args.compile, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),

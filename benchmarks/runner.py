@@ -182,6 +182,17 @@ def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], ou
     return path
 
 
+def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
+    """Engine batch buckets: the powers of ``growth`` from ``smallest`` below ``rows``, then ``rows`` (growth 4
+    keeps every other power of two: about half the compiled steps and CUDA graphs of 2)."""
+    out, b = [], 1
+    while b < rows:
+        if b >= smallest:
+            out.append(b)
+        b *= growth
+    return out + [rows]
+
+
 def save_figure(fig, path: Path | str, title: str | None = None, dpi: int = 120) -> None:
     """A benchmark plot's last step: title, layout, PNG, and the figure closed (``make_plots`` draws many)."""
     import matplotlib.pyplot as plt

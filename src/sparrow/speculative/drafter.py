@@ -253,14 +253,14 @@ class QuantizedSelfDrafter(Drafter):
                 d.q_proj = d.k_proj = d.v_proj = None  # the fused module replaces them
                 self._pairs.append((f"{i}.attn.qkv_proj", srcs, d.qkv_proj))
                 replaced |= {f"{i}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj")}
-            m = src_layer.mlp
+            m, dm = src_layer.mlp, dst_layer.mlp
             if all(isinstance(getattr(m, n, None), nn.Linear) for n in ("w1", "w2", "w3")):
                 srcs = [m.w1, m.w3]
                 gate_up = Int8Linear(torch.cat([s.weight for s in srcs]), _cat_bias(srcs))
-                dst_layer.mlp = FusedGateUpMLP(gate_up, Int8Linear(m.w2.weight, m.w2.bias), m.activation)
+                # w2 keeps its name: the per-linear pass below quantizes it like any other linear
+                dst_layer.mlp = FusedGateUpMLP(gate_up, dm.w2, dm.activation)
                 self._pairs.append((f"{i}.mlp.gate_up", srcs, gate_up))
-                self._pairs.append((f"{i}.mlp.w2", [m.w2], dst_layer.mlp.down))
-                replaced |= {f"{i}.mlp.w1", f"{i}.mlp.w2", f"{i}.mlp.w3"}
+                replaced |= {f"{i}.mlp.w1", f"{i}.mlp.w3"}
         return replaced
 
     def _quantizable(self, lin: nn.Linear) -> bool:
@@ -343,14 +343,13 @@ def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
 
 
 class FusedGateUpMLP(nn.Module):
-    """A gated MLP with its gate and up projections computed as one linear: ``down(act(gate) * up)``, where
-    ``[gate | up] = gate_up(x)`` (the drafter's form of torchtune's ``FeedForward``)."""
+    """A gated MLP with its gate and up projections computed as one linear: ``w2(act(gate) * up)``, where
+    ``[gate | up] = gate_up(x)`` (the drafter's form of torchtune's ``FeedForward``; ``w2`` keeps its name)."""
 
-    def __init__(self, gate_up: nn.Module, down: nn.Module, activation: nn.Module) -> None:
+    def __init__(self, gate_up: nn.Module, w2: nn.Module, activation: nn.Module) -> None:
         super().__init__()
-        self.gate_up, self.down, self.activation = gate_up, down, activation
+        self.gate_up, self.w2, self.activation = gate_up, w2, activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.activation(gate) * up)
-
+        return self.w2(self.activation(gate) * up)

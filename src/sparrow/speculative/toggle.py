@@ -93,7 +93,7 @@ class AdaptiveDraft:
         Without a cost model, the draft and verify steps are assumed to cost as much as a target step
         each (the worst case for a self-drafter); the speedup is then ``tau / (k + 1)``.
         """
-        bucket = stats.bucket or stats.active_rows
+        bucket = _bucket(stats)
         ctx = stats.mean_context
         best_k, best_s = self.lengths[0], -math.inf
         for k in self.lengths:
@@ -221,7 +221,7 @@ class CostModelToggle(ToggleController):
     def predict(self, stats: StepStats) -> tuple[int, float]:
         """(draft length, predicted speedup) for the next block."""
         k, speedup = self.adaptive.best(self.costs, stats)
-        return k, speedup * self.correction(stats.bucket or stats.active_rows)
+        return k, speedup * self.correction(_bucket(stats))
 
     def correction(self, bucket: int) -> float:
         """``ratio_plain / ratio_spec`` of the measured / predicted block times at ``bucket`` (1 if unknown)."""
@@ -230,7 +230,7 @@ class CostModelToggle(ToggleController):
         return self.time_ratio.get((bucket, False), 1.0) / self.time_ratio.get((bucket, True), 1.0)
 
     def observe_block(self, stats: StepStats, *, num_draft: int, steps: int, seconds: float) -> None:
-        bucket = stats.bucket or stats.active_rows
+        bucket = _bucket(stats)
         if num_draft > 0:
             predicted = steps * self.costs.cycle(bucket, stats.mean_context, num_draft)
         else:
@@ -258,7 +258,7 @@ class CostModelToggle(ToggleController):
         if self.probe_every and self._blocks_off >= self._interval:
             self._blocks_off = 0
             k1, best_case = self.adaptive.best(self.costs, stats, alpha=1.0)
-            if best_case * self.correction(stats.bucket or stats.active_rows) >= 1.0 + self.margin:
+            if best_case * self.correction(_bucket(stats)) >= 1.0 + self.margin:
                 self.probes += 1
                 self._probing = True
                 return SpecDecision(True, k1)
@@ -275,5 +275,10 @@ class CostModelToggle(ToggleController):
         self.time_ratio.clear()
 
     def __repr__(self) -> str:
-        return (f"CostModelToggle(margin={self.margin}, hysteresis={self.hysteresis}, probe_every={self.probe_every}, "
-                f"lengths={self.adaptive.lengths}, alpha={self.adaptive.alpha:.3f})")
+        return (f"CostModelToggle(margin={self.margin}, hysteresis={self.hysteresis}, "
+                f"probe_every={self.probe_every}, lengths={self.adaptive.lengths}, alpha={self.adaptive.alpha:.3f})")
+
+
+def _bucket(stats: StepStats) -> int:
+    """The padded batch a block runs at (its active rows when the engine did not say)."""
+    return stats.bucket or stats.active_rows

@@ -96,10 +96,9 @@ def sparse_decode_attention(
         from .triton_sparse_decode import sparse_decode_op, sparse_decode_triton
 
         if not return_selection:  # the engine's path: one opaque custom op under torch.compile
+            kw.pop("return_selection")
             return sparse_decode_op(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
-                                    loc_heads, head_is_ret, top_p=cfg.top_p, block=cfg.block,
-                                    num_sinks=cfg.num_sinks, window=cfg.window, ret_window=cfg.ret_window,
-                                    scale=scale)
+                                    loc_heads, head_is_ret, **kw)
         return sparse_decode_triton(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
                                     loc_heads, head_is_ret, **kw)
     if impl == "reference":

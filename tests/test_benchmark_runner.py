@@ -1,4 +1,5 @@
-"""Benchmark JSON names no path of the machine that produced it (``runner.scrub_paths`` in ``write_json``)."""
+"""The benchmarks' shared runner: JSON that names no path of the machine that produced it (``scrub_paths`` in
+``write_json``), and the engine batch buckets."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from runner import REPO, RESULTS_DIR, scrub_paths, write_json  # noqa: E402
+from runner import REPO, RESULTS_DIR, batch_buckets, scrub_paths, write_json  # noqa: E402
 
 MACHINE_PATH = re.compile(r"(?<![\w.:/])/(?:tmp|root|home|work|opt|usr|var|mnt|Users)/")
 
@@ -46,3 +47,9 @@ def test_committed_results_name_no_machine_path(path):
     hit = MACHINE_PATH.search(text) or (str(REPO) in text and str(REPO))
     assert not hit, f"{path.name} names a machine path near {text[max(0, hit.start() - 40):hit.end() + 40]!r}" \
         if hasattr(hit, "start") else f"{path.name} names the repository's absolute path"
+
+
+def test_batch_buckets():
+    assert batch_buckets(256, 4, smallest=2) == [4, 16, 64, 256]
+    assert batch_buckets(64, 4) == [1, 4, 16, 64] and batch_buckets(48, 2) == [1, 2, 4, 8, 16, 32, 48]
+    assert batch_buckets(1, 4) == [1] and batch_buckets(4, 4, smallest=2) == [4]
