@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import math
 import shlex
 import statistics
@@ -364,6 +365,8 @@ def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) ->
 def build_parser():
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="trained model folder (train_task_model.py --out)")
+    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                   help="join finished results of this script (same settings, other seeds) into one, then stop")
     p.add_argument("--train-minutes", type=float, default=None, help="train a model first, for this long")
     p.add_argument("--model-out", default=None, help="where --train-minutes saves the model (default WORK/task_model)")
     p.add_argument("--train-args", default="", help="more train_task_model.py options for --train-minutes")
@@ -438,6 +441,8 @@ def handled_context(report: dict, task: str, bar: float = 0.5) -> int:
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        return {"out": merge(args.merge, args.out)}
     q = args.quick
     defaults = dict(steps=2 if q else 8, context=256 if q else 8192, prompts_per_step=2 if q else 8,
                     max_new=4 if q else (132 if args.task == "kv_list" else 8), eval_prompts=8 if q else 64,
@@ -579,6 +584,65 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     if failed:
         print(f"failed: {[f['run'] for f in failed]}")
     return {"rows": rows, "summary": summary, "steps": steps, "out": out_dir, "skipped": skipped, "failed": failed}
+
+
+# -- merge ------------------------------------------------------------------------------------------------
+
+# settings that may differ between runs merged into one result (everything else must be equal)
+MERGE_FREE = ("configs", "seeds", "switches", "work_dir", "recipe_base")
+
+
+def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
+    """One result from runs of this script made with the same settings but other seeds (e.g. one seed per GPU,
+    or per device call): rows and steps joined, speedups and summary recomputed. Each speedup still compares
+    runs of one process (a seed's configuration against the all_off run of that seed), so every part must
+    hold all_off for each of its seeds. Refuses parts whose settings, model or device differ, incomplete
+    parts, and (configuration, seed) pairs given twice. ``sources`` in the JSON lists the parts."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    if len(docs) < 2:
+        raise SystemExit("--merge needs at least two result files")
+    for p, d in zip(paths, docs):
+        if d.get("benchmark") != NAME:
+            raise SystemExit(f"{p}: not a {NAME} result (benchmark {d.get('benchmark')!r})")
+        if not d.get("complete"):
+            raise SystemExit(f"{p}: an incomplete run (it stopped before its last configuration)")
+        for seed in {r["seed"] for r in d["rows"]}:
+            if not any(r["seed"] == seed and r["config"] == "all_off" for r in d["rows"]):
+                raise SystemExit(f"{p}: seed {seed} has no all_off run in the same process to compare against")
+    settings = lambda d: {k: v for k, v in d["config"].items() if k not in MERGE_FREE}  # noqa: E731
+    ref = docs[0]
+    for p, d in zip(paths[1:], docs[1:]):
+        diff = sorted(k for k in set(settings(ref)) | set(settings(d)) if settings(ref).get(k) != settings(d).get(k))
+        if diff:
+            raise SystemExit(f"{p}: settings differ from {paths[0]}: {diff}")
+        if d["environment"].get("device") != ref["environment"].get("device"):
+            raise SystemExit(f"{p}: device {d['environment'].get('device')!r}, not {ref['environment'].get('device')!r}")
+    rows = [r for d in docs for r in d["rows"]]
+    pairs = [(r["config"], r["seed"]) for r in rows]
+    dup = sorted({x for x in pairs if pairs.count(x) > 1})
+    if dup:
+        raise SystemExit(f"(configuration, seed) given twice: {dup}")
+    steps = [s for d in docs for s in d["steps"]]
+    add_speedups(rows)
+    names = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
+    config = dict(ref["config"], configs=names, switches={n: CONFIGS[n] for n in names},
+                  seeds=sorted({r["seed"] for r in rows}))
+    config.pop("work_dir", None)
+    extra = {
+        "environment": ref["environment"], "summary": summarise(rows, steps), "steps": steps,
+        "calibration": ref.get("calibration"),
+        "density_probe": next((d["density_probe"] for d in docs if d.get("density_probe")), None),
+        "skipped": [x for d in docs for x in d.get("skipped", [])],
+        "failed": [x for d in docs for x in d.get("failed", [])],
+        "train_s": ref.get("train_s"), "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
+        "complete": True,
+        "sources": [{"file": Path(p).name, "configs": [c for c in CONFIGS if any(r["config"] == c for r in d["rows"])],
+                     "seeds": sorted({r["seed"] for r in d["rows"]}),
+                     "git_revision": d["environment"].get("git_revision"), "seconds": d.get("seconds"),
+                     "calibration_retrieval_heads": (d.get("calibration") or {}).get("retrieval_heads")}
+                    for p, d in zip(paths, docs)],
+    }
+    return write_json(NAME, config, rows, out_dir=out_dir, extra=extra)
 
 
 # -- plot -------------------------------------------------------------------------------------------------

@@ -283,11 +283,14 @@ def per_batch_phase(engine, prompts, args, costs, deadline=None) -> list[dict]:
         row = {"batch": b, "prompts": n_p, "samples": n_s, "new_tokens": new_tokens}
         for name, toggle in toggles(args, costs):
             engine.toggle = toggle
+            graphs = _graph_count(engine)
             sync()
             t0 = time.perf_counter()
             gen = engine.generate(prompts[:n_p], n_s, params)
             sync()
             decode_s = time.perf_counter() - t0 - gen.stats.prefill_s
+            # the stop-free params share the rollout's mode (padded stop ids): nothing may compile in here
+            row[f"{name} compiled"] = _graph_count(engine) - graphs
             row[f"{name} tok/s"] = gen.stats.generated_tokens / decode_s
             if name != "AR":
                 row[f"{name} /AR"] = row[f"{name} tok/s"] / row["AR tok/s"]
@@ -296,6 +299,12 @@ def per_batch_phase(engine, prompts, args, costs, deadline=None) -> list[dict]:
         log(f"  per-batch {b}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
                                              if k.endswith("/AR") and v is not None))
     return out
+
+
+def _graph_count(engine) -> int:
+    """Sampling modes the engine has compiled for (a new mode compiles its steps anew) plus the CUDA graphs of
+    the current one (plain decode steps and speculative cycles)."""
+    return len(engine._modes) + len(engine._graphs) + (len(engine._spec._graphs) if engine._spec is not None else 0)
 
 
 def bucket_table(rows: list[dict]) -> list[dict]:

@@ -89,3 +89,42 @@ def test_handled_context_is_the_longest_context_the_model_solves():
         bench_e2e.handled_context({"accuracy": []}, "kv_retrieval")
     with pytest.raises(SystemExit):
         bench_e2e.build_parser().parse_args(["--context", "long"])
+
+
+def _result_with_seed(seed: int) -> dict:
+    """The committed end-to-end result, its runs relabelled as ``seed``."""
+    doc = json.loads((Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "e2e.json").read_text())
+    for r in doc["rows"] + doc["steps"]:
+        r["seed"] = seed
+    doc["config"]["seeds"] = [seed]
+    return doc
+
+
+def test_merge_joins_seeds_and_refuses_what_does_not_belong_together(tmp_path):
+    a, b = _result_with_seed(0), _result_with_seed(1)
+    paths = {}
+    for name, doc in {"a": a, "b": b}.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(doc))
+    out = bench_e2e.main(["--merge", str(paths["a"]), str(paths["b"]), "--out", str(tmp_path / "m")])["out"]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["seeds"] == [0, 1] and len(doc["rows"]) == 2 * len(a["rows"])
+    assert len(doc["steps"]) == 2 * len(a["steps"]) and [s["file"] for s in doc["sources"]] == ["a.json", "b.json"]
+    assert doc["environment"] == a["environment"]  # the runs' machine, not the one that merged them
+    for r in doc["rows"]:  # each seed against the all_off run of its own process
+        base = next(x for x in doc["rows"] if x["seed"] == r["seed"] and x["config"] == "all_off")
+        assert r["speedup"] == pytest.approx(base["median_step_s"] / r["median_step_s"])
+    assert all(s["seeds"] == 2 for s in doc["summary"])
+
+    def refused(doc: dict, match: str) -> None:
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        with pytest.raises(SystemExit, match=match):
+            bench_e2e.main(["--merge", str(paths["a"]), str(bad), "--out", str(tmp_path / "x")])
+        assert not (tmp_path / "x").exists()  # nothing written
+
+    refused(a, "given twice")
+    refused(dict(b, config=dict(b["config"], context=b["config"]["context"] * 2)), "settings differ.*context")
+    refused(dict(b, complete=False), "incomplete")
+    refused(dict(b, rows=[r for r in b["rows"] if r["config"] != "all_off"]), "no all_off")
+    refused(dict(b, environment=dict(b["environment"], device="another GPU")), "device")

@@ -28,5 +28,7 @@ def test_speculative_quick_pipeline(tmp_path):
     for r in per_batch:  # each batch size held fixed, every policy timed against AR
         assert r["prompts"] * r["samples"] == r["batch"]
         assert all(r[f"{name} /AR"] > 0 for name in ("SD toggle+adaptive", "SD always k=3"))
+        # timed without compiling: the stop-free params reuse the rollout's compiled mode
+        assert all(r[f"{name} compiled"] == 0 for name in ("AR", "SD toggle+adaptive", "SD always k=3"))
     bench_speculative.plot(result, tmp_path / "speculative.png")
     assert (tmp_path / "speculative.png").stat().st_size > 10_000

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
+from sparrow.rollout.engine import STOP_SLOTS, stop_slots
 from tests.helpers import DEVICE, random_tiny
 
 PROMPT_LENS = [5, 17, 3, 30, 9]
@@ -157,10 +158,34 @@ def test_alternating_sampling_modes_keep_each_modes_compiled_step():
     step_greedy = eng._compiled_step()
     again = eng.generate(_prompts(), 2, sampled).samples
     assert eng._compiled_step() is step_sampled and step_greedy is not step_sampled
-    assert eng.stop_ids.tolist() == [1]
+    assert eng.stop_ids.tolist() == [1] + [-1] * 7
     g2 = eng.generate(_prompts(), 1, greedy).samples
-    assert eng._compiled_step() is step_greedy and eng.stop_ids.tolist() == [2, 5]
+    assert eng._compiled_step() is step_greedy and eng.stop_ids.tolist() == [2, 5] + [-1] * 6
     _assert_same(first, _engine(model, max_rows=8).generate(_prompts(), 2, sampled).samples)
     _assert_same(again, first)
     _assert_same(g1, _engine(model, max_rows=8).generate(_prompts(), 1, greedy).samples)
     _assert_same(g2, g1)
+
+
+def test_stop_sets_share_a_modes_compiled_step():
+    """The stop ids live in a padded buffer: another stop set, or none, reuses the mode's compiled step (no
+    recompile, no new CUDA graphs), and each run stops exactly where an engine that only saw its set stops.
+    More ids than the buffer holds make a mode of their own."""
+    model = random_tiny("qwen2")
+    eng = _engine(model, max_rows=8, compile=True, compile_backend="eager")
+    base = dict(temperature=0.0, max_new_tokens=8)
+    free = eng.generate(_prompts(), 1, SamplingParams(**base)).samples  # no stop ids
+    step = eng._compiled_step()
+    # stop on a token greedy decoding emits after the first one, so the stop set visibly changes the output
+    stop = int(free[0].tokens[2])
+    stopped = eng.generate(_prompts(), 1, SamplingParams(**base, stop_token_ids=(stop,))).samples
+    assert eng._compiled_step() is step and eng.stop_ids.tolist() == [stop] + [-1] * (STOP_SLOTS - 1)
+    assert stopped[0].tokens.numel() <= 3 and stopped[0].finish_reason == "stop"
+    _assert_same(stopped, _engine(model, max_rows=8).generate(
+        _prompts(), 1, SamplingParams(**base, stop_token_ids=(stop,))).samples)
+    again = eng.generate(_prompts(), 1, SamplingParams(**base)).samples
+    assert eng._compiled_step() is step
+    _assert_same(again, free)
+    many = tuple(range(40, 40 + STOP_SLOTS + 1))
+    eng.generate(_prompts(), 1, SamplingParams(**base, stop_token_ids=many))
+    assert eng._compiled_step() is not step and eng.stop_ids.numel() == stop_slots(len(many)) == 2 * STOP_SLOTS
