@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from sparrow.kernels.decode_attention import decode_attention
-from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+from sparrow.kernels.decode_attention.triton_decode import (
+    LONGEST_CUT, PROGRAMS_PER_SM, decode_attention_triton, splits_for_batch,
+)
 from tests.helpers import DEVICE, rel_err
 
 
@@ -65,6 +67,40 @@ def test_triton_matches_reference(shape, splits):
     ref = decode_attention(*args, impl="reference")
     out = decode_attention_triton(*args, num_splits=splits, min_chunk=16)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_splits_for_batch_fills_the_gpu_and_no_more():
+    """Small batches keep the cache-length bound; large ones drop to what fills the multiprocessors, never
+    below the bound / LONGEST_CUT; without a multiprocessor count nothing is cut."""
+    for max_splits in (1, 3, 8, 64):
+        got = [splits_for_batch(max_splits, rows, 2, 132) for rows in (1, 4, 16, 64, 256, 4096)]
+        assert got == sorted(got, reverse=True) and got[0] == max_splits  # more rows, fewer splits
+        assert all(max(1, -(-max_splits // LONGEST_CUT)) <= g <= max_splits for g in got)
+        for rows, g in zip((1, 4, 16, 64, 256, 4096), got):  # enough programs unless the floor or bound binds
+            assert rows * 2 * g >= min(PROGRAMS_PER_SM * 132, rows * 2 * max_splits)
+        assert splits_for_batch(max_splits, 4096, 2, None) == max_splits
+    assert splits_for_batch(64, 256, 2, 132) == 4 and splits_for_batch(64, 16, 2, 132) == 17
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 2, 1, 16, 2, 700, 3, 300), (2, 6, 2, 5, 32, 2, 900, 2, 40)],
+                         ids=["T1", "verify-T5"])
+def test_batch_fitted_splits_match_reference(shape, monkeypatch):
+    """The default launch (splits cut down to the batch) on pretend 1-, 2- and 64-multiprocessor devices:
+    rows long enough for several length splits, which the small devices cut to one or two; the same
+    attention as the reference each time."""
+    from sparrow.kernels.decode_attention import triton_decode
+
+    args = _inputs(*shape)
+    ref = decode_attention(*args, impl="reference")
+    longest = args[1].shape[2] + args[3].shape[2]
+    A, Hkv = args[0].shape[0], args[1].shape[1]
+    assert triton_decode.num_splits_for(longest) >= 3
+    chosen = set()
+    for sms in (1, 2, 64):
+        monkeypatch.setattr(triton_decode, "INTERPRETER_SM_COUNT", sms)
+        chosen.add(splits_for_batch(triton_decode.num_splits_for(longest), A, Hkv, sms))
+        assert rel_err(decode_attention_triton(*args, min_chunk=16), ref) < 1e-5
+    assert len(chosen) >= 2
 
 
 WINDOWS = [(1, 0), (5, 2), (24, 4), (40, 3), (1000, 4)]  # (window, sink); 1000 covers every row

@@ -10,6 +10,7 @@ Rows of one GRPO group read the same prefix slot: no copy of the prompt's KV is 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -178,6 +179,34 @@ def num_splits_for(max_len: int, *, max_splits: int = 64) -> int:
     return max(1, min(max_splits, -(-max_len // MIN_CHUNK)))
 
 
+PROGRAMS_PER_SM = 4  # split programs to aim for per streaming multiprocessor
+LONGEST_CUT = 16  # a batch cuts the splits by at most this factor (long rows stay spread over programs)
+
+
+INTERPRETER_SM_COUNT: int | None = None  # multiprocessors assumed off the GPU (None: no batch cut; tests set it)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int | None:
+    return _cuda_sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SM_COUNT
+
+
+def splits_for_batch(max_splits: int, rows: int, kv_heads: int, sm_count: int | None) -> int:
+    """Splits per (row, kv head): ``max_splits`` (the cache-length bound of :func:`num_splits_for`), cut
+    down to what fills ``sm_count`` multiprocessors with ``PROGRAMS_PER_SM`` programs each when the
+    ``rows x kv_heads`` programs of one split already go a long way, but not below ``max_splits /
+    LONGEST_CUT`` (so one program never walks a long row alone: rows of a batch differ in length, and the
+    longest program sets the time). ``sm_count`` None: no cut."""
+    if sm_count is None:
+        return max_splits
+    want = -(-PROGRAMS_PER_SM * sm_count // (rows * kv_heads))
+    return max(1, -(-max_splits // LONGEST_CUT), min(max_splits, want))
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -196,24 +225,30 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Launch the split + merge kernels (as the custom op ``sparrow::decode_attention``, opaque to
     ``torch.compile`` and safe inside CUDA graphs). ``window``: attend only to the first ``sink`` and the
-    last ``window`` positions of each row (``None``: all)."""
+    last ``window`` positions of each row (``None``: all). ``num_splits``: splits per (row, kv head),
+    exactly; default: bounded by the cache length (:func:`num_splits_for`) and, on a GPU, by the batch
+    (:func:`splits_for_batch`, decided when the op runs, i.e. once per captured CUDA graph)."""
+    fit_batch = num_splits is None
     if num_splits is None:
         longest = prefix_k.shape[2] + gen_k.shape[2]
         num_splits = num_splits_for(longest if window is None else min(longest, window + sink))
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return _decode_attention_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
-                                float(scale), int(num_splits), int(min_chunk), int(window or 0), int(sink))
+                                float(scale), int(num_splits), int(min_chunk), int(window or 0), int(sink),
+                                bool(fit_batch))
 
 
 @torch.library.custom_op("sparrow::decode_attention", mutates_args=())
 def _decode_attention_op(
     q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, gen_k: torch.Tensor, gen_v: torch.Tensor,
     row_slot: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor,
-    scale: float, num_splits: int, min_chunk: int, window: int, sink: int,
+    scale: float, num_splits: int, min_chunk: int, window: int, sink: int, fit_batch: bool = False,
 ) -> torch.Tensor:
     A, Hq, T, D = q.shape
     Hkv = prefix_k.shape[1]
     qpk = Hq // Hkv
+    if fit_batch:  # here the batch is a plain int, whatever the caller's compiled graph holds symbolically
+        num_splits = splits_for_batch(num_splits, A, Hkv, _sm_count(q.device))
     q = q.contiguous()
     block_m = max(16, triton.next_power_of_2(T * qpk))
     block_n = 64 if D <= 64 or block_m <= 64 else 32
@@ -244,5 +279,5 @@ def _decode_attention_op(
 
 @_decode_attention_op.register_fake
 def _(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, scale, num_splits,
-      min_chunk, window, sink):
+      min_chunk, window, sink, fit_batch=False):
     return q.new_empty(q.shape)  # contiguous, as the real op's output (q may arrive as a strided view)

@@ -1,0 +1,134 @@
+"""Dense decode / verify attention over the engine's two-level KV cache: split count by cache length alone
+against split count fitted to the batch, and both against the bandwidth floor.
+
+Question: how close does the split-KV Triton kernel (``sparrow.kernels.decode_attention``) come to reading
+the KV cache at memory speed, for one decode token per row (``T = 1``) and for speculative verification
+(``T = k + 1`` queries per row), at the active batch sizes of a long-tailed rollout? Every split writes a
+partial output of all its queries (fp32) that a merge kernel reads back: with as many splits as the cache
+length allows (``length``: up to 64) that traffic grows with ``T`` and the batch, and at 256 rows of verify
+queries it rivals the KV bytes themselves. ``batch`` (the default launch) keeps only the splits needed to
+fill the GPU (:func:`~sparrow.kernels.decode_attention.triton_decode.splits_for_batch`).
+
+Workload: one attention layer of Qwen2.5-0.5B (14 q heads, 2 kv heads, head_dim 64) and -1.5B (12 / 2 / 128),
+bf16; ``A`` rows, each with its own prompt slot (lengths uniform in ``[--min-prompt, --max-prompt]``) and
+generation slot (``--generated`` tokens cached); random q / K / V. Each launch is replayed as a CUDA graph,
+median of CUDA events. ``floor_ms``: the KV bytes the rows attend to, read once at the device-to-device copy
+bandwidth measured in the same run. Correctness: the batch-fitted output against the length-split one, and
+both against the eager reference on a few rows.
+
+Usage: ``python benchmarks/bench_decode_attention.py`` (H200: ~1 min), ``--quick`` (CPU, interpreter).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runner import (  # noqa: E402
+    base_parser, copy_bandwidth_gbs, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda,
+    write_json,
+)
+
+triton_interpreter_without_cuda()  # before anything imports triton
+from sparrow.kernels.decode_attention import decode_attention  # noqa: E402
+from sparrow.kernels.decode_attention import triton_decode as td  # noqa: E402
+
+NAME = "decode_attention"
+MODELS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}  # q heads, kv heads, head_dim
+
+
+def inputs(A, Hq, Hkv, D, T, min_prompt, max_prompt, generated, dev, dtype, g):
+    """Random caches made on the device (``g``: a generator there) and prompt lengths drawn on the host."""
+    Lp, Lg = max_prompt, generated + T
+    rand = lambda *shape: torch.randn(*shape, generator=g, device=dev, dtype=dtype)  # noqa: E731
+    q, pk, pv, gk, gv = rand(A, Hq, T, D), rand(A, Hkv, Lp, D), rand(A, Hkv, Lp, D), rand(A, Hkv, Lg, D), rand(A, Hkv, Lg, D)
+    slots = torch.arange(A, device=dev)
+    host = torch.Generator().manual_seed(A * 1000 + T)
+    plen = torch.randint(min_prompt, max_prompt + 1, (A,), generator=host).to(dev)
+    clen = torch.full((A,), generated, device=dev)
+    return q, pk, pv, gk, gv, slots, slots, plen, clen
+
+
+def run(args) -> None:
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    models = {"tiny": (4, 2, 16)} if args.quick else MODELS
+    batches = [1, 3] if args.quick else [1, 4, 16, 64, 256]
+    Ts = [1, 3] if args.quick else [1, 3, 5, 9]
+    min_p, max_p, gen = (40, 700, 20) if args.quick else (args.min_prompt, args.max_prompt, args.generated)
+    if args.quick:
+        td.INTERPRETER_SM_COUNT = 2  # so the batch fit cuts splits under the interpreter too
+    gbps = copy_bandwidth_gbs() if cuda else None
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    for model, (Hq, Hkv, D) in models.items():
+        for A in batches:
+            for T in Ts:
+                x = inputs(A, Hq, Hkv, D, T, min_p, max_p, gen, dev, dtype, g)
+                longest = x[1].shape[2] + x[3].shape[2]
+                length_splits = td.num_splits_for(longest)
+                batch_splits = td.splits_for_batch(length_splits, A, Hkv, td._sm_count(dev))
+                calls = {
+                    "length": lambda: td.decode_attention_triton(*x, num_splits=length_splits),
+                    "batch": lambda: td.decode_attention_triton(*x),
+                }
+                outs = {k: fn() for k, fn in calls.items()}
+                err = float((outs["batch"].float() - outs["length"].float()).norm() / outs["length"].float().norm())
+                n = min(A, 2)  # the eager reference on a few rows
+                ref = decode_attention(*(t[:n] for t in x[:1]), *x[1:5], *(t[:n] for t in x[5:]), impl="reference")
+                ref_err = float((outs["batch"][:n].float() - ref.float()).norm() / ref.float().norm())
+                t = {k: measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"] for k, fn in calls.items()}
+                kv_bytes = int((x[7] + x[8] + T).sum()) * Hkv * D * 2 * x[1].element_size()
+                row = {"model": model, "A": A, "T": T, "length_splits": length_splits, "batch_splits": batch_splits,
+                       "length_ms": t["length"], "batch_ms": t["batch"], "speedup": t["length"] / t["batch"],
+                       "kv_mb": kv_bytes / 1e6, "floor_ms": kv_bytes / (gbps * 1e6) if gbps else None,
+                       "batch_vs_floor": (kv_bytes / (gbps * 1e6)) / t["batch"] if gbps else None,
+                       "rel_err_batch_vs_length": err, "rel_err_vs_reference": ref_err}
+                rows.append(row)
+                print_table([row], list(row))
+                tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+                assert err < tol and ref_err < tol, f"outputs disagree: {err:.3g}, {ref_err:.3g} (A={A}, T={T})"
+                del x, outs
+    print()
+    print_table(rows, ["model", "A", "T", "length_splits", "batch_splits", "length_ms", "batch_ms", "speedup",
+                       "floor_ms", "batch_vs_floor"])
+    write_json(NAME, {"models": models, "batches": batches, "T": Ts, "min_prompt": min_p, "max_prompt": max_p,
+                      "generated": gen, "dtype": str(dtype), "iters": args.iters, "copy_GBps": gbps,
+                      "programs_per_sm": td.PROGRAMS_PER_SM, "longest_cut": td.LONGEST_CUT}, rows, args.out)
+
+
+def plot(result: dict, png_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for i, T in enumerate(sorted({r["T"] for r in rows})):
+            rs = sorted((r for r in rows if r["model"] == model and r["T"] == T), key=lambda r: r["A"])
+            a = [r["A"] for r in rs]
+            ax.plot(a, [r["length_ms"] for r in rs], "s--", color=f"C{i}", ms=4, label=f"T={T}: splits by length")
+            ax.plot(a, [r["batch_ms"] for r in rs], "o-", color=f"C{i}", ms=4, label=f"T={T}: fitted to the batch")
+            if all(r.get("floor_ms") for r in rs) and i == 0:
+                ax.plot(a, [r["floor_ms"] for r in rs], ":", color="k", label="KV read at copy speed (T=1)")
+        ax.set(xscale="log", yscale="log", xlabel="rows (active batch)", ylabel="ms per launch", title=model)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    save_figure(fig, png_path, f"Decode / verify attention, one layer ({result['environment'].get('device', '')})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--min-prompt", type=int, default=2048)
+    p.add_argument("--max-prompt", type=int, default=28672)
+    p.add_argument("--generated", type=int, default=2048)
+    run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""The decode-attention benchmark on CPU (its ``--quick`` path, under the Triton interpreter): JSON and plot."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bench_decode_attention  # noqa: E402
+
+
+def test_decode_attention_quick(tmp_path, monkeypatch):
+    from sparrow.kernels.decode_attention import triton_decode
+
+    monkeypatch.setattr(triton_decode, "INTERPRETER_SM_COUNT", None)  # the quick run sets it; put it back after
+    bench_decode_attention.main(["--quick", "--out", str(tmp_path), "--iters", "1"])
+    doc = json.loads((tmp_path / "decode_attention.json").read_text())
+    rows = doc["rows"]
+    assert {(r["A"], r["T"]) for r in rows} == {(a, t) for a in (1, 3) for t in (1, 3)}
+    for r in rows:
+        assert r["rel_err_batch_vs_length"] < 1e-4 and r["rel_err_vs_reference"] < 1e-4
+        assert 1 <= r["batch_splits"] <= r["length_splits"]
+    assert any(r["batch_splits"] < r["length_splits"] for r in rows)  # the quick run exercises the batch cut
+    bench_decode_attention.plot(doc, tmp_path / "decode_attention.png")
+    assert (tmp_path / "decode_attention.png").stat().st_size > 10_000
