@@ -92,7 +92,6 @@ def run(args) -> None:
                 print_table([row], list(row))
                 tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
                 assert err < tol and ref_err < tol, f"outputs disagree: {err:.3g}, {ref_err:.3g} (A={A}, T={T})"
-                del x, outs
     print()
     print_table(rows, ["model", "A", "T", "length_splits", "batch_splits", "length_ms", "batch_ms", "speedup",
                        "floor_ms", "batch_vs_floor"])
