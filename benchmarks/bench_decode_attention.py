@@ -71,7 +71,7 @@ def run(args) -> None:
                 x = inputs(A, Hq, Hkv, D, T, min_p, max_p, gen, dev, dtype, g)
                 longest = x[1].shape[2] + x[3].shape[2]
                 length_splits = td.num_splits_for(longest)
-                batch_splits = td.splits_for_batch(length_splits, A, Hkv, td._sm_count(dev))
+                batch_splits = td.splits_for_batch(length_splits, A, Hkv, td._sm_count(dev), T)
                 calls = {
                     "length": lambda: td.decode_attention_triton(*x, num_splits=length_splits),
                     "batch": lambda: td.decode_attention_triton(*x),
@@ -92,12 +92,36 @@ def run(args) -> None:
                 print_table([row], list(row))
                 tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
                 assert err < tol and ref_err < tol, f"outputs disagree: {err:.3g}, {ref_err:.3g} (A={A}, T={T})"
+    sweep = split_sweep(args, dev, dtype, g, min_p, max_p, gen) if args.sweep else []
     print()
     print_table(rows, ["model", "A", "T", "length_splits", "batch_splits", "length_ms", "batch_ms", "speedup",
                        "floor_ms", "batch_vs_floor"])
     write_json(NAME, {"models": models, "batches": batches, "T": Ts, "min_prompt": min_p, "max_prompt": max_p,
                       "generated": gen, "dtype": str(dtype), "iters": args.iters, "copy_GBps": gbps,
-                      "programs_per_sm": td.PROGRAMS_PER_SM, "longest_cut": td.LONGEST_CUT}, rows, args.out)
+                      "programs_per_sm": td.PROGRAMS_PER_SM, "decode_programs_per_sm": td.DECODE_PROGRAMS_PER_SM,
+                      "longest_cut": td.LONGEST_CUT}, rows, args.out, extra={"sweep": sweep} if sweep else None)
+
+
+def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
+    """Every power-of-two split count at a few (rows, T) of the first model: where the optimum lies, and
+    what the batch-fitted choice costs against it."""
+    Hq, Hkv, D = next(iter(MODELS.values())) if not args.quick else (4, 2, 16)
+    out = []
+    for A in ([3] if args.quick else [16, 64, 256]):
+        for T in ([1, 3] if args.quick else [1, 5]):
+            x = inputs(A, Hq, Hkv, D, T, min_p, max_p, gen, dev, dtype, g)
+            cap = td.num_splits_for(x[1].shape[2] + x[3].shape[2])
+            chosen = td.splits_for_batch(cap, A, Hkv, td._sm_count(dev), T)
+            counts = sorted({2 ** i for i in range(cap.bit_length()) if 2 ** i <= cap} | {chosen, cap})
+            row = {"A": A, "T": T, "chosen": chosen}
+            for n in counts:
+                fn = lambda n=n: td.decode_attention_triton(*x, num_splits=n)  # noqa: E731
+                row[f"{n}_ms"] = measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"]
+            best = min(counts, key=lambda n: row[f"{n}_ms"])
+            row.update(best=best, chosen_vs_best=row[f"{best}_ms"] / row[f"{chosen}_ms"])
+            out.append(row)
+            print_table([row], list(row))
+    return out
 
 
 def plot(result: dict, png_path: Path) -> None:
@@ -126,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-prompt", type=int, default=2048)
     p.add_argument("--max-prompt", type=int, default=28672)
     p.add_argument("--generated", type=int, default=2048)
+    p.add_argument("--sweep", action="store_true", help="also time every power-of-two split count at a few shapes")
     run(p.parse_args(argv))
 
 

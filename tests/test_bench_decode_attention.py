@@ -16,7 +16,7 @@ def test_decode_attention_quick(tmp_path, monkeypatch):
     from sparrow.kernels.decode_attention import triton_decode
 
     monkeypatch.setattr(triton_decode, "INTERPRETER_SM_COUNT", None)  # the quick run sets it; put it back after
-    bench_decode_attention.main(["--quick", "--out", str(tmp_path), "--iters", "1"])
+    bench_decode_attention.main(["--quick", "--out", str(tmp_path), "--iters", "1", "--sweep"])
     doc = json.loads((tmp_path / "decode_attention.json").read_text())
     rows = doc["rows"]
     assert {(r["A"], r["T"]) for r in rows} == {(a, t) for a in (1, 3) for t in (1, 3)}
@@ -26,3 +26,5 @@ def test_decode_attention_quick(tmp_path, monkeypatch):
     assert any(r["batch_splits"] < r["length_splits"] for r in rows)  # the quick run exercises the batch cut
     bench_decode_attention.plot(doc, tmp_path / "decode_attention.png")
     assert (tmp_path / "decode_attention.png").stat().st_size > 10_000
+    for r in doc["sweep"]:  # every split count timed; the chosen one among them
+        assert f"{r['chosen']}_ms" in r and f"{r['best']}_ms" in r and 0 < r["chosen_vs_best"] <= 1

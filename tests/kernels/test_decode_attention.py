@@ -5,7 +5,7 @@ import torch
 
 from sparrow.kernels.decode_attention import decode_attention
 from sparrow.kernels.decode_attention.triton_decode import (
-    LONGEST_CUT, PROGRAMS_PER_SM, decode_attention_triton, splits_for_batch,
+    DECODE_PROGRAMS_PER_SM, LONGEST_CUT, PROGRAMS_PER_SM, decode_attention_triton, splits_for_batch,
 )
 from tests.helpers import DEVICE, rel_err
 
@@ -70,16 +70,20 @@ def test_triton_matches_reference(shape, splits):
 
 
 def test_splits_for_batch_fills_the_gpu_and_no_more():
-    """Small batches keep the cache-length bound; large ones drop to what fills the multiprocessors, never
-    below the bound / LONGEST_CUT; without a multiprocessor count nothing is cut."""
-    for max_splits in (1, 3, 8, 64):
-        got = [splits_for_batch(max_splits, rows, 2, 132) for rows in (1, 4, 16, 64, 256, 4096)]
-        assert got == sorted(got, reverse=True) and got[0] == max_splits  # more rows, fewer splits
-        assert all(max(1, -(-max_splits // LONGEST_CUT)) <= g <= max_splits for g in got)
-        for rows, g in zip((1, 4, 16, 64, 256, 4096), got):  # enough programs unless the floor or bound binds
-            assert rows * 2 * g >= min(PROGRAMS_PER_SM * 132, rows * 2 * max_splits)
-        assert splits_for_batch(max_splits, 4096, 2, None) == max_splits
-    assert splits_for_batch(64, 256, 2, 132) == 4 and splits_for_batch(64, 16, 2, 132) == 17
+    """Small batches keep the cache-length bound; large ones drop to what fills the multiprocessors (more
+    programs for one decode token than for verify tokens), never below the bound / LONGEST_CUT; without a
+    multiprocessor count nothing is cut."""
+    sizes = (1, 4, 16, 64, 256, 4096)
+    for tokens, per_sm in ((1, DECODE_PROGRAMS_PER_SM), (5, PROGRAMS_PER_SM)):
+        for max_splits in (1, 3, 8, 64):
+            got = [splits_for_batch(max_splits, rows, 2, 132, tokens) for rows in sizes]
+            assert got == sorted(got, reverse=True) and got[0] == max_splits  # more rows, fewer splits
+            assert all(max(1, -(-max_splits // LONGEST_CUT)) <= g <= max_splits for g in got)
+            for rows, g in zip(sizes, got):  # enough programs unless the floor or bound binds
+                assert rows * 2 * g >= min(per_sm * 132, rows * 2 * max_splits)
+            assert splits_for_batch(max_splits, 4096, 2, None, tokens) == max_splits
+    assert [splits_for_batch(64, a, 2, 132, 5) for a in (16, 64, 256)] == [17, 5, 4]
+    assert [splits_for_batch(64, a, 2, 132, 1) for a in (16, 64, 256)] == [64, 17, 5]
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 2, 1, 16, 2, 700, 3, 300), (2, 6, 2, 5, 32, 2, 900, 2, 40)],
@@ -98,7 +102,7 @@ def test_batch_fitted_splits_match_reference(shape, monkeypatch):
     chosen = set()
     for sms in (1, 2, 64):
         monkeypatch.setattr(triton_decode, "INTERPRETER_SM_COUNT", sms)
-        chosen.add(splits_for_batch(triton_decode.num_splits_for(longest), A, Hkv, sms))
+        chosen.add(splits_for_batch(triton_decode.num_splits_for(longest), A, Hkv, sms, args[0].shape[2]))
         assert rel_err(decode_attention_triton(*args, min_chunk=16), ref) < 1e-5
     assert len(chosen) >= 2
 

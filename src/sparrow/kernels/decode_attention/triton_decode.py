@@ -179,10 +179,9 @@ def num_splits_for(max_len: int, *, max_splits: int = 64) -> int:
     return max(1, min(max_splits, -(-max_len // MIN_CHUNK)))
 
 
-PROGRAMS_PER_SM = 4  # split programs to aim for per streaming multiprocessor
+PROGRAMS_PER_SM = 4  # split programs to aim for per streaming multiprocessor (verify: several query tokens)
+DECODE_PROGRAMS_PER_SM = 16  # the same for one decode token per row, whose partial outputs are small
 LONGEST_CUT = 16  # a batch cuts the splits by at most this factor (long rows stay spread over programs)
-
-
 INTERPRETER_SM_COUNT: int | None = None  # multiprocessors assumed off the GPU (None: no batch cut; tests set it)
 
 
@@ -195,15 +194,17 @@ def _sm_count(device: torch.device) -> int | None:
     return _cuda_sm_count(device.index or 0) if device.type == "cuda" else INTERPRETER_SM_COUNT
 
 
-def splits_for_batch(max_splits: int, rows: int, kv_heads: int, sm_count: int | None) -> int:
+def splits_for_batch(max_splits: int, rows: int, kv_heads: int, sm_count: int | None, tokens: int = 1) -> int:
     """Splits per (row, kv head): ``max_splits`` (the cache-length bound of :func:`num_splits_for`), cut
-    down to what fills ``sm_count`` multiprocessors with ``PROGRAMS_PER_SM`` programs each when the
-    ``rows x kv_heads`` programs of one split already go a long way, but not below ``max_splits /
-    LONGEST_CUT`` (so one program never walks a long row alone: rows of a batch differ in length, and the
-    longest program sets the time). ``sm_count`` None: no cut."""
+    down to what fills ``sm_count`` multiprocessors with ``PROGRAMS_PER_SM`` programs each
+    (``DECODE_PROGRAMS_PER_SM`` for ``tokens == 1`` new token per row: its partial outputs cost little, and
+    more programs balance rows of different lengths better) when the ``rows x kv_heads`` programs of one
+    split already go a long way, but not below ``max_splits / LONGEST_CUT`` (so one program never walks a
+    long row alone: the longest program sets the time). ``sm_count`` None: no cut."""
     if sm_count is None:
         return max_splits
-    want = -(-PROGRAMS_PER_SM * sm_count // (rows * kv_heads))
+    per_sm = DECODE_PROGRAMS_PER_SM if tokens == 1 else PROGRAMS_PER_SM
+    want = -(-per_sm * sm_count // (rows * kv_heads))
     return max(1, -(-max_splits // LONGEST_CUT), min(max_splits, want))
 
 
@@ -248,7 +249,7 @@ def _decode_attention_op(
     Hkv = prefix_k.shape[1]
     qpk = Hq // Hkv
     if fit_batch:  # here the batch is a plain int, whatever the caller's compiled graph holds symbolically
-        num_splits = splits_for_batch(num_splits, A, Hkv, _sm_count(q.device))
+        num_splits = splits_for_batch(num_splits, A, Hkv, _sm_count(q.device), T)
     q = q.contiguous()
     block_m = max(16, triton.next_power_of_2(T * qpk))
     block_n = 64 if D <= 64 or block_m <= 64 else 32
