@@ -42,6 +42,10 @@ def triton_interpreter_without_cuda() -> None:
 
 
 def git_revision() -> str:
+    """``SPARROW_GIT_REVISION`` when set (a copy of the tree whose ``.git`` is not the one it came from), else
+    the checkout's short HEAD, ``+dirty`` with uncommitted changes to tracked files."""
+    if os.environ.get("SPARROW_GIT_REVISION"):
+        return os.environ["SPARROW_GIT_REVISION"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
