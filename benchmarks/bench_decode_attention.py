@@ -52,7 +52,23 @@ def inputs(A, Hq, Hkv, D, T, min_prompt, max_prompt, generated, dev, dtype, g):
     return q, pk, pv, gk, gv, slots, slots, plen, clen
 
 
+def splits(x, T: int, dev: torch.device) -> tuple[int, int]:
+    """(splits by cache length, splits the default launch fits to the batch) for inputs ``x``."""
+    cap = td.num_splits_for(x[1].shape[2] + x[3].shape[2])
+    return cap, td.splits_for_batch(cap, x[0].shape[0], x[1].shape[1], td._sm_count(dev), T)
+
+
 def run(args) -> None:
+    if not args.quick:
+        return _run(args)
+    saved, td.INTERPRETER_SM_COUNT = td.INTERPRETER_SM_COUNT, 2  # so the batch fit cuts splits under the interpreter
+    try:
+        return _run(args)
+    finally:
+        td.INTERPRETER_SM_COUNT = saved
+
+
+def _run(args) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -60,8 +76,6 @@ def run(args) -> None:
     batches = [1, 3] if args.quick else [1, 4, 16, 64, 256]
     Ts = [1, 3] if args.quick else [1, 3, 5, 9]
     min_p, max_p, gen = (40, 700, 20) if args.quick else (args.min_prompt, args.max_prompt, args.generated)
-    if args.quick:
-        td.INTERPRETER_SM_COUNT = 2  # so the batch fit cuts splits under the interpreter too
     gbps = copy_bandwidth_gbs() if cuda else None
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -69,9 +83,7 @@ def run(args) -> None:
         for A in batches:
             for T in Ts:
                 x = inputs(A, Hq, Hkv, D, T, min_p, max_p, gen, dev, dtype, g)
-                longest = x[1].shape[2] + x[3].shape[2]
-                length_splits = td.num_splits_for(longest)
-                batch_splits = td.splits_for_batch(length_splits, A, Hkv, td._sm_count(dev), T)
+                length_splits, batch_splits = splits(x, T, dev)
                 calls = {
                     "length": lambda: td.decode_attention_triton(*x, num_splits=length_splits),
                     "batch": lambda: td.decode_attention_triton(*x),
@@ -110,8 +122,7 @@ def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
     for A in ([3] if args.quick else [16, 64, 256]):
         for T in ([1, 3] if args.quick else [1, 5]):
             x = inputs(A, Hq, Hkv, D, T, min_p, max_p, gen, dev, dtype, g)
-            cap = td.num_splits_for(x[1].shape[2] + x[3].shape[2])
-            chosen = td.splits_for_batch(cap, A, Hkv, td._sm_count(dev), T)
+            cap, chosen = splits(x, T, dev)
             counts = sorted({2 ** i for i in range(cap.bit_length()) if 2 ** i <= cap} | {chosen, cap})
             row = {"A": A, "T": T, "chosen": chosen}
             for n in counts:

@@ -28,9 +28,6 @@ from sparrow.rollout.sampling import SamplingParams, process_logits, row_keys, s
 from sparrow.speculative.base import Drafter, ToggleController
 
 FinishReason = Literal["stop", "length"]
-
-
-
 STOP_SLOTS = 8  # stop-id buffer entries; a mode's compiled steps and graphs are shared by all stop sets that fit
 
 
@@ -40,6 +37,7 @@ def stop_slots(n: int) -> int:
     while slots < n:
         slots *= 2
     return slots
+
 
 @dataclass(frozen=True)
 class EngineConfig:
