@@ -4,8 +4,11 @@ The model comes from ``train_task_model.py`` (``--model DIR``), or is trained fi
 (``--train-minutes M``). Dense accuracy is measured first at every context; then:
 
 1. **Calibration** (``sparrow.calibrate``) at the longest context where a task's dense accuracy reaches
-   ``--handled``: the retrieval-head profile (``profile_heads``' scores, ``head_scores``, computed once and
-   cut at each configuration's ratio) on task prompts with their answers appended, where a span really is
+   ``--handled``: the retrieval-head profile (``--head-scores``: ``ablation``, the default, scores a kv head
+   by how much the answer spans' loss rises when that head alone keeps only sinks + the window
+   (``ablation_scores``); ``attention`` by the attention mass the second copy puts on the first
+   (``head_scores``); computed once and cut at each configuration's ratio) on task prompts with their
+   answers appended, where a span really is
    repeated — the multi-key pair ``key=value`` in the context and ``?key=`` + answer at the end; for
    variable tracking the asked variable's statement / the question, and the chain's number / the answer —
    and ``fit_indexer`` (forward-KL distillation) on other task sequences. Its per-head report gives the
@@ -62,7 +65,7 @@ from sparrow.attention.rtpurbo import (  # noqa: E402
     rtpurbo_attention,
     rtpurbo_backends,
 )
-from sparrow.calibrate import CalibrationSequence, fit_indexer, head_scores  # noqa: E402
+from sparrow.calibrate import CalibrationSequence, ablation_scores, fit_indexer, head_scores  # noqa: E402
 from sparrow.models import use_attention  # noqa: E402
 from sparrow.rl.tokenizer import CharTokenizer  # noqa: E402
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
@@ -312,9 +315,13 @@ def run(args) -> dict:
     # -- calibration: profile once, fit one indexer per (block, top_p) for the largest head set
     t = time.perf_counter()
     seqs = calibration_sequences(calib_len, args.profile_seqs)
-    scores = head_scores(model, seqs)
+    if args.head_scores == "ablation":  # the smallest window and sinks of the configurations: the strictest test
+        scores = ablation_scores(model, seqs, window=min(c.window for c in rt_configs.values()),
+                                 sinks=min(c.num_sinks for c in rt_configs.values()))
+    else:
+        scores = head_scores(model, seqs)
     ratios = sorted({c.retrieval_ratio for c in rt_configs.values()})
-    meta = {"method": "task spans (kv pair / question; vt statement / question; vt number / answer)",
+    meta = {"method": f"{args.head_scores}; task spans (kv pair / question; vt statement / question; vt number / answer)",
             "num_sequences": len(seqs), "seq_len": calib_len + 1}
     big = HeadProfile.from_scores(scores, ratios[-1], meta=meta)
     fits: dict[tuple[int, float], tuple[IndexerWeights, object]] = {}
@@ -511,6 +518,8 @@ def build_parser():
     p.add_argument("--prefill-impl", default="reference", choices=["auto", "reference", "flex"],
                    help="reference: same selection with dense masks (no FlexAttention compilation)")
     p.add_argument("--profile-seqs", type=int, default=None, help="examples per task for head profiling")
+    p.add_argument("--head-scores", default="ablation", choices=["ablation", "attention"],
+                   help="how retrieval heads are chosen: loss when a head is made local, or attention mass")
     p.add_argument("--fit-seqs", type=int, default=None)
     p.add_argument("--fit-steps", type=int, default=None)
     p.add_argument("--fit-lr", type=float, default=3e-3)

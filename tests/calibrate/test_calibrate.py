@@ -5,6 +5,7 @@ import torch
 
 from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig, rtpurbo_attention, rtpurbo_backends
 from sparrow.calibrate import (
+    ablation_scores,
     fit_indexer,
     head_scores,
     indexer_from_model,
@@ -45,6 +46,63 @@ def test_profile_finds_a_planted_copy_head():
     prof = profile_heads(model, seqs, 0.25)
     assert prof.retrieval.tolist() == [[False, False], [False, True]]
     assert prof.meta["seq_len"] == 160
+
+
+def test_local_head_restricts_one_head_and_restores_the_model():
+    """Inside ``local_head`` only the chosen kv head's query heads change, and they equal attention over sinks +
+    window computed by hand; on exit the model is dense again. A window covering the whole sequence changes
+    nothing."""
+    from sparrow.calibrate.capture import capture_attention, local_head
+
+    model = random_tiny("qwen2", std=0.1)
+    tokens = torch.randint(0, 64, (1, 40))
+    dense = model(tokens)
+    seen = {}
+
+    def grab(layer, t):
+        seen[layer] = t
+
+    with capture_attention(model, grab, {1}):
+        model(tokens)
+    q, k, v = seen[1]["q"], seen[1]["k"], seen[1]["v"]
+    backend = model.layers[1].attn.backend
+    with local_head(model, 1, 1, window=5, sinks=2):
+        out = backend.forward_train(q, k, v)
+        assert not torch.equal(model(tokens), dense)
+    ref = backend.forward_train(q, k, v)
+    qpk = q.shape[1] // k.shape[1]
+    assert torch.equal(out[:, :qpk], ref[:, :qpk])  # kv head 0's query heads: untouched
+    S = q.shape[2]
+    for i in (0, 3, 20, S - 1):  # kv head 1's: sinks 0, 1 and the last 5 positions up to i, by hand
+        keep = [j for j in range(i + 1) if j < 2 or j > i - 5]
+        for h in range(qpk, 2 * qpk):
+            w = torch.softmax(q[0, h, i] @ k[0, 1, keep].T / q.shape[-1] ** 0.5, -1)
+            torch.testing.assert_close(out[0, h, i], w @ v[0, 1, keep], rtol=1e-5, atol=1e-5)
+    assert torch.equal(model(tokens), dense)  # restored
+    with local_head(model, 0, 0, window=S, sinks=0):
+        assert torch.equal(model(tokens), dense) or torch.allclose(model(tokens), dense, atol=1e-5)
+
+
+def test_ablation_scores_find_the_head_the_answer_needs_not_the_one_that_only_looks():
+    """Two copy heads: layer 1's carries what it reads into the logits (the planted retrieval model); layer 0's
+    kv head 0 attends to the first copy just as well but its values are zero, so nothing it reads reaches the
+    output. Attention mass ranks both high; the ablation ranks the carrying head first and the looking-only
+    head at zero. A window over the whole sequence costs nothing anywhere."""
+    model = _planted_copy_model()
+    attn = model.layers[0].attn
+    with torch.no_grad():
+        d = attn.head_dim
+        attn.k_proj.weight[:d] = attn.q_proj.weight[:d] = 4.0 * torch.randn(d, 64)
+        attn.q_proj.weight[d:2 * d] = attn.k_proj.weight[:d]
+        attn.pos_embeddings = None
+        attn.v_proj.weight[:d] = 0.0
+    seqs = repeat_span_sequences(2, 160, 64, span=16, seed=0)
+    looks = head_scores(model, seqs)
+    assert looks[0, 0] > 2 * max(looks[0, 1], looks[1, 0])  # attention mass: the looking-only head stands out
+    scores = ablation_scores(model, seqs, window=8, sinks=2)
+    assert scores.shape == (2, 2) and scores.argmax() == 3 and scores[1, 1] > 10 * scores.flatten()[:3].max()
+    assert abs(scores[0, 0]) < 1e-5  # zero values: local or not, the same output
+    assert ablation_scores(model, seqs, window=160, sinks=0).abs().max() < 1e-4
 
 
 def test_fit_indexer_reduces_kl_and_round_trips(tmp_path):

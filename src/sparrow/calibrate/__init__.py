@@ -21,8 +21,10 @@ from sparrow.calibrate.indexer import (
     refresh_indexer,
 )
 from sparrow.calibrate.io import load_rtpurbo, rtpurbo_from_checkpoint, save_rtpurbo
-from sparrow.calibrate.profile import CalibrationSequence, head_scores, profile_heads, repeat_span_sequences
+from sparrow.calibrate.profile import (
+    CalibrationSequence, ablation_scores, head_scores, profile_heads, repeat_span_sequences,
+)
 
 __all__ = ["capture_attention", "main", "HeadReport", "IndexerReport", "apply_indexer", "fit_indexer",
            "indexer_from_model", "refresh_indexer", "load_rtpurbo", "rtpurbo_from_checkpoint", "save_rtpurbo", "CalibrationSequence",
-           "head_scores", "profile_heads", "repeat_span_sequences"]
+           "ablation_scores", "head_scores", "profile_heads", "repeat_span_sequences"]

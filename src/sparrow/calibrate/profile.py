@@ -4,7 +4,8 @@ A calibration sequence is random tokens with one span repeated: once near the st
 A head that retrieves puts attention mass, from the second copy's queries, on the first copy; a local head
 does not (the first copy is far outside any window). The score of a kv head is that mass, averaged over
 the second copy's queries and the head's query group; the top ``ratio`` of (layer, kv head) pairs of the
-whole model become retrieval heads.
+whole model become retrieval heads. :func:`ablation_scores` scores a head instead by what the model loses
+(the change of its predictions) when that head alone keeps only sinks + a window.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import math
 from typing import NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparrow.attention.rtpurbo import HeadProfile
-from sparrow.calibrate.capture import capture_attention
+from sparrow.calibrate.capture import capture_attention, local_head
 from sparrow.models.attention import attention_modules
 
 
@@ -92,6 +94,44 @@ def head_scores(model: nn.Module, sequences: Sequence[CalibrationSequence], *, p
             current["seq"] = s
             model(s.tokens[None].to(device))
     return (total / max(len(seqs), 1)).float()
+
+
+@torch.no_grad()
+def ablation_scores(model: nn.Module, sequences: Sequence[CalibrationSequence], *, window: int, sinks: int = 4,
+                    progress: bool = False) -> torch.Tensor:
+    """[num_layers, num_kv_heads] float32: how much the model's predictions change when one kv head loses
+    full attention. For every (layer, kv head), that head alone attends only to ``sinks`` + the last
+    ``window`` positions (a non-retrieval head), and the score is the forward KL divergence from the dense
+    model's next-token distributions to the changed ones, averaged over each sequence's second-copy span —
+    the tokens a retrieval has to fetch from far back. It measures what the selection is for (the output
+    where retrieval matters), where :func:`head_scores` measures where attention looks: on a small model
+    trained on retrieval tasks the two disagree, and the heads that look do not always carry what they read.
+    Costs one forward per (sequence, kv head)."""
+    seqs = _as_calibration(sequences)
+    mods = attention_modules(model)
+    L, hkv = len(mods), mods[0].num_kv_heads
+    device = next(model.parameters()).device
+
+    def span_logp() -> list[torch.Tensor]:
+        out = []
+        for s in seqs:
+            logits = model(s.tokens[None].to(device))[0].float()  # [S, V]
+            pos = torch.arange(s.second - 1, s.second + s.span - 1, device=device)  # predicting the span
+            out.append(torch.log_softmax(logits[pos], -1))
+        return out
+
+    dense = span_logp()
+    scores = torch.zeros(L, hkv)
+    pairs = [(layer, h) for layer in range(L) for h in range(hkv)]
+    if progress:
+        from tqdm.auto import tqdm
+
+        pairs = tqdm(pairs, desc="ablate heads", unit="head")
+    for layer, h in pairs:
+        with local_head(model, layer, h, window=window, sinks=sinks):
+            kl = [F.kl_div(a, d, log_target=True, reduction="batchmean") for a, d in zip(span_logp(), dense)]
+        scores[layer, h] = float(torch.stack(kl).mean())
+    return scores
 
 
 def profile_heads(model: nn.Module, sequences: Sequence[CalibrationSequence], ratio: float = 0.15, *,
