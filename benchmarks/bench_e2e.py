@@ -26,8 +26,9 @@ Every run uses the same engine settings (``compile`` + CUDA graphs on a GPU). Co
 between runs (``torch.compiler.reset()``), so each run compiles its own steps, in its first
 ``--warmup-steps`` steps, which the timed figures leave out. Held-out greedy accuracy is measured at the
 start and at the end only (``eval.every = steps``): the recipe evaluates through the rollout engine, so it
-uses the run's attention. RTPurbo calibration: ``sparrow.calibrate`` head profiling and indexer distillation
-on task sequences at ``--context``, with the calibration data of ``bench_rtpurbo_accuracy.py``.
+uses the run's attention. RTPurbo calibration: retrieval heads chosen by ablation
+(``sparrow.calibrate.ablation_scores``) and indexer distillation on task sequences at ``--context``, with the
+calibration data of ``bench_rtpurbo_accuracy.py``.
 
 Reported, per step (``steps`` in the JSON) and per run (``rows``): seconds per phase (``time/prefill_s``,
 ``time/decode_s``, ``time/logprob_s``, ``time/train_s``, ``time/sync_s``, ``time/rollout_s``,
@@ -130,8 +131,8 @@ def merge_shards(model_dir: str, report: dict, path: Path) -> Path:
 
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
     """Profile retrieval heads and fit the indexer on task sequences at ``--context``; save to ``out``."""
-    from sparrow.attention.rtpurbo import RTPurboConfig
-    from sparrow.calibrate import fit_indexer, profile_heads, save_rtpurbo
+    from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig
+    from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo
 
     t = time.perf_counter()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -139,8 +140,10 @@ def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> 
     blocks = dict(decode_block=16, prefill_block=16, ret_window=16) if args.quick else {}
     cfg = RTPurboConfig.for_context(args.context, retrieval_ratio=args.ratio, top_p=args.top_p,
                                     impl=args.decode_impl, prefill_impl=args.prefill_impl, **blocks)
-    profile = profile_heads(model, acc.calibration_sequences(args.context, args.profile_seqs),
-                            ratio=cfg.retrieval_ratio)
+    # heads chosen by what making them local changes in the answers (see bench_rtpurbo_accuracy.py)
+    scores = ablation_scores(model, acc.calibration_sequences(args.context, args.profile_seqs), window=cfg.window,
+                             sinks=cfg.num_sinks)
+    profile = HeadProfile.from_scores(scores, cfg.retrieval_ratio, meta={"method": "ablation"})
     indexer, report = fit_indexer(model, profile, acc.fit_sequences(args.context, args.fit_seqs), steps=args.fit_steps,
                                   dim=cfg.indexer_dim, block=cfg.decode_block, top_p=cfg.top_p,
                                   queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
