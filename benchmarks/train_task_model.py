@@ -181,6 +181,26 @@ def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int]:
     return _sequence_ids(ex), len(ex.prompt) + 1
 
 
+def longest_sequence(mix: dict, context: int, samples: int = 64) -> int:
+    """The longest training sequence (tokens, ``<bos>`` and ``<eos>`` included) of the families in ``mix``
+    at ``context``: the prompt holds at most ``context + 9 * queries`` characters (:class:`MultiQuery`) and a
+    kv_list answer up to ``most_asked * (value_len + 1)``; measured on ``samples`` examples of each family and
+    bounded from above by those sizes."""
+    bound = context + 2
+    for name, share in mix.items():
+        if share <= 0:
+            continue
+        task = TRAIN_FAMILIES[name](context)
+        base = getattr(task, "base", task)
+        extra = 9 * (task.queries - 1) if isinstance(task, MultiQuery) else 0
+        if isinstance(base, KVListRetrieval):
+            extra += base.most_asked * (base.value_len + 1)
+        else:
+            extra += max(len(task.example(0, i).answer) for i in range(samples)) + 16
+        bound = max(bound, context + extra + 2, *(len(_sequence_ids(task.example(0, i))) for i in range(samples)))
+    return bound
+
+
 def _sequence_ids(ex) -> np.ndarray:
     """``<bos> prompt answer <eos>`` as int64 ids."""
     return np.concatenate([[_TOK.bos_id], encode_text(ex.prompt), encode_text(ex.answer), [_TOK.eos_id]]).astype(
@@ -584,11 +604,13 @@ def train(cfg: TrainConfig) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(cfg.device)
-    if cfg.model.max_seq_len < cfg.max_context + 16:
-        raise ValueError(f"max_seq_len {cfg.model.max_seq_len} is too short for contexts of {cfg.max_context}")
     for n in (cfg.min_context, cfg.max_context):
         for f in TRAIN_FAMILIES.values():
             f(n)  # validates the knobs at both ends of the curriculum
+    longest = longest_sequence(cfg.mix, cfg.max_context)
+    if cfg.model.max_seq_len < longest:
+        raise ValueError(f"max_seq_len {cfg.model.max_seq_len} is too short: the mix {sorted(cfg.mix)} makes "
+                         f"sequences of up to {longest} tokens at context {cfg.max_context}")
     torch.manual_seed(cfg.seed)
     stream = BatchStream(cfg.mix, cfg.seed, cfg.tokens_per_step, workers=cfg.workers, min_examples=cfg.min_examples)
     model = cfg.model.build().to(device)
@@ -820,7 +842,8 @@ def config_from_args(args) -> TrainConfig:
         out=args.out or "task_model", minutes=args.minutes if args.minutes is not None else TrainConfig.minutes,
         seed=args.seed, device=str(device),
         model=ModelConfig(num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                          embed_dim=args.dim, intermediate_dim=args.mlp, max_seq_len=args.max_context + 64,
+                          embed_dim=args.dim, intermediate_dim=args.mlp,
+                          max_seq_len=max(args.max_context + 64, longest_sequence(mix, args.max_context)),
                           rope_base=args.rope_base, tie_word_embeddings=args.tie_embeddings),
         min_context=args.min_context, max_context=args.max_context, ramp=args.ramp, curriculum=args.curriculum,
         advance_acc=args.advance_acc, min_advance_acc=args.min_advance_acc,

@@ -199,3 +199,39 @@ def test_longest_handled_and_model_score():
     assert train_task_model.longest_handled(rep, 0.8, ["kv_retrieval"]) == 128
     assert train_task_model.longest_handled(rep, 0.95) is None
     assert train_task_model.model_score(rep) == (64, pytest.approx(3.55 / 6))
+    # a retrieval model's score counts the tasks that moved its curriculum only
+    rep["train"] = {"eval_tasks": ["kv_retrieval"]}
+    assert train_task_model.model_score(rep) == (128, pytest.approx(3.55 / 6))
+
+
+@pytest.mark.parametrize("mix", [{"kvl": 1.0}, {"kv_mq": 0.5, "vt_mq": 0.5}, dict(train_task_model.DEFAULT_MIX)],
+                         ids=["kv_list", "multi_query", "default"])
+def test_model_length_covers_every_training_sequence(mix):
+    # kv_list answers reach most_asked * 4 tokens past the context: a model sized context + 64 failed on them
+    bound = train_task_model.longest_sequence(mix, 300)
+    seen = max(len(train_task_model._sequence_ids(train_task_model.TRAIN_FAMILIES[f](300).example(7, i)))
+               for f in mix for i in range(400))
+    assert seen <= bound
+    args = train_task_model.build_parser().parse_args(
+        ["--max-context", "300", "--mix", ",".join(f"{k}={v}" for k, v in mix.items()), "--device", "cpu"])
+    assert train_task_model.config_from_args(args).model.max_seq_len >= bound
+
+
+def test_training_refuses_a_model_too_short_for_its_sequences(tmp_path):
+    cfg = train_task_model.quick_config(str(tmp_path))
+    cfg.mix = {"kvl": 1.0}
+    cfg.model.max_seq_len = cfg.max_context + 16
+    with pytest.raises(ValueError, match="max_seq_len .* too short"):
+        train_task_model.train(cfg)
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_eval_tasks_move_the_curriculum_and_fill_the_table():
+    args = train_task_model.build_parser().parse_args(
+        ["--eval-tasks", "kv_retrieval", "--mix", "kv_mq=0.5,kvl=0.5", "--device", "cpu"])
+    cfg = train_task_model.config_from_args(args)
+    assert cfg.eval_tasks == ["kv_retrieval"]
+    assert cfg.table_tasks() == ["kv_retrieval", "variable_tracking", "kv_list"]
+    bad = train_task_model.build_parser().parse_args(["--eval-tasks", "kv_retrieval,nope", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="nope"):
+        train_task_model.config_from_args(bad)
