@@ -22,9 +22,11 @@ configuration and seed, all in this process, each from the same checkpoint, data
   ``--spec-toggle``, ``--draft-lengths``), sparse sync (``sync.codec: auto``);
 * ``rtpurbo_only``, ``spec_only``, ``sparse_sync_only``: one technique on.
 
-Every run uses the same engine settings (``compile`` + CUDA graphs on a GPU). Compiled code is dropped
-between runs (``torch.compiler.reset()``), so each run compiles its own steps, in its first
-``--warmup-steps`` steps, which the timed figures leave out. Held-out greedy accuracy is measured at the
+Every run uses the same engine settings (``compile`` + CUDA graphs on a GPU) and the same trainer (by default
+``shared_prefix``: each prompt computed once per group, the same log-probs and gradients as one row per sample,
+so the long prompts do not make the trainer G times the work; ``--no-shared-prefix`` for one row per sample).
+Compiled code is dropped between runs (``torch.compiler.reset()``), so each run compiles its own steps, in its
+first ``--warmup-steps`` steps, which the timed figures leave out. Held-out greedy accuracy is measured at the
 start and at the end only (``eval.every = steps``): the recipe evaluates through the rollout engine, so it
 uses the run's attention. RTPurbo calibration: retrieval heads chosen by ablation
 (``sparrow.calibrate.ablation_scores``) and indexer distillation on task sequences at ``--context``, with the
@@ -176,7 +178,7 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new},
         "group_size": args.group, "prompts_per_step": args.prompts_per_step, "ppo_epochs": 1,
         "minibatches": args.minibatches, "micro_batch_size": args.micro_batch, "logprob_chunk": 4096,
-        "max_grad_norm": 1.0,
+        "shared_prefix": args.shared_prefix, "max_grad_norm": 1.0,
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": args.lr, "betas": [0.9, 0.999], "weight_decay": 0.0,
                       **({"fused": True} if cuda else {})},
         "loss": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean", "advantage_scale": "group",
@@ -390,6 +392,8 @@ def build_parser():
     p.add_argument("--minibatches", type=int, default=2, help="policy updates per step (>1: a separate π_old pass)")
     p.add_argument("--micro-batch", type=int, default=32,
                    help="trainer rows per forward / backward (at 8, log-probs and training were 87%% of an H200 step)")
+    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                   help="trainer computes each prompt once per group (recipe's shared_prefix; in every configuration)")
     p.add_argument("--reward", default=None, choices=list(REWARDS),
                    help="also the held-out score (default exact_match; quick char_accuracy: a signal for a tiny model)")
     p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-5; quick 1e-3)")

@@ -9,6 +9,9 @@ policy (bf16, the configured attention backend) -> rewards -> group-normalised a
 of the trainer (fp32 master weights, dense attention) -> ``ppo_epochs`` x ``minibatches`` clipped policy
 updates with truncated importance sampling against the rollout's behaviour log-probs -> the new weights go
 to the rollout copy through the configured weight codec (``sparrow.sync``), bit-exactly, and nowhere else.
+With ``shared_prefix: true`` the trainer computes each prompt once per group (one packed sequence per
+group, :func:`sparrow.rl.shared_prefix_logprobs`): the same log-probs and gradients for a fraction of the
+work when prompts are long and responses short; minibatches then hold whole groups.
 
 Distributed: ranks ``0 .. trainer_ranks-1`` train (with more than one, the model is sharded with FSDP2
 and each trainer takes an equal share of every minibatch), the other ranks roll out disjoint shares of
@@ -50,6 +53,7 @@ from sparrow.rl import (
     response_logprobs,
     restore_rng_state,
     save_checkpoint,
+    shared_prefix_logprobs,
 )
 from sparrow.rl.recipe_utils import (
     RECIPE_KEYS,
@@ -111,6 +115,12 @@ class GRPORecipe:
         if (self.prompts_per_step * self.group // cfg.minibatches) % self.trainers:
             raise ValueError(f"a minibatch ({self.prompts_per_step * self.group // cfg.minibatches} samples) must "
                              f"divide evenly over the {self.trainers} trainer ranks")
+        self.shared_prefix = bool(cfg.get("shared_prefix", False))
+        share = self.prompts_per_step * self.group // cfg.minibatches // self.trainers
+        if self.shared_prefix and (share % self.group or cfg.micro_batch_size % self.group):
+            raise ValueError(f"shared_prefix packs whole groups: a trainer's share of a minibatch ({share} samples) "
+                             f"and micro_batch_size ({cfg.micro_batch_size}) must be multiples of group_size "
+                             f"({self.group})")
         self.sampling = dict(cfg.sampling)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.reward_fn = config.instantiate(cfg.reward)
@@ -161,11 +171,11 @@ class GRPORecipe:
                 fully_shard(model, mesh=self.mesh)
                 # log-probs call the model's parts directly (chunked lm_head): one FSDP forward around them, so
                 # the root's parameters (embeddings, final norm, lm_head) are gathered for it
-                model.response_logprobs = types.MethodType(response_logprobs, model)
+                model.response_logprobs = types.MethodType(self._logprob_fn(), model)
                 register_fsdp_forward_method(model, "response_logprobs")
                 self._logprobs = model.response_logprobs
             else:
-                self._logprobs = functools.partial(response_logprobs, model)
+                self._logprobs = functools.partial(self._logprob_fn(), model)
             self.model = model
             self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
             if cfg.resume_from_checkpoint:
@@ -273,7 +283,7 @@ class GRPORecipe:
         mb_size = N // cfg.minibatches
         T, r = self.trainers, self.rank
         for epoch in range(cfg.ppo_epochs):
-            perm = torch.randperm(N, device=self.device) if cfg.ppo_epochs > 1 else torch.arange(N, device=self.device)
+            perm = self._permutation(N)
             if T > 1 and cfg.ppo_epochs > 1:  # every trainer walks the same permutation
                 dist.broadcast(perm, src=0, group=self.mesh.get_group())
             for m in range(cfg.minibatches):
@@ -309,6 +319,22 @@ class GRPORecipe:
         metrics["time/logprob_s"] = t_logprob
         metrics["time/train_s"] = time.perf_counter() - t0 - t_logprob
         return metrics
+
+    def _logprob_fn(self):
+        if self.shared_prefix:
+            return functools.partial(shared_prefix_logprobs, group=self.group)
+        return response_logprobs
+
+    def _permutation(self, N: int) -> torch.Tensor:
+        """The order of an epoch's samples: as they are with one epoch; shuffled with several, whole groups at
+        a time when the trainer packs groups (``shared_prefix``)."""
+        dev = self.device
+        if self.cfg.ppo_epochs == 1:
+            return torch.arange(N, device=dev)
+        if not self.shared_prefix:
+            return torch.randperm(N, device=dev)
+        G = self.group
+        return (torch.randperm(N // G, device=dev)[:, None] * G + torch.arange(G, device=dev)).flatten()
 
     def _wait_device(self) -> None:
         """Phase timers read the host clock: let queued GPU work finish first, so it counts in its phase."""

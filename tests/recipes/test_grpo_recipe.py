@@ -63,6 +63,7 @@ def test_resume_is_bitwise_exact(tmp_path):
     (["total_steps=1", "engine.max_prompt_len=20"], "longer than"),
     (["total_steps=1", "resume_from_checkpoint=true"], "no checkpoint to resume from"),
     (["total_steps=1", "trainer_ranks=2"], "trainer_ranks=2 with 1 ranks"),
+    (["total_steps=1", "shared_prefix=true", "micro_batch_size=6"], "multiples of group_size"),
 ])
 def test_bad_input_fails_before_training(tmp_path, overrides, match):
     import re
@@ -140,6 +141,18 @@ def test_fsdp2_trainers_match_one_trainer_and_resume_its_checkpoints(tmp_path):
     run_shipped(res, "total_steps=2", "checkpoint_every=1", "trainer_ranks=2", "resume_from_checkpoint=true",
                 "sync.check_bitwise=1", nproc=3)
     _assert_same_training(one / "checkpoints/step_000002", res / "checkpoints/step_000002")
+
+
+def test_shared_prefix_training_takes_the_same_steps(tmp_path):
+    """shared_prefix=true (each prompt computed once per group) trains as the per-row trainer does: the same
+    rollouts (one step, from the shipped checkpoint), the same optimizer step up to summation order; with
+    several epochs the groups are shuffled whole."""
+    plain, shared = tmp_path / "plain", tmp_path / "shared"
+    common = ("total_steps=1", "checkpoint_every=1", "ppo_epochs=1", "micro_batch_size=4")
+    run_shipped(plain, *common, nproc=1)
+    run_shipped(shared, *common, "shared_prefix=true", nproc=1)
+    _assert_same_training(plain / "checkpoints/step_000001", shared / "checkpoints/step_000001")
+    run_shipped(tmp_path / "epochs", "total_steps=1", "shared_prefix=true", "micro_batch_size=4", nproc=1)
 
 
 def _tiny_rtpurbo_dir(tmp_path: Path) -> tuple[Path, Path]:

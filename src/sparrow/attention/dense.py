@@ -55,6 +55,18 @@ def decode_impl(impl: str, head_dim: int, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and pow2 else "reference"
 
 
+def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Exact, differentiable attention of the trainer. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; ``mask``: None
+    (causal) or bool [B, S, S], True where a query attends to a key (packed sequences). Returns [B, Hq, S, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if gqa:  # an explicit mask: the memory-efficient kernel, which takes one kv head per query head
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
 class DenseAttention(AttentionBackend):
     """Exact attention with a full KV cache.
 
@@ -88,11 +100,7 @@ class DenseAttention(AttentionBackend):
         return reasons
 
     def forward_train(self, q, k, v, *, q_pre=None, k_pre=None, mask=None):
-        # q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]
-        gqa = self.shape.num_heads != self.shape.num_kv_heads
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+        return train_attention(q, k, v, mask)
 
     def init_cache(self, spec: CacheSpec, *, dtype: torch.dtype, device: torch.device) -> DenseKVCache:
         s = self.shape

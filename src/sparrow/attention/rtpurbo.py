@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
-from sparrow.attention.dense import write_prefix, write_rows
+from sparrow.attention.dense import train_attention, write_prefix, write_rows
 from sparrow.kernels.sparse_decode import RTPurboCache, SparseDecodeConfig, sparse_decode_attention
 from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
@@ -298,10 +298,7 @@ class RTPurboAttention(AttentionBackend):
 
     # -- training (dense) -------------------------------------------------------------------------------
     def forward_train(self, q, k, v, *, q_pre=None, k_pre=None, mask=None):
-        gqa = self.shape.num_heads != self.shape.num_kv_heads
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
+        return train_attention(q, k, v, mask)
 
     # -- cache ---------------------------------------------------------------------------------------
     def ring_sizes(self, spec: CacheSpec) -> tuple[int, int]:

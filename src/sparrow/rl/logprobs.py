@@ -3,9 +3,19 @@
 The final hidden states of every position are computed once; the output projection, log-softmax and
 gather then run over chunks of response tokens under activation checkpointing, so at most
 ``chunk_size x vocab`` logits exist at any time, in the forward and in the backward pass.
+
+:func:`shared_prefix_logprobs` gives the same log-probs for a GRPO batch whose rows come in groups sharing
+one prompt, computing each prompt once: a group becomes one packed sequence ``prompt | response_1 | ... |
+response_G`` in which response ``j`` attends to the prompt and to itself (causally) and its positions continue
+the prompt's. Every response token sees exactly the keys, values and positions it sees in its own row, so the
+log-probs are those of :func:`response_logprobs`, and so are the gradients (the prompt's activations receive
+the sum of what the G copies would receive). A group of G samples of an 8K-token prompt with 128-token
+responses is then one 9K-token sequence instead of G 8.3K-token ones.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,11 +23,15 @@ from torch.utils.checkpoint import checkpoint
 from torchtune.modules import TransformerDecoder
 
 
-def hidden_states(model: TransformerDecoder, tokens: torch.Tensor) -> torch.Tensor:
-    """tokens [N, S] -> final hidden states [N, S, E] (before the final norm), causal, dense."""
+def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
+                  input_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens [N, S] -> final hidden states [N, S, E] (before the final norm), dense attention.
+
+    Causal by default; ``mask`` (bool [N, S, S], True where a query may attend to a key) and ``input_pos``
+    (int64 [N, S], the RoPE position of each token) describe packed sequences instead."""
     h = model.tok_embeddings(tokens)
     for layer in model.layers:
-        h = layer(h)
+        h = layer(h) if mask is None else layer(h, mask=mask, input_pos=input_pos)
     return h
 
 
@@ -50,8 +64,7 @@ def response_logprobs(
     ``response_len[i]``.
     """
     N, S = tokens.shape
-    dev = tokens.device
-    j = torch.arange(max_response_len, device=dev)
+    j = torch.arange(max_response_len, device=tokens.device)
     mask = j[None, :] < response_len[:, None]  # [N, L]
     pos = (prompt_len[:, None] + j[None, :]).clamp(max=S - 1)  # position of each response token
     h = hidden_states(model, tokens)  # [N, S, E]
@@ -59,7 +72,12 @@ def response_logprobs(
     src = pos[rows, cols]
     h_sel = h[rows, src - 1]  # the hidden state that predicts the token
     tgt = tokens[rows, src]
-    out = torch.zeros((N, max_response_len), dtype=torch.float32, device=dev)
+    return _gather_logprobs(model, h_sel, tgt, rows, cols, (N, max_response_len), temperature, chunk_size)
+
+
+def _gather_logprobs(model, h_sel, tgt, rows, cols, shape, temperature: float, chunk_size: int) -> torch.Tensor:
+    """Log-probs of ``tgt`` from the hidden states ``h_sel`` [T, E], in chunks, scattered into ``shape``."""
+    out = torch.zeros(shape, dtype=torch.float32, device=h_sel.device)
     parts = []
     for s in range(0, h_sel.shape[0], chunk_size):
         hs, ts = h_sel[s:s + chunk_size], tgt[s:s + chunk_size]
@@ -70,3 +88,85 @@ def response_logprobs(
     if parts:
         out = out.index_put((rows, cols), torch.cat(parts))
     return out
+
+
+@dataclass
+class SharedPrefixPack:
+    """A GRPO batch of ``n`` groups packed one group per sequence (see :func:`pack_shared_prefix`).
+
+    tokens: [n, W] int64, ``W = S + G * L``: the group's prompt in ``[0, S)`` (positions past the prompt are
+        never attended to), response ``j`` in ``[S + j * L, S + (j + 1) * L)``.
+    input_pos: [n, W] int64, the RoPE position of each token (a response continues its prompt).
+    mask: [n, W, W] bool, True where a query attends to a key; a padding query attends to itself only.
+    predictor: [N, L] int64, the packed index of the hidden state that predicts response token ``(i, t)``.
+    """
+
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    mask: torch.Tensor
+    predictor: torch.Tensor
+
+
+def pack_shared_prefix(tokens: torch.Tensor, prompt_len: torch.Tensor, response_len: torch.Tensor, *, group: int,
+                       max_response_len: int) -> SharedPrefixPack:
+    """Pack rows ``[i * group, (i + 1) * group)`` (one prompt, ``group`` responses) into one sequence each.
+
+    Args: as :func:`response_logprobs`; the rows of a group must hold the same prompt (checked by
+    :func:`shared_prefix_logprobs`). No host synchronisation.
+    """
+    N, S = tokens.shape
+    G, L, dev = group, max_response_len, tokens.device
+    n = N // G
+    t = torch.arange(L, device=dev)
+    plen = prompt_len.view(n, G)[:, 0]  # [n]
+    resp = tokens.gather(1, (prompt_len[:, None] + t[None, :]).clamp(max=S - 1))  # [N, L]
+    packed = torch.cat([tokens.view(n, G, S)[:, 0], resp.view(n, G * L)], dim=1)  # [n, W]
+    # per packed index: segment (-1 prompt, j response j), offset inside it, and whether it holds a real token
+    seg = torch.cat([torch.full((S,), -1, device=dev), torch.arange(G, device=dev).repeat_interleave(L)])
+    off = torch.cat([torch.arange(S, device=dev), t.repeat(G)])
+    real = torch.cat([off[None, :S] < plen[:, None], (t[None, :] < response_len[:, None]).view(n, G * L)], dim=1)
+    pos = torch.where(seg[None, :] < 0, off[None, :], plen[:, None] + off[None, :]).clamp(max=S - 1)
+    sq, sk, oq, ok = seg[:, None], seg[None, :], off[:, None], off[None, :]
+    allowed = ((sk < 0) & ((sq >= 0) | (ok <= oq))) | ((sk == sq) & (sk >= 0) & (ok <= oq))  # [W, W]
+    mask = (allowed[None] & real[:, None, :]) | torch.eye(S + G * L, dtype=torch.bool, device=dev)[None]
+    # token t of response j is predicted by the prompt's last token (t = 0) or by the token before it
+    j = torch.arange(N, device=dev) % G
+    predictor = torch.where(t[None, :] == 0, prompt_len[:, None] - 1, S + j[:, None] * L + t[None, :] - 1)
+    return SharedPrefixPack(packed, pos, mask, predictor)
+
+
+def shared_prefix_logprobs(
+    model: TransformerDecoder,
+    tokens: torch.Tensor,
+    prompt_len: torch.Tensor,
+    response_len: torch.Tensor,
+    *,
+    group: int,
+    max_response_len: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """:func:`response_logprobs` for rows that come in groups of ``group`` sharing one prompt, each prompt
+    computed once (module docstring). Same arguments and result ([N, L] float32).
+
+    Raises:
+        ValueError: ``N`` is not a multiple of ``group``, or the rows of a group do not share their prompt
+            (length and tokens; this check reads one flag back from the device).
+    """
+    N, S = tokens.shape
+    if group < 1 or N % group:
+        raise ValueError(f"{N} rows do not split into groups of {group}")
+    G, n = group, N // group
+    first = torch.arange(n, device=tokens.device).repeat_interleave(G) * G
+    plen0 = prompt_len[first]
+    inside = torch.arange(S, device=tokens.device)[None, :] < plen0[:, None]
+    if not bool(((prompt_len == plen0) & ((tokens == tokens[first]) | ~inside).all(1)).all()):
+        raise ValueError(f"rows of a group of {G} do not share their prompt: shared-prefix log-probs need the "
+                         "batch prompt-major, sample j of prompt i at row i * group + j")
+    pack = pack_shared_prefix(tokens, prompt_len, response_len, group=G, max_response_len=max_response_len)
+    h = hidden_states(model, pack.tokens, mask=pack.mask, input_pos=pack.input_pos)  # [n, W, E]
+    j = torch.arange(max_response_len, device=tokens.device)
+    rows, cols = (j[None, :] < response_len[:, None]).nonzero(as_tuple=True)
+    h_sel = h[rows // G, pack.predictor[rows, cols]]
+    tgt = tokens[rows, (prompt_len[rows] + cols)]
+    return _gather_logprobs(model, h_sel, tgt, rows, cols, (N, max_response_len), temperature, chunk_size)

@@ -30,12 +30,12 @@ RECIPE_KEYS: dict[str, Any] = {
     "sync": {"codec", "bucket_bytes", "anchor_every", "verify", "check_bitwise"},
     "eval": {"every", "prompts"},
     "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
-    "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "total_steps": None,
+    "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "shared_prefix": None, "total_steps": None,
     "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None, "trainer_ranks": None,
     "speculative": SPECULATIVE_KEYS, "indexer_refresh": {"every", "steps", "sequences"}, "hf_checkpoint": {"dir", "model_type"},
 }
 OPTIONAL = {"name", "model_dir", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh", "hf_checkpoint",
-            "trainer_ranks"}
+            "trainer_ranks", "shared_prefix"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any], optional: Collection[str] = OPTIONAL) -> None:
