@@ -11,9 +11,10 @@ def topp_mask_reference(scores: torch.Tensor, valid: torch.Tensor, top_p: float)
     scores: [..., N] log-masses (unnormalised; ``-inf`` allowed); valid: [..., N] bool (entries that take
     part). Returns a bool mask [..., N]: entries ranked by score (descending) are kept while the mass
     *before* them is below ``top_p``, so the kept mass is ``>= top_p`` and dropping the last kept entry
-    would fall below it. ``top_p >= 1`` keeps every valid entry.
+    would fall below it. ``top_p`` at 1 or within float32 resolution of it (``>= 1 - 2**-25``, which float32
+    stores as 1) keeps every valid entry, as the Triton kernel does.
     """
-    if top_p >= 1.0:
+    if top_p >= 1.0 - 2.0**-25:
         return valid.clone()
     x = torch.where(valid, scores.float(), float("-inf"))
     m = x.amax(-1, keepdim=True)

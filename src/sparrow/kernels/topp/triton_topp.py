@@ -171,6 +171,7 @@ def topp_select_triton(
     _topp_kernel[(N,)](
         scores, sel_idx, cnt, a0, a1, NB, scores.stride(0), sel_idx.stride(0), h_inner, inner, float(top_p),
         MODE=mode, BLOCK=block, QBLOCK=qblock, SINK_BLOCKS=sink_blocks, LOCAL_WINDOW=local_window, CHUNK=chunk,
-        ITERS=iters, KEEP_ALL=top_p >= 1.0, ONE_CHUNK=NB <= chunk, num_warps=4 if chunk <= 1024 else 8,
+        ITERS=iters, KEEP_ALL=top_p >= 1.0 - 2.0**-25,  # a mass that float32 stores as 1: every block
+        ONE_CHUNK=NB <= chunk, num_warps=4 if chunk <= 1024 else 8,
     )
     return sel_idx, cnt
