@@ -411,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
             log(f"drafter: {drafter!r}; weight bytes {drafter.weight_nbytes() / 2**20:.0f} MiB vs target "
                 f"{sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20:.0f} MiB")
             t = time.perf_counter()
-            prep = engine._spec.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
+            prep = engine.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
             log(f"compiled and captured the decode / draft / cycle steps for all buckets in {prep:.1f}s "
                 f"(KV cache {engine.cache_nbytes() / 2**30:.1f} GiB)")
             costs = CostModel.calibrate(engine, params, draft_lengths=(min(args.lengths), max(args.lengths)),

@@ -194,6 +194,8 @@ class GRPORecipe:
             self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
             if self.drafter is not None:
                 self.engine.toggle = build_toggle(cfg.speculative, self.engine, self._sampling_params())
+            if cfg.engine.get("compile", True):  # every batch size compiled and captured now, not in a step
+                self.engine.prepare(self._sampling_params())
             # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
             self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
             self.receiver = ssync.SyncReceiver(sync_tensors(self.rollout_model), verify=cfg.sync.verify)
@@ -204,6 +206,10 @@ class GRPORecipe:
             if self.is_main:
                 self.sender = ssync.SyncSender(weights, codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes,
                                                anchor_every=cfg.sync.anchor_every)
+        if cfg.sync.codec != "dense" and self.device.type == "cuda" and (self.is_main or self.is_rollout):
+            # the sparse codec's Triton kernels compile now, not inside the first sync that carries changes
+            ssync.warmup(weights if self.is_main else sync_tensors(self.rollout_model), codec=cfg.sync.codec,
+                         bucket_bytes=cfg.sync.bucket_bytes)
         if cfg.resume_from_checkpoint:  # last: building the rollout copy above drew random numbers
             restore_rng_state(ckpt)
         self.transport = None

@@ -189,3 +189,27 @@ def test_stop_sets_share_a_modes_compiled_step():
     many = tuple(range(40, 40 + STOP_SLOTS + 1))
     eng.generate(_prompts(), 1, SamplingParams(**base, stop_token_ids=many))
     assert eng._compiled_step() is not step and eng.stop_ids.numel() == stop_slots(len(many)) == 2 * STOP_SLOTS
+
+
+def test_prepare_compiles_ahead_and_changes_no_result():
+    """prepare() runs the decode step of every batch bucket once, on the scratch row alone: a compiled engine
+    then generates without compiling anything (an unprepared one compiles inside generate), and its results
+    equal those of an engine that was never prepared."""
+    from torch._dynamo.utils import counters
+
+    model = random_tiny("qwen2")
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=8, stop_token_ids=(1,), seed=3)
+    torch.compiler.reset()
+    fresh = _engine(model, max_rows=8, compile=True, compile_backend="eager")
+    counters.clear()
+    fresh.generate(_prompts(), 2, params)
+    assert counters["stats"]["unique_graphs"] >= 1  # the count sees compilation inside generate
+    torch.compiler.reset()
+    eng = _engine(model, max_rows=8, compile=True, compile_backend="eager")
+    assert eng.prepare(params) >= 0.0
+    counters.clear()
+    got = eng.generate(_prompts(), 2, params).samples
+    assert counters["stats"]["unique_graphs"] == 0
+    _assert_same(got, _engine(model, max_rows=8).generate(_prompts(), 2, params).samples)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.prepare({"temperature": 1.0})

@@ -198,3 +198,22 @@ def test_engine_validates_speculative_configuration(target):
     g = eng.generate(prompts()[:2], 1, SamplingParams(temperature=0.0, max_new_tokens=5))
     assert g.stats.spec_cycles > 0 and set(g.stats.draft_len_hist) == {2}
     assert g.stats.acceptance_rate == 1.0  # the drafter is the target itself
+
+
+def test_prepare_compiles_every_draft_length_ahead_and_changes_no_result(target):
+    """With a drafter, prepare() also runs the draft step and the cycle of each draft length the toggle can ask
+    for, on the scratch row: generate compiles nothing more and samples what an unprepared engine samples."""
+    from torch._dynamo.utils import counters
+
+    ps = prompts()
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=10, max_new_tokens=10, stop_token_ids=(1,), seed=4)
+    d = QuantizedSelfDrafter(target, DrafterConfig(weight="int8", window=8))
+    eager = RolloutEngine(target, _cfg(max_rows=8, max_draft=3), drafter=d, toggle=AlwaysOn(3)).generate(ps, 2, p)
+    torch.compiler.reset()
+    eng = RolloutEngine(target, _cfg(max_rows=8, max_draft=3, compile=True, compile_backend="eager"),
+                        drafter=d, toggle=AlwaysOn(3))
+    eng.prepare(p)
+    counters.clear()
+    got = eng.generate(ps, 2, p)
+    assert counters["stats"]["unique_graphs"] == 0 and got.stats.spec_cycles > 0
+    _assert_same(got.samples, eager.samples)

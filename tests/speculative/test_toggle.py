@@ -247,3 +247,17 @@ def test_calibration_at_the_longest_draft_length():
                                             sync_every=2, max_draft=2), drafter=QuantizedSelfDrafter(model))
     m = CostModel.calibrate(eng, SamplingParams(temperature=1.0, max_new_tokens=8), steps=1, cache_dir=None)
     assert sorted(m.verify[2]) == [2, 3]  # one draft length (2 = max_draft), its verify cost reused for 3
+
+
+def test_toggles_name_the_draft_lengths_they_can_ask_for():
+    from sparrow.speculative.base import AlwaysOff
+
+    # what RolloutEngine.prepare compiles ahead: every length decide() may return, and nothing else
+    assert AlwaysOff().draft_lengths() == ()
+    assert AlwaysOn(3).draft_lengths() == (3,)
+    assert ThresholdToggle(8, num_draft=2).draft_lengths() == (2,)
+    assert ThresholdToggle(8, adaptive=AdaptiveDraft(lengths=(4, 2, 4))).draft_lengths() == (2, 4)
+    t = CostModelToggle(_small_batch_pays(), adaptive=AdaptiveDraft(lengths=(2, 4), prior=0.8))
+    assert t.draft_lengths() == (2, 4)
+    seen = {t.decide(StepStats(a, 100.0, 100, 1 if a == 1 else 64)).num_draft for a in (1, 1, 64)}
+    assert seen - {0} <= set(t.draft_lengths())

@@ -293,6 +293,40 @@ class RolloutEngine:
         self.max_new.fill_(params.max_new_tokens)
         self._params = params
 
+    def prepare(self, params: SamplingParams | None = None, draft_lengths: Sequence[int] | None = None) -> float:
+        """Compile the decode step of ``params``' sampling mode and capture its CUDA graph for every batch bucket
+        (with a drafter also the draft step and the speculative cycle of every draft length the toggle can ask
+        for, :meth:`ToggleController.draft_lengths`, or ``draft_lengths``), so that no block of a later
+        :meth:`generate` in that mode compiles. Without it the first block at each batch size (and draft
+        length) pays for compilation and capture inside the generation that meets it. Every step runs on the
+        scratch row alone: nothing a generation reads changes. Returns the seconds it took.
+
+        Raises:
+            TypeError: ``params`` is not :class:`SamplingParams`.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        t0 = time.perf_counter()
+        if self.caches is None:
+            self._allocate()
+        self._set_params(params)
+        ks: tuple[int, ...] = ()
+        if self._spec is not None:
+            ks = tuple(self.toggle.draft_lengths() if draft_lengths is None else draft_lengths)
+            ks = tuple(sorted({min(int(k), self.config.max_draft) for k in ks if k >= 1}))
+        self.done[self.scratch] = True
+        for b in self.config.buckets:
+            slots = torch.full((b,), self.scratch, dtype=torch.int64, device=self.device)
+            runs = [self._runner(b)]  # captured here on CUDA; run once so that compilation happens here too
+            if self._spec is not None:
+                runs += [self._spec.draft_runner(b)] + [self._spec.cycle_runner(b, k) for k in ks]
+            for run in runs:
+                run(slots)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     # ------------------------------------------------------------------------------ validation
     def _validate(self, prompts: Sequence, n_samples: int, params: SamplingParams) -> list[torch.Tensor]:
         if not isinstance(params, SamplingParams):

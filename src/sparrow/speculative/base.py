@@ -129,6 +129,11 @@ class ToggleController(abc.ABC):
     def reset(self) -> None:
         """Forget measured acceptance (e.g. when a new rollout phase starts)."""
 
+    def draft_lengths(self) -> tuple[int, ...]:
+        """Every draft length :meth:`decide` can ask for: what :meth:`RolloutEngine.prepare` compiles ahead of
+        the first generation. Default ``()``: a toggle that does not say has its cycles compiled at first use."""
+        return ()
+
 
 class AlwaysOff(ToggleController):
     """Never speculate: plain autoregressive decoding."""

@@ -285,25 +285,6 @@ class SpeculativeRunner:
                 self._ngen[r] = n
         return finished
 
-    def prepare(self, params, buckets: tuple[int, ...] | None = None, draft_lengths: tuple[int, ...] = ()) -> float:
-        """Compile and capture, ahead of time, the plain decode step and the draft / cycle steps for
-        ``buckets`` (default: all) and ``draft_lengths`` under ``params`` (:class:`SamplingParams`); returns
-        the seconds it took. Without it the first block at each (bucket, k) pays for its capture."""
-        e = self.engine
-        t0 = time.perf_counter()
-        if e.caches is None:
-            e._allocate()
-        e._set_params(params)
-        ks = sorted({min(k, self.max_draft) for k in draft_lengths if k >= 1})
-        for b in buckets or e.config.buckets:
-            e._runner(b)
-            self.draft_runner(b)
-            for k in ks:
-                self.cycle_runner(b, k)
-        if e.device.type == "cuda":
-            torch.cuda.synchronize(e.device)
-        return time.perf_counter() - t0
-
     # ----------------------------------------------------------------------------- measurement
     def time_block(self, bucket: int, k: int, steps: int) -> float:
         """Seconds per step of ``steps`` target decode steps (``k == 0``), draft steps (``k < 0``: ``-k`` is

@@ -38,6 +38,9 @@ class AlwaysOn(ToggleController):
     def decide(self, stats: StepStats) -> SpecDecision:
         return SpecDecision(True, self.num_draft)
 
+    def draft_lengths(self) -> tuple[int, ...]:
+        return (self.num_draft,)
+
     def __repr__(self) -> str:
         return f"AlwaysOn(num_draft={self.num_draft})"
 
@@ -130,6 +133,9 @@ class ThresholdToggle(ToggleController):
             raise ValueError(f"num_draft must be >= 1, got {num_draft}")
         self.max_active, self.num_draft = int(max_active), int(num_draft)
         self.adaptive, self.costs = adaptive, costs
+
+    def draft_lengths(self) -> tuple[int, ...]:
+        return self.adaptive.lengths if self.adaptive is not None else (self.num_draft,)
 
     def decide(self, stats: StepStats) -> SpecDecision:
         if stats.active_rows > self.max_active:
@@ -242,6 +248,9 @@ class CostModelToggle(ToggleController):
         w = 1.0 / self.ema_blocks
         old = self.time_ratio.get(key)
         self.time_ratio[key] = ratio if old is None else (1.0 - w) * old + w * ratio
+
+    def draft_lengths(self) -> tuple[int, ...]:
+        return self.adaptive.lengths
 
     def decide(self, stats: StepStats) -> SpecDecision:
         k, speedup = self.predict(stats)

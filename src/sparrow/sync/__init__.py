@@ -47,6 +47,7 @@ from .receiver import SyncReceiver
 from .sender import SyncSender
 from .stats import SyncStats
 from .transport import DistributedTransport, FileTransport, InProcessTransport, Transport
+from .warmup import warmup
 
 __all__ = [
     "AutoCodec", "BucketInfo", "CompactCodec", "CooCodec", "CorruptPayloadError", "DenseCodec",
@@ -54,5 +55,5 @@ __all__ = [
     "OutOfOrderError", "Payload", "ReplayError", "ResyncRequiredError", "ShapeMismatchError", "SyncError",
     "SyncReceiver", "SyncSender", "SyncStats", "Transport", "TruncatedPayloadError", "VersionMismatchError",
     "WeightCodec", "apply_", "build_bucket", "empirical_entropy_bits", "encode", "get_codec", "parse_bucket",
-    "position_entropy_bits",
+    "position_entropy_bits", "warmup",
 ]

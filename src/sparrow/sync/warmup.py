@@ -1,0 +1,65 @@
+"""Compile the sync kernels before the first real sync (:func:`warmup`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import torch
+
+from ..kernels.sync.common import bits_view
+from .receiver import SyncReceiver
+from .sender import SyncSender
+from .transport import InProcessTransport
+
+
+def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str = "auto", bucket_bytes: int = 256 << 20,
+           densities: Sequence[float] = (1e-3, 0.1), max_bytes: int | None = 1 << 30, seed: int = 0,
+           impl: str | None = None) -> float:
+    """Send and apply a few syncs of made-up changes between private copies of ``named_tensors``, so that the
+    sender's and receiver's kernels compile (Triton, on a GPU) now rather than inside the first sync that
+    carries changed elements: on an H200 that first sync of a GRPO run spent 6.7 s encoding and 1.7 s
+    applying, once. Each sync flips the lowest bit of a ``density`` fraction of every tensor's elements (one
+    sync per entry of ``densities``: sparse and dense-ish slices take different code paths of ``"auto"``)
+    and the result is checked bit for bit.
+
+    Args:
+        named_tensors: the tensors a real sync will carry (read only; bf16 / fp16 / fp32).
+        codec, bucket_bytes, impl: as the real :class:`SyncSender` / :class:`SyncReceiver` will use.
+        max_bytes: take tensors in order until this many bytes (None: all); memory is three copies of them.
+
+    Returns: the seconds it took.
+
+    Raises:
+        RuntimeError: the receiver's copy does not hold the sender's bits afterwards (a broken codec).
+    """
+    t0 = time.perf_counter()
+    chosen: dict[str, torch.Tensor] = {}
+    total = 0
+    for name, t in named_tensors.items():
+        if max_bytes is not None and chosen and total + t.numel() * t.element_size() > max_bytes:
+            break
+        chosen[name] = t.detach()
+        total += t.numel() * t.element_size()
+    sender = SyncSender(chosen, codec=codec, bucket_bytes=bucket_bytes, impl=impl)
+    held = {n: t.clone(memory_format=torch.contiguous_format) for n, t in chosen.items()}
+    receiver = SyncReceiver(held, impl=impl)
+    new = {n: t.clone(memory_format=torch.contiguous_format) for n, t in chosen.items()}
+    transport = InProcessTransport()
+    g = torch.Generator().manual_seed(seed)
+    for density in densities:
+        for t in new.values():
+            n = t.numel()
+            if n == 0:
+                continue
+            k = max(1, min(n, int(density * n)))
+            idx = torch.randint(0, n, (k,), generator=g).to(t.device)
+            bits = bits_view(t)
+            bits[idx] = bits[idx] ^ 1
+        sender.send(new, transport)
+        receiver.receive(transport)
+    if not all(torch.equal(bits_view(held[n]), bits_view(new[n])) for n in new):
+        raise RuntimeError("sync warm-up: the receiver's copy does not hold the sender's bits")
+    if any(t.is_cuda for t in new.values()):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0

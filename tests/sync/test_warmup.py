@@ -1,0 +1,58 @@
+"""sparrow.sync.warmup: the kernels run once on private copies; the caller's tensors stay as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparrow.sync as ssync
+from sparrow.kernels.sync import api
+from sparrow.kernels.sync.common import bits_view
+
+from .conftest import TRITON_DEVICE
+
+IMPLS = ["reference"] + (["triton"] if api.triton_available() else [])
+
+
+def _state(device):
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(300, 7, generator=g).to(torch.bfloat16), "b": torch.randn(13, generator=g),
+            "h": torch.randn(4096 + 5, generator=g).to(torch.float16), "e": torch.empty(0, dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("codec", ["auto", "compact", "coo", "dense"])
+def test_warmup_leaves_the_callers_tensors_alone(impl, codec):
+    dev = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    state = {n: t.to(dev) for n, t in _state(dev).items()}
+    before = {n: bits_view(t).clone() for n, t in state.items()}
+    assert ssync.warmup(state, codec=codec, bucket_bytes=4096, impl=impl) >= 0.0
+    assert all(torch.equal(bits_view(state[n]), before[n]) for n in state)
+
+
+def test_warmup_takes_tensors_up_to_max_bytes(monkeypatch):
+    seen = []
+    real = ssync.warmup.__globals__["SyncSender"]
+
+    class Spy(real):
+        def __init__(self, named, **kw):
+            seen.append(list(named))
+            super().__init__(named, **kw)
+
+    monkeypatch.setitem(ssync.warmup.__globals__, "SyncSender", Spy)
+    state = _state("cpu")
+    ssync.warmup(state, max_bytes=5000)
+    assert seen == [["w", "b"]]  # 4200 + 52 bytes; "h" (8202) would pass 5000
+    ssync.warmup(state, max_bytes=None)
+    assert seen[-1] == list(state)
+
+
+def test_warmup_catches_a_receiver_that_does_not_apply(monkeypatch):
+    # negative control: the bit-for-bit check at the end is what makes a warm-up a test of the codec too
+    def drop(self, transport, **kw):  # takes every bucket off the transport, applies none
+        while not transport.recv_bucket()[1]:
+            pass
+
+    monkeypatch.setattr(ssync.SyncReceiver, "receive", drop)
+    with pytest.raises(RuntimeError, match="does not hold the sender's bits"):
+        ssync.warmup(_state("cpu"))
