@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 
 from sparrow.rl import (
     CharTokenizer,
@@ -133,3 +132,28 @@ def test_rewards():
     assert CharAccuracy()("12", "1234") == 0.5 and CharAccuracy()("12", "") == 0.0
     with pytest.raises(ValueError, match="weights"):
         CombinedReward([MathAnswer()], [1.0, 2.0])
+
+
+import re  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sparrow.rl.tokenizer import CHARS, SPECIALS  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(CHARS + CHARS.upper() + "#é\t{"), max_size=60),
+       bos=st.booleans(), eos=st.booleans())
+def test_encode_is_the_per_character_map(text, bos, eos):
+    """The one-pass encode equals the per-character dictionary it replaces, and refuses exactly the texts
+    with a character outside the alphabet, naming the first one."""
+    tok = CharTokenizer()
+    table = {c: i + len(SPECIALS) for i, c in enumerate(CHARS)}
+    bad = [c for c in text.lower() if c not in table]
+    if bad:
+        with pytest.raises(ValueError, match=re.escape(f"character {bad[0]!r}")):
+            tok.encode(text, add_bos=bos, add_eos=eos)
+        return
+    want = [tok.bos_id] * bos + [table[c] for c in text.lower()] + [tok.eos_id] * eos
+    assert tok.encode(text, add_bos=bos, add_eos=eos) == want

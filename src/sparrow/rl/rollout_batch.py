@@ -51,9 +51,10 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], samples: Sequence[Samp
     S = int((plen + rlen).max())
     tokens = torch.full((N, S), pad_id, dtype=torch.int64)
     behav = torch.zeros((N, L), dtype=torch.float32)
+    prompt_ids = [torch.as_tensor(p, dtype=torch.int64) for p in prompts]  # once per prompt, not per sample
     for i, s in enumerate(samples):
-        p = prompts[i // group]
-        tokens[i, : len(p)] = torch.as_tensor(p, dtype=torch.int64)
+        p = prompt_ids[i // group]
+        tokens[i, : len(p)] = p
         tokens[i, len(p): len(p) + s.length] = s.tokens
         behav[i, : s.length] = s.logprobs
     mask = torch.arange(L)[None, :] < rlen[:, None]

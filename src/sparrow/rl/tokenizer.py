@@ -20,6 +20,10 @@ class CharTokenizer:
     def __init__(self) -> None:
         self._to_id = {c: i + len(SPECIALS) for i, c in enumerate(CHARS)}
         self._to_char = {i: c for c, i in self._to_id.items()}
+        lut = bytearray([255]) * 256  # byte -> id (255: not in the alphabet), for bytes.translate
+        for c, i in self._to_id.items():
+            lut[ord(c)] = i
+        self._lut = bytes(lut)
         n = len(SPECIALS) + len(CHARS)
         self.vocab_size = (n + 7) // 8 * 8
 
@@ -28,15 +32,15 @@ class CharTokenizer:
         return [self.eos_id]
 
     def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
-        ids = [self.bos_id] if add_bos else []
-        for ch in text.lower():
-            i = self._to_id.get(ch)
-            if i is None:
-                raise ValueError(f"character {ch!r} is not in the synthetic tokenizer's alphabet")
-            ids.append(i)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
+        low = text.lower()
+        try:  # one C-level pass: an 8K-character prompt in microseconds, not a Python loop per character
+            mapped = low.encode("ascii").translate(self._lut)
+        except UnicodeEncodeError:
+            mapped = b"\xff"
+        if 255 in mapped:
+            bad = next(ch for ch in low if ch not in self._to_id)
+            raise ValueError(f"character {bad!r} is not in the synthetic tokenizer's alphabet")
+        return ([self.bos_id] if add_bos else []) + list(mapped) + ([self.eos_id] if add_eos else [])
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         out = []
