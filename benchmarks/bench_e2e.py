@@ -10,7 +10,8 @@ trains one first in this process), a Qwen2 model over the character vocabulary o
 ``checkpoint``. Task: :class:`~sparrow.rl.KVRetrieval` (or ``--task variable_tracking``, or ``--task kv_list``:
 :class:`~sparrow.rl.KVListRetrieval`, up to 32 keys asked at once, response lengths with a long tail up to
 128 tokens, where decoding and speculation matter; train the model with the ``kvl`` family in its mix for it,
-e.g. ``--train-args "--mix kv_mq=0.3,kv_vary_mq=0.1,vt_mq=0.2,kv=0.1,vt=0.1,kvl=0.2"``) with prompts of
+e.g. ``--train-args "--mix kv_mq=0.3,kv_vary_mq=0.1,vt_mq=0.2,kv=0.1,vt=0.1,kvl=0.2"``; ``--max-asked 256``
+with the ``kvl_long`` family: responses up to 1K tokens, so that decoding weighs more in a step) with prompts of
 ``--context`` characters (= tokens, plus ``<bos>``), exact-match reward (``--reward``), ``--prompts-per-step`` x
 ``--group`` samples per step at temperature 1, at most ``--max-new`` new tokens.
 
@@ -165,7 +166,8 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "name": "bench_e2e", "output_dir": None, "seed": 0, "device": str(device),
         "trainer_precision": "bf16-mixed" if cuda else "fp32", "dist_timeout_s": 600,
         "tokenizer": {"_component_": "sparrow.rl.CharTokenizer"},
-        "task": {"_component_": TASKS[args.task], "context_len": args.context},
+        "task": {"_component_": TASKS[args.task], "context_len": args.context,
+                 **({"max_asked": args.max_asked} if args.max_asked else {})},
         "reward": {"_component_": REWARDS[args.reward]},
         "model": {"_component_": "sparrow.models.qwen2", **report["model"]},
         "checkpoint": str(checkpoint),
@@ -388,7 +390,10 @@ def build_parser():
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=None, help="default 8; quick 2")
     p.add_argument("--max-new", type=int, default=None,
-                   help="sampling max_new_tokens (default 8, kv_list 132; quick 4)")
+                   help="sampling max_new_tokens (default 8, quick 4; kv_list: its longest answer and <eos>)")
+    p.add_argument("--max-asked", type=int, default=None,
+                   help="kv_list: most keys asked at once (default the task's 32; 256 for responses up to 1K tokens, "
+                        "with a model trained on the kvl_long family)")
     p.add_argument("--minibatches", type=int, default=2, help="policy updates per step (>1: a separate π_old pass)")
     p.add_argument("--micro-batch", type=int, default=32,
                    help="trainer rows per forward / backward (at 8, log-probs and training were 87%% of an H200 step)")
@@ -452,7 +457,7 @@ def main(argv=None) -> dict:
         return {"out": merge(args.merge, args.out)}
     q = args.quick
     defaults = dict(steps=2 if q else 8, context=256 if q else 8192, prompts_per_step=2 if q else 8,
-                    max_new=4 if q else (132 if args.task == "kv_list" else 8), eval_prompts=8 if q else 64,
+                    max_new=None if args.task == "kv_list" else (4 if q else 8), eval_prompts=8 if q else 64,
                     spec_toggle="always" if q else "cost_model",
                     draft_lengths="2" if q else "2,4", ratio=0.5 if q else 0.25, profile_seqs=2 if q else 8,
                     fit_seqs=2 if q else 8, fit_steps=20 if q else 200, queries_per_seq=64 if q else 256,
@@ -460,6 +465,8 @@ def main(argv=None) -> dict:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.max_asked is not None and (args.task != "kv_list" or args.max_asked < 1):
+        raise SystemExit("--max-asked takes a positive number, with --task kv_list")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
@@ -489,6 +496,11 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     if args.context == "auto":
         args.context = handled_context(report, args.task)
         log(f"--context auto: {args.context} tokens (the longest the model handles)", t_start)
+    if args.max_new is None:  # kv_list: room for the longest answer the task can ask for, and <eos>
+        from sparrow.rl import KVListRetrieval
+
+        kvl = KVListRetrieval(args.context, **({"max_asked": args.max_asked} if args.max_asked else {}))
+        args.max_new = kvl.most_asked * (kvl.value_len + 1) + 1
     need = args.context + 1 + args.max_new
     if need > report["model"]["max_seq_len"]:
         raise SystemExit(f"context {args.context} + <bos> + {args.max_new} new tokens does not fit the model's "

@@ -143,6 +143,7 @@ TRAIN_FAMILIES: dict[str, Callable[[int], Any]] = {
     "vt_mq": lambda n: MultiQuery(VariableTracking(n)),
     "vt1_mq": lambda n: MultiQuery(VariableTracking(n, hops=1)),  # one hop fewer: a variable-tracking curriculum
     "kvl": lambda n: KVListRetrieval(n),  # several keys asked at once: the long-tailed responses of bench_e2e
+    "kvl_long": lambda n: KVListRetrieval(n, max_asked=256),  # responses up to 1K tokens (bench_e2e --max-asked 256)
 }
 # Multi-question families carry most of the signal: with one question per sequence no run of ours left the
 # copy-any-value plateau (H200: four 5-minute runs, CPU: a dozen); with them a 6-layer model of width 384
@@ -155,7 +156,8 @@ EVAL_TASKS: dict[str, Callable[[int], Any]] = {
 }
 # every task the progress evaluations and the final table can measure; ``--eval-tasks`` picks the ones that
 # move the curriculum (the final table adds EVAL_TASKS, and kv_list when ``kvl`` is in the mix)
-ALL_EVAL_TASKS: dict[str, Callable[[int], Any]] = {**EVAL_TASKS, "kv_list": lambda n: KVListRetrieval(n)}
+ALL_EVAL_TASKS: dict[str, Callable[[int], Any]] = {**EVAL_TASKS, "kv_list": lambda n: KVListRetrieval(n),
+                                                   "kv_list_long": TRAIN_FAMILIES["kvl_long"]}
 
 _TOK = CharTokenizer()
 _LUT = np.full(256, 255, dtype=np.uint8)
@@ -524,7 +526,7 @@ class TrainConfig:
 
     def table_tasks(self) -> list[str]:
         """The tasks of the final accuracy table."""
-        extra = ["kv_list"] if self.mix.get("kvl", 0) > 0 else []
+        extra = [t for f, t in (("kvl", "kv_list"), ("kvl_long", "kv_list_long")) if self.mix.get(f, 0) > 0]
         return list(dict.fromkeys([*self.eval_tasks, *EVAL_TASKS, *extra]))
 
     def lengths(self) -> list[int]:

@@ -68,11 +68,16 @@ def test_e2e_quick_pipeline(tmp_path, one_thread):
 @pytest.mark.slow
 def test_e2e_quick_runs_the_long_tailed_task(tmp_path, one_thread):
     """``--task kv_list`` (several keys asked at once, long-tailed responses) through the all-on run."""
-    bench_e2e.main(["--quick", "--task", "kv_list", "--configs", "all_on", "--max-new", "12", "--out", str(tmp_path),
+    bench_e2e.main(["--quick", "--task", "kv_list", "--configs", "all_on", "--max-asked", "3", "--out", str(tmp_path),
                     "--work-dir", str(tmp_path / "work"), "--context", "auto"])
     doc = json.loads((tmp_path / "e2e.json").read_text())
     assert doc["complete"] is True and doc["failed"] == [] and [r["config"] for r in doc["rows"]] == ["all_on"]
     assert doc["config"]["task"] == "kv_list"
+    # --max-asked reaches the task, and max_new defaults to the longest answer it allows (3 x 4 tokens) + <eos>
+    assert doc["config"]["recipe_base"]["task"]["max_asked"] == 3 and doc["config"]["max_new"] == 13
+    assert all(s["response/len_max"] <= 13 for s in doc["steps"])
+    with pytest.raises(SystemExit, match="--max-asked"):
+        bench_e2e.main(["--quick", "--max-asked", "3"])  # kv_retrieval asks one key
     assert doc["config"]["context"] in (128, 256)  # the quick model's accuracy table
     assert math.isfinite(doc["rows"][0]["reward_mean"])
 

@@ -204,16 +204,17 @@ def test_longest_handled_and_model_score():
     assert train_task_model.model_score(rep) == (128, pytest.approx(3.55 / 6))
 
 
-@pytest.mark.parametrize("mix", [{"kvl": 1.0}, {"kv_mq": 0.5, "vt_mq": 0.5}, dict(train_task_model.DEFAULT_MIX)],
-                         ids=["kv_list", "multi_query", "default"])
+@pytest.mark.parametrize("mix", [{"kvl": 1.0}, {"kvl_long": 1.0}, {"kv_mq": 0.5, "vt_mq": 0.5},
+                                 dict(train_task_model.DEFAULT_MIX)],
+                         ids=["kv_list", "kv_list_long", "multi_query", "default"])
 def test_model_length_covers_every_training_sequence(mix):
     # kv_list answers reach most_asked * 4 tokens past the context: a model sized context + 64 failed on them
-    bound = train_task_model.longest_sequence(mix, 300)
-    seen = max(len(train_task_model._sequence_ids(train_task_model.TRAIN_FAMILIES[f](300).example(7, i)))
+    bound = train_task_model.longest_sequence(mix, 600)
+    seen = max(len(train_task_model._sequence_ids(train_task_model.TRAIN_FAMILIES[f](600).example(7, i)))
                for f in mix for i in range(400))
     assert seen <= bound
     args = train_task_model.build_parser().parse_args(
-        ["--max-context", "300", "--mix", ",".join(f"{k}={v}" for k, v in mix.items()), "--device", "cpu"])
+        ["--max-context", "600", "--mix", ",".join(f"{k}={v}" for k, v in mix.items()), "--device", "cpu"])
     assert train_task_model.config_from_args(args).model.max_seq_len >= bound
 
 
