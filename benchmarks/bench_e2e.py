@@ -37,7 +37,9 @@ Reported, per step (``steps`` in the JSON) and per run (``rows``): seconds per p
 ``time/decode_s``, ``time/logprob_s``, ``time/train_s``, ``time/sync_s``, ``time/rollout_s``,
 ``time/step_s``, drafter refresh, sync apply), rollout tokens/s, reward, ``mismatch_kl`` and
 ``is_clip_frac`` of the GRPO loss, speculative acceptance, sync bytes on the wire and dense, attention
-density, and the run's wall clock over the timed steps (``wall_s``) and over all steps (``wall_s_all``).
+density, the run's wall clock over the timed steps (``wall_s``) and over all steps (``wall_s_all``), and
+whether a step compiled or captured graphs (``compiled`` per step, ``compiled_timed_steps`` per run: the recipe
+compiles at setup, so a timed step that compiles is flagged, and logged as a warning).
 Attention density is recorded by the recipe only when the decode step is not compiled; for compiled runs,
 ``--density-probe`` runs one uncompiled ``all_on`` step after the timed runs (toggle ``always``) to measure
 it. Summary (``summary``), per configuration over seeds: median step time, the speedup all_off / config
@@ -273,17 +275,27 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
+COMPILE_COUNTS = ("compile/graphs", "engine/captured_graphs")  # cumulative counts the recipe logs per step
+
+
 def step_records(name: str, seed: int, records: list[dict], warmup: int) -> list[dict]:
-    """One row per training step with its metrics, cumulative wall clock (all steps, and timed steps only)."""
-    out, wall, timed_wall = [], 0.0, 0.0
+    """One row per training step with its metrics, cumulative wall clock (all steps, and timed steps only), and
+    ``compiled``: whether the step compiled or captured graphs (a count of :data:`COMPILE_COUNTS` grew over the
+    step before; None for the first step or when the recipe logs no counts)."""
+    out, wall, timed_wall, last = [], 0.0, 0.0, None
     for r in records:
         if "time/step_s" not in r:
             continue  # the start-of-run evaluation
         timed = r["step"] > warmup
         wall += r["time/step_s"]
         timed_wall += r["time/step_s"] if timed else 0.0
+        counts = tuple(r.get(k) for k in COMPILE_COUNTS)
+        compiled = None
+        if last is not None and any(c is not None for c in counts):
+            compiled = any(c is not None and p is not None and c > p for c, p in zip(counts, last))
+        last = counts
         out.append({"config": name, "seed": seed, "timed": timed, "wall_s": wall,
-                    "timed_wall_s": timed_wall if timed else None, **r})
+                    "timed_wall_s": timed_wall if timed else None, "compiled": compiled, **r})
     return out
 
 
@@ -294,7 +306,8 @@ def run_row(name: str, seed: int, steps: list[dict], records: list[dict], timing
     evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
     on = CONFIGS[name]
     row: dict[str, Any] = {"config": name, "seed": seed, "rtpurbo": on["rtpurbo"], "speculative": on["spec"],
-                           "sparse_sync": on["sparse_sync"], "steps": len(steps), "timed_steps": len(timed)}
+                           "sparse_sync": on["sparse_sync"], "steps": len(steps), "timed_steps": len(timed),
+                           "compiled_timed_steps": sum(bool(s.get("compiled")) for s in timed)}
     for ph in PHASES:
         row[f"{ph}_s"] = _median(col(f"time/{ph}_s"))
     row["median_step_s"] = row.pop("step_s")
@@ -573,6 +586,9 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                 f"{r['decode_s']:.3f}, train {r['train_s']:.3f}, sync {r['sync_s']:.3f}), reward "
                 f"{r['reward_mean']:.3f}, eval {r['eval_start']} -> {r['eval_final']}, run {r['run_s']:.1f} s "
                 f"(setup {r['setup_s']:.1f})", t_start)
+            if r["compiled_timed_steps"]:
+                log(f"{tag}: WARNING {r['compiled_timed_steps']} timed step(s) compiled or captured graphs "
+                    "(see 'compiled' in the steps)", t_start)
             save(final=False)
     if args.density_probe and calibration is not None:
         if deadline is not None and time.perf_counter() + max(durations, default=0.0) / 2 > deadline:

@@ -303,8 +303,8 @@ def per_batch_phase(engine, prompts, args, costs, deadline=None) -> list[dict]:
 
 def _graph_count(engine) -> int:
     """Sampling modes the engine has compiled for (a new mode compiles its steps anew) plus the CUDA graphs of
-    the current one (plain decode steps and speculative cycles)."""
-    return len(engine._modes) + len(engine._graphs) + (len(engine._spec._graphs) if engine._spec is not None else 0)
+    every mode (plain decode steps and speculative cycles)."""
+    return engine.sampling_modes + engine.captured_graphs
 
 
 def bucket_table(rows: list[dict]) -> list[dict]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters as dynamo_counters
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 from tqdm import tqdm
@@ -461,6 +462,10 @@ class GRPORecipe:
                 metrics.update(self._refresh_indexer(local_prompts, local_samples))
             self._wait_device()
             metrics["time/step_s"] = time.perf_counter() - t_step
+            # compilation inside the step shows as growth of these counts (the recipe prepares the engine)
+            metrics["compile/graphs"] = float(dynamo_counters["stats"]["unique_graphs"])
+            if self.is_rollout:
+                metrics["engine/captured_graphs"] = float(self.engine.captured_graphs)
             if cfg.eval.every and self.step % cfg.eval.every == 0:
                 metrics.update(self._log_eval(log=False))
             if self.is_main:

@@ -133,3 +133,17 @@ def test_merge_joins_seeds_and_refuses_what_does_not_belong_together(tmp_path):
     refused(dict(b, complete=False), "incomplete")
     refused(dict(b, rows=[r for r in b["rows"] if r["config"] != "all_off"]), "no all_off")
     refused(dict(b, environment=dict(b["environment"], device="another GPU")), "device")
+
+
+def test_steps_that_compile_are_flagged():
+    """A step after which the compile or graph counts grew is marked; the first step has nothing to compare."""
+    recs = [{"step": 0, "eval/accuracy": 0.5}]
+    counts = [(3, 4), (3, 4), (4, 4), (4, 6), (4, 6)]
+    for i, (c, g) in enumerate(counts, start=1):
+        recs.append({"step": i, "time/step_s": 0.5, "compile/graphs": float(c), "engine/captured_graphs": float(g)})
+    steps = bench_e2e.step_records("all_off", 0, recs, warmup=1)
+    assert [s["compiled"] for s in steps] == [None, False, True, True, False]
+    row = bench_e2e.run_row("all_off", 0, steps, recs, {"setup_s": 1.0, "run_s": 3.0})
+    assert row["compiled_timed_steps"] == 2
+    bare = bench_e2e.step_records("all_off", 0, [{"step": 1, "time/step_s": 0.5}, {"step": 2, "time/step_s": 0.5}], 1)
+    assert [s["compiled"] for s in bare] == [None, None]

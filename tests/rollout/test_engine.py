@@ -161,6 +161,7 @@ def test_alternating_sampling_modes_keep_each_modes_compiled_step():
     assert eng.stop_ids.tolist() == [1] + [-1] * 7
     g2 = eng.generate(_prompts(), 1, greedy).samples
     assert eng._compiled_step() is step_greedy and eng.stop_ids.tolist() == [2, 5] + [-1] * 6
+    assert eng.sampling_modes == 2 and eng.captured_graphs == 0  # no CUDA graphs off the GPU
     _assert_same(first, _engine(model, max_rows=8).generate(_prompts(), 2, sampled).samples)
     _assert_same(again, first)
     _assert_same(g1, _engine(model, max_rows=8).generate(_prompts(), 1, greedy).samples)

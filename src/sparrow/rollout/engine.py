@@ -220,6 +220,21 @@ class RolloutEngine:
             self._spec = SpeculativeRunner(self, drafter, toggle or AlwaysOn(self.config.max_draft))
 
     @property
+    def captured_graphs(self) -> int:
+        """CUDA graphs captured so far over every sampling mode: plain decode steps, draft steps and speculative
+        cycles (0 without CUDA graphs). A count that grows during a generation means it captured (and compiled)
+        inside it; :meth:`prepare` keeps it from growing."""
+        n = len(self._graphs) + sum(len(m[1]) for m in self._modes.values())
+        if self._spec is not None:
+            n += len(self._spec.compiled_state()[2]) + sum(len(m[3][2]) for m in self._modes.values())
+        return n
+
+    @property
+    def sampling_modes(self) -> int:
+        """Sampling modes seen so far (each compiles its own steps, see :meth:`generate`)."""
+        return len(self._modes) + (self._params is not None)
+
+    @property
     def drafter(self) -> Drafter | None:
         return None if self._spec is None else self._spec.drafter
 
