@@ -81,6 +81,9 @@ def test_shared_prefix_logprobs_and_gradients_equal_per_row(group, prompts, resp
     per_row, shared = _both(_MODEL, tokens, plen, rlen, group, L)
     assert _agree(per_row, shared)
     assert torch.equal(shared[0] == 0, per_row[0] == 0)  # zero exactly past each response
+    # responses back to back: the packed width is the longest prompt plus the longest group's total
+    pack = lp_mod.pack_shared_prefix(tokens, plen, rlen, group=group, max_response_len=L)
+    assert pack.tokens.shape == (len(prompts), max(prompts) + int(rlen.view(-1, group).sum(1).max()))
 
 
 def test_a_leaky_pack_is_caught(monkeypatch):
@@ -89,9 +92,9 @@ def test_a_leaky_pack_is_caught(monkeypatch):
 
     def leaky(tokens, prompt_len, response_len, *, group, max_response_len):
         p = real(tokens, prompt_len, response_len, group=group, max_response_len=max_response_len)
-        S = tokens.shape[1]
+        P = int(prompt_len.max())  # the responses follow the longest prompt
         k = torch.arange(p.mask.shape[-1])
-        p.mask[:, S:, S:] |= k[None, S:] < k[S:, None]  # earlier responses visible
+        p.mask[:, P:, P:] |= k[None, P:] < k[P:, None]  # earlier responses visible
         return p
 
     tokens, plen, rlen = _group_batch([5, 3], [4, 6, 2, 5, 3, 6], 3, seed=1)

@@ -9,8 +9,9 @@ one prompt, computing each prompt once: a group becomes one packed sequence ``pr
 response_G`` in which response ``j`` attends to the prompt and to itself (causally) and its positions continue
 the prompt's. Every response token sees exactly the keys, values and positions it sees in its own row, so the
 log-probs are those of :func:`response_logprobs`, and so are the gradients (the prompt's activations receive
-the sum of what the G copies would receive). A group of G samples of an 8K-token prompt with 128-token
-responses is then one 9K-token sequence instead of G 8.3K-token ones.
+the sum of what the G copies would receive). The responses of a group sit back to back: a group of G samples
+of an 8K-token prompt with responses of r_1 .. r_G tokens is one sequence of 8K + sum(r) tokens instead of G
+sequences of 8K + max(r).
 """
 
 from __future__ import annotations
@@ -94,8 +95,9 @@ def _gather_logprobs(model, h_sel, tgt, rows, cols, shape, temperature: float, c
 class SharedPrefixPack:
     """A GRPO batch of ``n`` groups packed one group per sequence (see :func:`pack_shared_prefix`).
 
-    tokens: [n, W] int64, ``W = S + G * L``: the group's prompt in ``[0, S)`` (positions past the prompt are
-        never attended to), response ``j`` in ``[S + j * L, S + (j + 1) * L)``.
+    tokens: [n, W] int64, ``W = P + max_g sum_j r_gj`` (``P`` the longest prompt, ``r_gj`` the response
+        lengths): the group's prompt in ``[0, P)`` (positions past it are never attended to), then its
+        responses back to back, without padding between them.
     input_pos: [n, W] int64, the RoPE position of each token (a response continues its prompt).
     mask: [n, W, W] bool, True where a query attends to a key; a padding query attends to itself only.
     predictor: [N, L] int64, the packed index of the hidden state that predicts response token ``(i, t)``.
@@ -110,29 +112,44 @@ class SharedPrefixPack:
 def pack_shared_prefix(tokens: torch.Tensor, prompt_len: torch.Tensor, response_len: torch.Tensor, *, group: int,
                        max_response_len: int) -> SharedPrefixPack:
     """Pack rows ``[i * group, (i + 1) * group)`` (one prompt, ``group`` responses) into one sequence each.
+    Responses sit back to back, so a long-tailed group costs its total length, not ``group`` times its longest
+    response.
 
     Args: as :func:`response_logprobs`; the rows of a group must hold the same prompt (checked by
-    :func:`shared_prefix_logprobs`). No host synchronisation.
+    :func:`shared_prefix_logprobs`). Reads the packed width back from the device (one host sync).
     """
     N, S = tokens.shape
     G, L, dev = group, max_response_len, tokens.device
     n = N // G
-    t = torch.arange(L, device=dev)
     plen = prompt_len.view(n, G)[:, 0]  # [n]
-    resp = tokens.gather(1, (prompt_len[:, None] + t[None, :]).clamp(max=S - 1))  # [N, L]
-    packed = torch.cat([tokens.view(n, G, S)[:, 0], resp.view(n, G * L)], dim=1)  # [n, W]
-    # per packed index: segment (-1 prompt, j response j), offset inside it, and whether it holds a real token
-    seg = torch.cat([torch.full((S,), -1, device=dev), torch.arange(G, device=dev).repeat_interleave(L)])
-    off = torch.cat([torch.arange(S, device=dev), t.repeat(G)])
-    real = torch.cat([off[None, :S] < plen[:, None], (t[None, :] < response_len[:, None]).view(n, G * L)], dim=1)
-    pos = torch.where(seg[None, :] < 0, off[None, :], plen[:, None] + off[None, :]).clamp(max=S - 1)
-    sq, sk, oq, ok = seg[:, None], seg[None, :], off[:, None], off[None, :]
-    allowed = ((sk < 0) & ((sq >= 0) | (ok <= oq))) | ((sk == sq) & (sk >= 0) & (ok <= oq))  # [W, W]
-    mask = (allowed[None] & real[:, None, :]) | torch.eye(S + G * L, dtype=torch.bool, device=dev)[None]
-    # token t of response j is predicted by the prompt's last token (t = 0) or by the token before it
-    j = torch.arange(N, device=dev) % G
-    predictor = torch.where(t[None, :] == 0, prompt_len[:, None] - 1, S + j[:, None] * L + t[None, :] - 1)
-    return SharedPrefixPack(packed, pos, mask, predictor)
+    r = response_len.view(n, G)
+    start = r.cumsum(1) - r  # [n, G] each response's offset after the prompt
+    P, T = (int(x) for x in torch.stack([plen.max(), r.sum(1).max()]).tolist())  # deliberate host sync: widths
+    W = P + T
+    w = torch.arange(W, device=dev)
+    # per packed index: segment (-1 prompt, j response j, -2 padding), offset inside it, real token or not
+    seg = torch.full((n, W), -2, dtype=torch.int64, device=dev)
+    off = w.expand(n, W).clone()
+    seg[:, :P] = -1
+    t = torch.arange(L, device=dev)
+    rows, cols = (t[None, :] < response_len[:, None]).nonzero(as_tuple=True)  # every response token (i, t)
+    gi, ji = rows // G, rows % G
+    dest = P + start[gi, ji] + cols
+    seg[gi, dest] = ji
+    off[gi, dest] = cols
+    packed = torch.full((n, W), 0, dtype=tokens.dtype, device=dev)
+    packed[:, :P] = tokens.view(n, G, S)[:, 0, :P]
+    packed[gi, dest] = tokens[rows, prompt_len[rows] + cols]
+    real = torch.where(seg == -1, off < plen[:, None], seg >= 0)
+    pos = torch.where(seg >= 0, plen[:, None] + off, torch.where(seg == -1, off, 0)).clamp(max=S - 1)
+    sq, sk, oq, ok = seg[:, :, None], seg[:, None, :], off[:, :, None], off[:, None, :]
+    prompt_key = (sk == -1) & (((sq == -1) & (ok <= oq)) | (sq >= 0))
+    own_key = (sk == sq) & (sk >= 0) & (ok <= oq)
+    mask = ((prompt_key | own_key) & real[:, None, :]) | torch.eye(W, dtype=torch.bool, device=dev)[None]
+    # token t of a response is predicted by the prompt's last token (t = 0) or by the token before it
+    first = P + start.view(N)  # packed index of each response's first token
+    predictor = torch.where(t[None, :] == 0, prompt_len[:, None] - 1, first[:, None] + t[None, :] - 1)
+    return SharedPrefixPack(packed, pos, mask, predictor.clamp(max=W - 1))
 
 
 def shared_prefix_logprobs(
