@@ -45,6 +45,7 @@ luck), ``--quick`` (CPU, seconds).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -185,21 +186,23 @@ def example_tokens(task, seed: int, index: int) -> tuple[np.ndarray, int]:
 
 def longest_sequence(mix: dict, context: int, samples: int = 64) -> int:
     """The longest training sequence (tokens, ``<bos>`` and ``<eos>`` included) of the families in ``mix``
-    at ``context``: the prompt holds at most ``context + 9 * queries`` characters (:class:`MultiQuery`) and a
-    kv_list answer up to ``most_asked * (value_len + 1)``; measured on ``samples`` examples of each family and
-    bounded from above by those sizes."""
+    at ``context``: a prompt of at most ``context + 9 * (queries - 1)`` characters (:class:`MultiQuery`) and
+    the longest answer (``most_asked * (value_len + 1)`` for kv_list, the longest of ``samples`` examples
+    otherwise: fixed-length values), and at least the longest of those examples."""
+    return _longest_sequence(tuple(sorted(n for n, share in mix.items() if share > 0)), context, samples)
+
+
+@functools.lru_cache(maxsize=None)
+def _longest_sequence(families: tuple[str, ...], context: int, samples: int) -> int:
     bound = context + 2
-    for name, share in mix.items():
-        if share <= 0:
-            continue
+    for name in families:
         task = TRAIN_FAMILIES[name](context)
         base = getattr(task, "base", task)
-        extra = 9 * (task.queries - 1) if isinstance(task, MultiQuery) else 0
-        if isinstance(base, KVListRetrieval):
-            extra += base.most_asked * (base.value_len + 1)
-        else:
-            extra += max(len(task.example(0, i).answer) for i in range(samples)) + 16
-        bound = max(bound, context + extra + 2, *(len(_sequence_ids(task.example(0, i))) for i in range(samples)))
+        exs = [task.example(0, i) for i in range(samples)]
+        prompt = context + (9 * (task.queries - 1) if isinstance(task, MultiQuery) else 0)
+        answer = (base.most_asked * (base.value_len + 1) if isinstance(base, KVListRetrieval)
+                  else max(len(e.answer) for e in exs))
+        bound = max(bound, prompt + answer + 2, *(len(e.prompt) + len(e.answer) + 2 for e in exs))
     return bound
 
 

@@ -82,7 +82,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_per_row(group, prompts, resp
     assert _agree(per_row, shared)
     assert torch.equal(shared[0] == 0, per_row[0] == 0)  # zero exactly past each response
     # responses back to back: the packed width is the longest prompt plus the longest group's total
-    pack = lp_mod.pack_shared_prefix(tokens, plen, rlen, group=group, max_response_len=L)
+    pack = lp_mod.pack_shared_prefix(tokens, plen, rlen, group=group)
     assert pack.tokens.shape == (len(prompts), max(prompts) + int(rlen.view(-1, group).sum(1).max()))
 
 
@@ -90,8 +90,8 @@ def test_a_leaky_pack_is_caught(monkeypatch):
     # negative control: responses of a group that see each other's tokens change the log-probs
     real = lp_mod.pack_shared_prefix
 
-    def leaky(tokens, prompt_len, response_len, *, group, max_response_len):
-        p = real(tokens, prompt_len, response_len, group=group, max_response_len=max_response_len)
+    def leaky(tokens, prompt_len, response_len, *, group):
+        p = real(tokens, prompt_len, response_len, group=group)
         P = int(prompt_len.max())  # the responses follow the longest prompt
         k = torch.arange(p.mask.shape[-1])
         p.mask[:, P:, P:] |= k[None, P:] < k[P:, None]  # earlier responses visible

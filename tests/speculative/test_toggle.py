@@ -260,4 +260,4 @@ def test_toggles_name_the_draft_lengths_they_can_ask_for():
     t = CostModelToggle(_small_batch_pays(), adaptive=AdaptiveDraft(lengths=(2, 4), prior=0.8))
     assert t.draft_lengths() == (2, 4)
     seen = {t.decide(StepStats(a, 100.0, 100, 1 if a == 1 else 64)).num_draft for a in (1, 1, 64)}
-    assert seen - {0} <= set(t.draft_lengths())
+    assert seen - {0} and seen - {0} <= set(t.draft_lengths())  # it speculates at one row, within the set

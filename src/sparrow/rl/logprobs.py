@@ -100,56 +100,73 @@ class SharedPrefixPack:
         responses back to back, without padding between them.
     input_pos: [n, W] int64, the RoPE position of each token (a response continues its prompt).
     mask: [n, W, W] bool, True where a query attends to a key; a padding query attends to itself only.
-    predictor: [N, L] int64, the packed index of the hidden state that predicts response token ``(i, t)``.
+    rows, cols: [T] int64, every response token ``(row, offset)``, row-major (``T = sum(response_len)``).
+    predictor: [T] int64, the packed index (in group ``rows // G``) of the hidden state predicting it.
+    targets: [T] int64, the token itself.
     """
 
     tokens: torch.Tensor
     input_pos: torch.Tensor
     mask: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
     predictor: torch.Tensor
+    targets: torch.Tensor
 
 
-def pack_shared_prefix(tokens: torch.Tensor, prompt_len: torch.Tensor, response_len: torch.Tensor, *, group: int,
-                       max_response_len: int) -> SharedPrefixPack:
+def pack_shared_prefix(tokens: torch.Tensor, prompt_len: torch.Tensor, response_len: torch.Tensor, *,
+                       group: int) -> SharedPrefixPack:
     """Pack rows ``[i * group, (i + 1) * group)`` (one prompt, ``group`` responses) into one sequence each.
     Responses sit back to back, so a long-tailed group costs its total length, not ``group`` times its longest
-    response.
+    response. Arguments as :func:`response_logprobs`.
 
-    Args: as :func:`response_logprobs`; the rows of a group must hold the same prompt (checked by
-    :func:`shared_prefix_logprobs`). Reads the packed width back from the device (one host sync).
+    One read back from the device (the packed width, the token count and the check below).
+
+    Raises:
+        ValueError: ``N`` is not a multiple of ``group``, or the rows of a group do not share their prompt
+            (length and tokens).
     """
     N, S = tokens.shape
-    G, L, dev = group, max_response_len, tokens.device
-    n = N // G
-    plen = prompt_len.view(n, G)[:, 0]  # [n]
+    if group < 1 or N % group:
+        raise ValueError(f"{N} rows do not split into groups of {group}")
+    G, n, dev = group, N // group, tokens.device
+    lead = torch.arange(n, device=dev).repeat_interleave(G) * G  # each row's group leader
+    plen = prompt_len[lead[::G]]  # [n]
+    inside = torch.arange(S, device=dev)[None, :] < prompt_len[lead][:, None]
+    shared = ((prompt_len == prompt_len[lead]) & ((tokens == tokens[lead]) | ~inside).all(1)).all()
     r = response_len.view(n, G)
-    start = r.cumsum(1) - r  # [n, G] each response's offset after the prompt
-    P, T = (int(x) for x in torch.stack([plen.max(), r.sum(1).max()]).tolist())  # deliberate host sync: widths
+    ok, P, T, total = (int(x) for x in torch.stack(  # deliberate host sync: the check and the packed sizes
+        [shared.long(), plen.max(), r.sum(1).max(), response_len.sum()]).tolist())
+    if not ok:
+        raise ValueError(f"rows of a group of {G} do not share their prompt: shared-prefix log-probs need the "
+                         "batch prompt-major, sample j of prompt i at row i * group + j")
     W = P + T
-    w = torch.arange(W, device=dev)
+    # every response token (row, col), row-major, without a second read back
+    rows = torch.repeat_interleave(torch.arange(N, device=dev), response_len, output_size=total)
+    row_start = response_len.cumsum(0) - response_len
+    cols = torch.arange(total, device=dev) - row_start[rows]
+    gi = rows // G
+    dest = P + (r.cumsum(1) - r).view(N)[rows] + cols  # its packed index
     # per packed index: segment (-1 prompt, j response j, -2 padding), offset inside it, real token or not
     seg = torch.full((n, W), -2, dtype=torch.int64, device=dev)
-    off = w.expand(n, W).clone()
     seg[:, :P] = -1
-    t = torch.arange(L, device=dev)
-    rows, cols = (t[None, :] < response_len[:, None]).nonzero(as_tuple=True)  # every response token (i, t)
-    gi, ji = rows // G, rows % G
-    dest = P + start[gi, ji] + cols
-    seg[gi, dest] = ji
+    seg[gi, dest] = rows % G
+    off = torch.arange(W, device=dev).expand(n, W).clone()
     off[gi, dest] = cols
-    packed = torch.full((n, W), 0, dtype=tokens.dtype, device=dev)
-    packed[:, :P] = tokens.view(n, G, S)[:, 0, :P]
-    packed[gi, dest] = tokens[rows, prompt_len[rows] + cols]
+    targets = tokens[rows, prompt_len[rows] + cols]
+    packed = torch.zeros((n, W), dtype=tokens.dtype, device=dev)
+    packed[:, :P] = tokens[lead[::G], :P]
+    packed[gi, dest] = targets
     real = torch.where(seg == -1, off < plen[:, None], seg >= 0)
-    pos = torch.where(seg >= 0, plen[:, None] + off, torch.where(seg == -1, off, 0)).clamp(max=S - 1)
-    sq, sk, oq, ok = seg[:, :, None], seg[:, None, :], off[:, :, None], off[:, None, :]
-    prompt_key = (sk == -1) & (((sq == -1) & (ok <= oq)) | (sq >= 0))
-    own_key = (sk == sq) & (sk >= 0) & (ok <= oq)
+    pos = torch.where(seg >= 0, plen[:, None] + off, torch.where(seg == -1, off, 0))
+    seg_q, seg_k, off_q, off_k = seg[:, :, None], seg[:, None, :], off[:, :, None], off[:, None, :]
+    causal = off_k <= off_q
+    prompt_key = (seg_k == -1) & (((seg_q == -1) & causal) | (seg_q >= 0))
+    own_key = (seg_k == seg_q) & (seg_k >= 0) & causal
     mask = ((prompt_key | own_key) & real[:, None, :]) | torch.eye(W, dtype=torch.bool, device=dev)[None]
-    # token t of a response is predicted by the prompt's last token (t = 0) or by the token before it
-    first = P + start.view(N)  # packed index of each response's first token
-    predictor = torch.where(t[None, :] == 0, prompt_len[:, None] - 1, first[:, None] + t[None, :] - 1)
-    return SharedPrefixPack(packed, pos, mask, predictor.clamp(max=W - 1))
+    # a response's first token is predicted by the prompt's last one, the others by the token before them
+    predictor = torch.where(cols == 0, prompt_len[rows] - 1, dest - 1)
+    return SharedPrefixPack(packed, pos, mask, rows, cols, predictor, targets)
 
 
 def shared_prefix_logprobs(
@@ -167,23 +184,10 @@ def shared_prefix_logprobs(
     computed once (module docstring). Same arguments and result ([N, L] float32).
 
     Raises:
-        ValueError: ``N`` is not a multiple of ``group``, or the rows of a group do not share their prompt
-            (length and tokens; this check reads one flag back from the device).
+        ValueError: as :func:`pack_shared_prefix`.
     """
-    N, S = tokens.shape
-    if group < 1 or N % group:
-        raise ValueError(f"{N} rows do not split into groups of {group}")
-    G, n = group, N // group
-    first = torch.arange(n, device=tokens.device).repeat_interleave(G) * G
-    plen0 = prompt_len[first]
-    inside = torch.arange(S, device=tokens.device)[None, :] < plen0[:, None]
-    if not bool(((prompt_len == plen0) & ((tokens == tokens[first]) | ~inside).all(1)).all()):
-        raise ValueError(f"rows of a group of {G} do not share their prompt: shared-prefix log-probs need the "
-                         "batch prompt-major, sample j of prompt i at row i * group + j")
-    pack = pack_shared_prefix(tokens, prompt_len, response_len, group=G, max_response_len=max_response_len)
+    pack = pack_shared_prefix(tokens, prompt_len, response_len, group=group)
     h = hidden_states(model, pack.tokens, mask=pack.mask, input_pos=pack.input_pos)  # [n, W, E]
-    j = torch.arange(max_response_len, device=tokens.device)
-    rows, cols = (j[None, :] < response_len[:, None]).nonzero(as_tuple=True)
-    h_sel = h[rows // G, pack.predictor[rows, cols]]
-    tgt = tokens[rows, (prompt_len[rows] + cols)]
-    return _gather_logprobs(model, h_sel, tgt, rows, cols, (N, max_response_len), temperature, chunk_size)
+    h_sel = h[pack.rows // group, pack.predictor]
+    return _gather_logprobs(model, h_sel, pack.targets, pack.rows, pack.cols, (tokens.shape[0], max_response_len),
+                            temperature, chunk_size)

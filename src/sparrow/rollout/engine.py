@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, NamedTuple, Sequence
 
 import torch
 from torchtune.modules import TransformerDecoder
@@ -29,6 +29,15 @@ from sparrow.speculative.base import Drafter, ToggleController
 
 FinishReason = Literal["stop", "length"]
 STOP_SLOTS = 8  # stop-id buffer entries; a mode's compiled steps and graphs are shared by all stop sets that fit
+
+
+class _Mode(NamedTuple):
+    """What a sampling mode compiled, kept while another mode is current."""
+
+    step_fn: Callable | None
+    graphs: dict
+    stop_ids: torch.Tensor
+    spec_state: tuple | None  # SpeculativeRunner.compiled_state(): (draft_fn, verify_fn, graphs)
 
 
 def stop_slots(n: int) -> int:
@@ -207,7 +216,7 @@ class RolloutEngine:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._step_fn = None
         self._params: SamplingParams | None = None
-        self._modes: dict[tuple, tuple] = {}  # compiled steps and graphs of each sampling mode seen
+        self._modes: dict[tuple, _Mode] = {}  # compiled steps and graphs of the other sampling modes seen
         self._spec = None
         if toggle is not None and drafter is None:
             raise ValueError("a toggle needs a drafter")
@@ -224,10 +233,9 @@ class RolloutEngine:
         """CUDA graphs captured so far over every sampling mode: plain decode steps, draft steps and speculative
         cycles (0 without CUDA graphs). A count that grows during a generation means it captured (and compiled)
         inside it; :meth:`prepare` keeps it from growing."""
-        n = len(self._graphs) + sum(len(m[1]) for m in self._modes.values())
-        if self._spec is not None:
-            n += len(self._spec.compiled_state()[2]) + sum(len(m[3][2]) for m in self._modes.values())
-        return n
+        states = [(self._graphs, self._spec.compiled_state() if self._spec is not None else None),
+                  *((m.graphs, m.spec_state) for m in self._modes.values())]
+        return sum(len(graphs) + (len(spec[2]) if spec is not None else 0) for graphs, spec in states)
 
     @property
     def sampling_modes(self) -> int:
@@ -291,8 +299,8 @@ class RolloutEngine:
             self._params.temperature, self._params.top_p, self._params.top_k, self.stop_ids.numel())
         if mode != current:
             if current is not None:
-                self._modes[current] = (self._step_fn, self._graphs, self.stop_ids,
-                                        self._spec.compiled_state() if self._spec is not None else None)
+                self._modes[current] = _Mode(self._step_fn, self._graphs, self.stop_ids,
+                                             self._spec.compiled_state() if self._spec is not None else None)
             if mode in self._modes:
                 self._step_fn, self._graphs, self.stop_ids, spec_state = self._modes.pop(mode)
                 if self._spec is not None:
