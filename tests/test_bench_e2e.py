@@ -75,7 +75,6 @@ def test_e2e_quick_runs_the_long_tailed_task(tmp_path, one_thread):
     assert doc["config"]["task"] == "kv_list"
     # --max-asked reaches the task, and max_new defaults to the longest answer it allows (3 x 4 tokens) + <eos>
     assert doc["config"]["recipe_base"]["task"]["max_asked"] == 3 and doc["config"]["max_new"] == 13
-    assert all(s["response/len_max"] <= 13 for s in doc["steps"])
     with pytest.raises(SystemExit, match="--max-asked"):
         bench_e2e.main(["--quick", "--max-asked", "3"])  # kv_retrieval asks one key
     assert doc["config"]["context"] in (128, 256)  # the quick model's accuracy table

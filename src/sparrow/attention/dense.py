@@ -61,7 +61,7 @@ def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if gqa:  # an explicit mask: the memory-efficient kernel, which takes one kv head per query head
+    if gqa:  # an explicit mask: kv heads repeated per query head, so SDPA may pick its memory-efficient kernel
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
