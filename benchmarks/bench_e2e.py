@@ -144,6 +144,7 @@ def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> 
     model = ttm.load_task_model(model_dir, device, dtype)
     blocks = dict(decode_block=16, prefill_block=16, ret_window=16) if args.quick else {}
     cfg = RTPurboConfig.for_context(args.context, retrieval_ratio=args.ratio, top_p=args.top_p,
+                                    dense_prefill_below=args.dense_prefill_below,
                                     impl=args.decode_impl, prefill_impl=args.prefill_impl, **blocks)
     # heads chosen by what making them local changes in the answers (see bench_rtpurbo_accuracy.py)
     scores = ablation_scores(model, acc.calibration_sequences(args.context, args.profile_seqs), window=cfg.window,
@@ -254,6 +255,7 @@ def run_recipe(cfg_dict: dict) -> dict:
 
 
 def _free_memory() -> None:
+    gc.unfreeze()  # a run that failed before its cleanup left its setup frozen
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -428,6 +430,8 @@ def build_parser():
     p.add_argument("--draft-window", type=int, default=0, help="windowed draft in spec_only (dense caches only)")
     p.add_argument("--max-active", type=int, default=32, help="threshold toggle: speculate at or below this many rows")
     p.add_argument("--ratio", type=float, default=None, help="RTPurbo retrieval-head ratio (default 0.25; quick 0.5)")
+    p.add_argument("--dense-prefill-below", type=int, default=0,
+                   help="RTPurbo prefills shorter prompts densely (decode stays sparse; 0: always sparse)")
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--decode-impl", default="auto", choices=["auto", "reference", "triton"])
     p.add_argument("--prefill-impl", default="auto", choices=["auto", "reference", "flex"])

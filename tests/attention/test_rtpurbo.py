@@ -105,6 +105,47 @@ def test_sparse_selection_changes_little_and_records_density():
     assert st["decode_queries"] == 2 * 4 * 3  # layers x steps x rows
 
 
+def _prefill(model, toks, plen):
+    spec = CacheSpec(num_prefixes=2, max_prefix_len=40, num_rows=2, max_gen_len=8)
+    caches = [layer.attn.backend.init_cache(spec, dtype=torch.float32, device=torch.device("cpu"))
+              for layer in model.layers]
+    with torch.no_grad():
+        h = prefill_hidden(model, toks, caches, PrefillMeta(torch.tensor([1, 0]), plen))
+    return logits_from_hidden(model, h), caches
+
+
+@pytest.mark.parametrize("S", [37, 29])
+def test_dense_prefill_below_attends_densely_and_writes_the_same_caches(S):
+    """Below ``dense_prefill_below`` (padded length) every head attends densely: the prompts' logits equal a
+    dense model's, and a layer's caches hold exactly what the sparse prefill writes from the same input (decode
+    reads the same layout); at or above it the prefill is sparse again."""
+    dense = random_tiny("qwen2")
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(0, 64, (2, S), generator=g)
+    plen = torch.tensor([S, S - 5])
+    profile = HeadProfile.from_scores(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), 0.5)
+    stats = {}
+
+    def build(below):
+        cfg = _cfg(top_p=0.5, window=8, decode_block=8, prefill_block=8, ret_window=8, dense_prefill_below=below)
+        m = use_attention(copy.deepcopy(dense), rtpurbo_attention(profile, None, cfg))
+        for layer in m.layers:
+            layer.attn.backend.enable_stats()
+        out = _prefill(m, toks, plen)
+        stats[below] = collect_selection_stats(m)
+        return out
+
+    ref, _ = _prefill(dense, toks, plen)
+    (sparse, c0), (at, _), (below, c1) = build(0), build(S), build(S + 1)
+    real = torch.arange(S)[None, :] < plen[:, None]
+    assert float((below - ref)[real].abs().max()) < 1e-5
+    assert float((sparse - ref)[real].abs().max()) > 1e-3  # the sparse prefill differs (negative control)
+    assert torch.equal(at, sparse)
+    for x, y in zip(c0[0], c1[0]):  # the first layer's inputs are the same (later layers': their outputs differ)
+        assert torch.equal(x.view(torch.int32), y.view(torch.int32))
+    assert stats[S + 1]["prefill_ret_density"] == 1.0 and stats[0]["prefill_ret_density"] < 1.0
+
+
 def test_ring_buffer_memory_is_bounded_by_the_window():
     shape = LayerShape(0, 8, 4, 16)
     b = RTPurboAttention(shape, RTPurboConfig(window=64, ring_slack=8, num_sinks=4), [1])
@@ -134,7 +175,8 @@ def test_forward_train_is_dense_and_indexer_is_not_in_the_checkpoint():
 
 def test_config_and_profile_validation():
     for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(window=0), dict(indexer_dim=12), dict(num_sinks=100),
-                dict(retrieval_ratio=2.0), dict(impl="cuda"), dict(prefill_impl="triton"), dict(decode_block=48)):
+                dict(retrieval_ratio=2.0), dict(impl="cuda"), dict(prefill_impl="triton"), dict(decode_block=48),
+                dict(dense_prefill_below=-1)):
         with pytest.raises(ValueError):
             RTPurboConfig(**bad)
     assert RTPurboConfig.for_context(1024).window == 128

@@ -58,6 +58,11 @@ class RTPurboConfig:
             (Triton on CUDA).
         prefill_impl: ``"flex"`` (block-sparse FlexAttention), ``"reference"`` (dense masks) or ``"auto"``
             (flex on CUDA).
+        dense_prefill_below: prefills whose padded prompt length is below this many tokens attend densely in
+            every head (the caches are written exactly as by the sparse prefill; decode stays sparse). Selecting
+            blocks costs more than it saves on short prompts: in the end-to-end benchmark on an H200 (6-layer
+            task model, 8 prompts of 8K tokens) the prefill phase took 50 ms sparse and 33 ms dense
+            (``docs/benchmarks.md``). ``0``: always sparse.
     """
 
     retrieval_ratio: float = 0.15
@@ -71,6 +76,7 @@ class RTPurboConfig:
     ring_slack: int = 64
     impl: Literal["auto", "reference", "triton"] = "auto"
     prefill_impl: Literal["auto", "reference", "flex"] = "auto"
+    dense_prefill_below: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.retrieval_ratio <= 1.0:
@@ -80,8 +86,8 @@ class RTPurboConfig:
         for name in ("window", "ret_window", "indexer_dim", "decode_block", "prefill_block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RTPurboConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_sinks < 0 or self.ring_slack < 0:
-            raise ValueError("num_sinks and ring_slack must be >= 0")
+        if self.num_sinks < 0 or self.ring_slack < 0 or self.dense_prefill_below < 0:
+            raise ValueError("num_sinks, ring_slack and dense_prefill_below must be >= 0")
         for name in ("indexer_dim", "decode_block", "prefill_block"):
             v = getattr(self, name)
             if v & (v - 1):
@@ -342,6 +348,11 @@ class RTPurboAttention(AttentionBackend):
             _write_prefix_one(cache.prefix_ik, k_idx, slot)
         if self.local_heads:
             self._write_local_prefix(cache, k[:, self.loc_idx], v[:, self.loc_idx], slot, plen)
+        if S < self.config.dense_prefill_below:  # a static shape: no branch on device values
+            if self._stats is not None and self.num_retrieval:
+                self._record_prefill(None, plen, S)
+            gqa = self.shape.num_heads != self.shape.num_kv_heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         res = sparse_prefill_attention(q, k, v, q_idx, k_idx, plen, self.ret_idx, self.loc_idx,
                                        self._prefill_cfg(), impl=self._prefill_impl(q.device),
                                        score_impl=self._decode_impl(q.device),
@@ -434,10 +445,13 @@ class RTPurboAttention(AttentionBackend):
         st["decode_queries"] += float(visible.numel())
 
     def _record_prefill(self, sel, plen: torch.Tensor, S: int) -> None:
+        """``sel`` None: a dense prefill (every causal block kept)."""
         st, b = self._stats, self.config.prefill_block
         nb = -(-S // b)
-        cnt = sel[1].view(-1, self.num_retrieval, nb).double()  # [P, hr, Qb]
-        qb = torch.arange(nb, device=cnt.device)
+        qb = torch.arange(nb, device=plen.device)
+        cnt = (qb + 1).double().expand(len(plen), self.num_retrieval, nb) if sel is None else \
+            sel[1].view(-1, self.num_retrieval, nb).double()  # [P, hr, Qb]
+        qb = qb.to(cnt.device)
         real = (qb * b < plen[:, None].to(cnt.device))[:, None, :]  # query blocks holding real tokens
         st["prefill_ret_kept_blocks"] += float((cnt * real).sum())
         st["prefill_ret_causal_blocks"] += float(((qb + 1).double()[None, None] * real).sum()) * self.num_retrieval
