@@ -692,7 +692,7 @@ def plot(result: dict, png_path: Path) -> None:
 
     steps = result.get("steps") or []
     warm = result.get("config", {}).get("warmup_steps", 1)
-    fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_s, ax_t, ax_p) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1, 1, 0.8]})
     names = [n for n in CONFIGS if any(s["config"] == n for s in steps)]
     seeds = sorted({s["seed"] for s in steps})
     styles = ["-", "--", ":", "-."]
@@ -714,11 +714,38 @@ def plot(result: dict, png_path: Path) -> None:
         ax.set_ylim(-0.02, 1.02)  # both rewards lie in [0, 1]
         ax.grid(alpha=0.3)
     ax_s.legend(fontsize=7)
+    _plot_phases(ax_p, steps, names)
     cfg = result.get("config", {})
     device = result.get("environment", {}).get("device")
     save_figure(fig, png_path,
                 f"GRPO end to end: {cfg.get('task')} at {cfg.get('context')} tokens, "
                 f"{cfg.get('prompts_per_step')}x{cfg.get('group')} samples/step ({device})")
+
+
+
+STACKED = ("prefill", "decode", "logprob", "train", "sync")  # disjoint phases of a step
+
+
+def _plot_phases(ax, steps: list[dict], names: list[str]) -> None:
+    """Stacked mean time per phase over the timed steps (every seed) of each configuration; ``other`` is the
+    rest of the step (rewards, batching, the drafter's refresh). Means, not medians: they add up to the step."""
+    mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
+    timed = {n: [s for s in steps if s["config"] == n and s.get("timed")] for n in names}
+    bottoms = [0.0] * len(names)
+    for i, phase in enumerate(STACKED + ("other",)):
+        vals = []
+        for n in names:
+            if phase == "other":
+                v = mean([s["time/step_s"] - sum(s.get(f"time/{p}_s") or 0.0 for p in STACKED) for s in timed[n]])
+            else:
+                v = mean([s.get(f"time/{phase}_s") or 0.0 for s in timed[n]])
+            vals.append(max(0.0, v))
+        ax.bar(range(len(names)), vals, bottom=bottoms, color=f"C{i}", label=phase)
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=8)
+    ax.set(ylabel="seconds (mean over the timed steps)", title="where a step's time goes")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
 
 
 if __name__ == "__main__":

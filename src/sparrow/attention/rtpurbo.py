@@ -269,10 +269,12 @@ class RTPurboAttention(AttentionBackend):
 
     def index(self, q_pre: torch.Tensor, k_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer queries and keys [B, H_ret, S, r] from pre-RoPE q [B, Hq, S, D] and k [B, Hkv, S, D]."""
-        dt = q_pre.dtype
-        q_idx = torch.einsum("bhsc,hcr->bhsr", self.group_queries(q_pre), self.indexer_q.to(dt))
-        k_idx = torch.einsum("bhsd,hdr->bhsr", k_pre[:, self.ret_idx], self.indexer_k.to(dt))
-        return q_idx, k_idx
+        q_idx = torch.einsum("bhsc,hcr->bhsr", self.group_queries(q_pre), self.indexer_q.to(q_pre.dtype))
+        return q_idx, self.index_keys(k_pre)
+
+    def index_keys(self, k_pre: torch.Tensor) -> torch.Tensor:
+        """Indexer keys [B, H_ret, S, r] from pre-RoPE k [B, Hkv, S, D] (what the decode selection reads)."""
+        return torch.einsum("bhsd,hdr->bhsr", k_pre[:, self.ret_idx], self.indexer_k.to(k_pre.dtype))
 
     # -- capabilities ---------------------------------------------------------------------------------
     def _decode_impl(self, device: torch.device) -> str:
@@ -340,15 +342,19 @@ class RTPurboAttention(AttentionBackend):
             raise ValueError("RTPurboAttention.prefill needs the pre-RoPE q_pre and k_pre")
         P, _, S, _ = q.shape
         slot, plen = meta.prefix_slot, meta.prompt_len
+        dense = S < self.config.dense_prefill_below  # a static shape: no branch on device values
         q_idx = k_idx = None
         if self.num_retrieval:
-            q_idx, k_idx = self.index(q_pre, k_pre)
+            if dense:  # only the keys: decode selects from them
+                k_idx = self.index_keys(k_pre)
+            else:
+                q_idx, k_idx = self.index(q_pre, k_pre)
             kr, vr = k[:, self.ret_idx], v[:, self.ret_idx]
             write_prefix(cache.prefix_k, cache.prefix_v, kr, vr, slot)
             _write_prefix_one(cache.prefix_ik, k_idx, slot)
         if self.local_heads:
             self._write_local_prefix(cache, k[:, self.loc_idx], v[:, self.loc_idx], slot, plen)
-        if S < self.config.dense_prefill_below:  # a static shape: no branch on device values
+        if dense:
             if self._stats is not None and self.num_retrieval:
                 self._record_prefill(None, plen, S)
             gqa = self.shape.num_heads != self.shape.num_kv_heads
