@@ -255,7 +255,6 @@ def run_recipe(cfg_dict: dict) -> dict:
 
 
 def _free_memory() -> None:
-    gc.unfreeze()  # a run that failed before its cleanup left its setup frozen
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

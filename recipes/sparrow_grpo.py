@@ -21,7 +21,6 @@ the prompts; rank 0 gathers the whole bf16 weights and sends the sparse sync to 
 from __future__ import annotations
 
 import functools
-import gc
 import os
 import sys
 import time
@@ -222,10 +221,6 @@ class GRPORecipe:
         if self.is_main:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
-        # what setup built (compiled graphs, captured CUDA graphs, caches: millions of Python objects) lives
-        # until cleanup: out of the collector's scans, whose full passes over it can stall a step for a second
-        gc.collect()
-        gc.freeze()
 
     # ------------------------------------------------------------------------------------------- train
     def _rollout(self, batch: list[dict[str, Any]]):
@@ -539,7 +534,6 @@ class GRPORecipe:
         return {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
 
     def cleanup(self) -> None:
-        gc.unfreeze()  # setup's objects are collectable again
         if self.is_main:
             self.metric_logger.close()
             if self.history and self.cfg.plot:

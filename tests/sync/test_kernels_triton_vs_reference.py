@@ -135,3 +135,15 @@ def test_group_kernels_match_reference(dtype):
         assert all(torch.equal(o, x) for o, x in zip(outs, news))
         api.group_apply_records(outs, p2, v2, counts, negate=True, impl=impl)
         assert all(torch.equal(o, x) for o, x in zip(outs, olds))
+
+
+def test_binary_search_steps_cover_every_slice_count_and_rarely_change():
+    """The group kernels' search depth is a compile-time constant: it must cover the slice count (enough
+    steps to find any slice) and take few values, since a sync's slice count follows the data (a new value
+    is a new compilation in the middle of a run)."""
+    from sparrow.kernels.sync.api import _steps
+
+    for n in range(1, 1 << 14):
+        assert 1 << (_steps(n) - 1) > n  # halving n + 1 candidates down to one takes bit_length(n) + 1 steps
+    assert {_steps(n) for n in range(1, 128)} == {8}
+    assert len({_steps(n) for n in range(1, 1 << 15)}) == 2

@@ -77,8 +77,9 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _steps(nslices: int) -> int:
-    """Binary-search steps over ``nslices`` entries (rounded up to limit recompilations)."""
-    return max(1, nslices.bit_length() + 1)
+    """Binary-search steps over ``nslices`` entries, rounded up to a multiple of 8: the kernels compile once per
+    value, and a sync's slice count follows the data (which slices changed, which codec each takes)."""
+    return -(-(nslices.bit_length() + 1) // 8) * 8
 
 
 def _dev_i64(values: Sequence[int], dev: torch.device) -> torch.Tensor:

@@ -288,7 +288,7 @@ def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, til
         tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
 def _pack_group_kernel(pos_ptr, val_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nslices,
                        slots_ptr, sizes_ptr, meta_ptr, scratch_ptr,
                        EBITS: tl.constexpr, R: tl.constexpr, SLOT: tl.constexpr, WT: tl.constexpr,
@@ -355,7 +355,7 @@ def _pack_group_kernel(pos_ptr, val_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nsli
     tl.store(meta_ptr + 4 * b + k4, meta.to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
 def _assemble_group_kernel(slots_ptr, sizes_ptr, size_excl_ptr, block_cum_ptr, base_ptr, nslices, meta_ptr,
                            out_ptr, SLOT: tl.constexpr, CT: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -387,7 +387,7 @@ def _read_field(words_ptr, region, idx, width, mask):
     return ((lo | (hi << 32)) >> s) & ((tl.full(idx.shape, 1, tl.int64) << width) - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
 def _unpack_group_kernel(words_ptr, word_off_ptr, total_ptr, n_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nslices,
                          pos_ptr, val_ptr, err_ptr, EBITS: tl.constexpr, R: tl.constexpr, STEPS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -474,7 +474,7 @@ def _unpack_group_kernel(words_ptr, word_off_ptr, total_ptr, n_ptr, m_ptr, rec_o
     tl.store(err_ptr + b, tl.where(ok, bad, 1).to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
 def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos_ptr, val_ptr, start_ptr, hash_ptr,
                         EBITS: tl.constexpr, BLOCK: tl.constexpr, DELTA: tl.constexpr, NEGATE: tl.constexpr,
                         STEPS: tl.constexpr, HASH: tl.constexpr):
