@@ -720,8 +720,6 @@ def plot(result: dict, png_path: Path) -> None:
                 f"GRPO end to end: {cfg.get('task')} at {cfg.get('context')} tokens, "
                 f"{cfg.get('prompts_per_step')}x{cfg.get('group')} samples/step ({device})")
 
-
-
 STACKED = ("prefill", "decode", "logprob", "train", "sync")  # disjoint phases of a step
 
 

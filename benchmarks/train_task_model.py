@@ -157,7 +157,7 @@ EVAL_TASKS: dict[str, Callable[[int], Any]] = {
 }
 # every task the progress evaluations and the final table can measure; ``--eval-tasks`` picks the ones that
 # move the curriculum (the final table adds EVAL_TASKS, and kv_list when ``kvl`` is in the mix)
-ALL_EVAL_TASKS: dict[str, Callable[[int], Any]] = {**EVAL_TASKS, "kv_list": lambda n: KVListRetrieval(n),
+ALL_EVAL_TASKS: dict[str, Callable[[int], Any]] = {**EVAL_TASKS, "kv_list": TRAIN_FAMILIES["kvl"],
                                                    "kv_list_long": TRAIN_FAMILIES["kvl_long"]}
 
 _TOK = CharTokenizer()

@@ -207,7 +207,7 @@ def test_prepare_compiles_ahead_and_changes_no_result():
     assert counters["stats"]["unique_graphs"] >= 1  # the count sees compilation inside generate
     torch.compiler.reset()
     eng = _engine(model, max_rows=8, compile=True, compile_backend="eager")
-    assert eng.prepare(params) >= 0.0
+    eng.prepare(params)
     counters.clear()
     got = eng.generate(_prompts(), 2, params).samples
     assert counters["stats"]["unique_graphs"] == 0

@@ -47,6 +47,24 @@ def test_warmup_takes_tensors_up_to_max_bytes(monkeypatch):
     assert seen[-1] == list(state)
 
 
+def test_warmup_syncs_reach_every_path_of_auto(monkeypatch):
+    # the last sync changes more than AUTO_DENSE_FRACTION of each tensor (auto's dense path), the first a few
+    from sparrow.sync.codecs import AUTO_DENSE_FRACTION
+
+    seen = []
+    real = ssync.warmup.__globals__["SyncSender"]
+
+    class Spy(real):
+        def send(self, new, transport, **kw):
+            s = super().send(new, transport, **kw)
+            seen.append(s.density)
+            return s
+
+    monkeypatch.setitem(ssync.warmup.__globals__, "SyncSender", Spy)
+    ssync.warmup(_state("cpu"))
+    assert len(seen) == 3 and seen[0] < 0.01 and seen[-1] > AUTO_DENSE_FRACTION
+
+
 def test_warmup_catches_a_receiver_that_does_not_apply(monkeypatch):
     # negative control: the bit-for-bit check at the end is what makes a warm-up a test of the codec too
     def drop(self, transport, **kw):  # takes every bucket off the transport, applies none

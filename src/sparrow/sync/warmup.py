@@ -53,7 +53,11 @@ def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str = "auto", bu
             if n == 0:
                 continue
             k = max(1, min(n, int(density * n)))
-            idx = torch.randint(0, n, (k,), generator=g).to(t.device)
+            if 2 * k <= n:  # a few: random positions (a repeat now and then changes nothing that matters)
+                idx = torch.randint(0, n, (k,), generator=g)
+            else:  # most: exactly k (random draws would repeat: 90% drawn is 59% changed), a run that wraps
+                idx = (torch.randint(0, n, (1,), generator=g) + torch.arange(k)) % n
+            idx = idx.to(t.device)
             bits = bits_view(t)
             bits[idx] = bits[idx] ^ 1
         sender.send(new, transport)
