@@ -89,7 +89,7 @@ import bench_rtpurbo_accuracy as acc  # noqa: E402
 import train_task_model as ttm  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from sparrow.rl.recipe_utils import RECIPE_KEYS, check_config  # noqa: E402
+from sparrow.rl.recipe_config import RECIPE_KEYS, check_config  # noqa: E402
 
 NAME = "e2e"
 # configuration -> which techniques are on

@@ -20,6 +20,7 @@ the prompts; rank 0 gathers the whole bf16 weights and sends the sparse sync to 
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -37,13 +38,16 @@ from torchtune import config
 from tqdm import tqdm
 
 import sparrow.sync as ssync
-from sparrow.models import load_hf_checkpoint, load_model_state, use_attention
+from sparrow.models import load_model_state, use_attention
 from sparrow.rl import (
     GRPOConfig,
     ListSource,
+    PromptFormat,
     TaskSource,
     aggregation_weights,
     build_rollout_batch,
+    decode_response,
+    emittable_ids,
     group_advantages,
     grpo_loss,
     latest_checkpoint,
@@ -55,12 +59,12 @@ from sparrow.rl import (
     restore_rng_state,
     save_checkpoint,
     shared_prefix_logprobs,
+    stop_ids,
 )
+from sparrow.rl.recipe_config import check_config, check_values, parse
 from sparrow.rl.recipe_utils import (
-    RECIPE_KEYS,
     build_speculation,
     build_toggle,
-    check_config,
     exchange_rollouts,
     plot_history,
     state_fingerprint,
@@ -73,7 +77,8 @@ class GRPORecipe:
     """setup -> train -> save_checkpoint -> cleanup, as in torchtune's recipes."""
 
     def __init__(self, cfg: DictConfig) -> None:
-        check_config(cfg, RECIPE_KEYS)  # unknown keys fail here, before anything runs
+        check_config(cfg)  # unknown or missing keys, then wrong values, fail here, before anything runs
+        check_values(cfg)
         self.cfg = cfg
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -89,26 +94,11 @@ class GRPORecipe:
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.history: list[dict[str, float]] = []
-
-    # ------------------------------------------------------------------------------------------- setup
-    def setup(self, cfg: DictConfig) -> None:
-        if self.world > 1:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.device.type == "cuda":
-                self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-                torch.cuda.set_device(self.device)
-            dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
-            # collectives every rank takes part in, in this order: the trainers' FSDP mesh, the sync group
-            self.mesh = None
-            if self.trainers > 1:
-                from torch.distributed.device_mesh import DeviceMesh
-
-                self.mesh = DeviceMesh(self.device.type, list(range(self.trainers)))
-            self.sync_group = dist.new_group([0] + list(range(self.trainers, self.world)))
-        torch.manual_seed(cfg.seed)
         self.grpo = GRPOConfig(**cfg.loss)
         self.group = cfg.group_size
         self.prompts_per_step = cfg.prompts_per_step
+        self.sampling = dict(cfg.sampling)
+        self.prompt_format = PromptFormat(**(cfg.get("prompt") or {}))
         n_roll = max(1, self.world - self.trainers)
         if self.prompts_per_step % n_roll:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must divide evenly over the {n_roll} "
@@ -122,11 +112,53 @@ class GRPORecipe:
             raise ValueError(f"shared_prefix packs whole groups: a trainer's share of a minibatch ({share} samples) "
                              f"and micro_batch_size ({cfg.micro_batch_size}) must be multiples of group_size "
                              f"({self.group})")
-        self.sampling = dict(cfg.sampling)
+
+    # ------------------------------------------------------------------------------------------- setup
+    def setup(self, cfg: DictConfig) -> None:
+        self._setup_distributed(cfg)
+        torch.manual_seed(cfg.seed)  # every rank draws the same batches and initial weights
+        self._setup_tokenizer(cfg)
+        self._setup_data(cfg)
+        model, ckpt = self._setup_model(cfg)
+        if self.is_rollout:  # before the trainer moves and shards the model: the rollout copy is a bf16 cast of it
+            self._setup_rollout(cfg, model)
+        if self.is_trainer:
+            self._setup_trainer(cfg, model, ckpt)
+        del model
+        self._setup_sync(cfg)
+        if ckpt is not None:  # last: restore the random state the checkpointed run had at this step
+            restore_rng_state(ckpt)
+        if self.is_main:
+            self.metric_logger = config.instantiate(cfg.metric_logger)
+            self.metric_logger.log_config(cfg)
+
+    def _setup_distributed(self, cfg: DictConfig) -> None:
+        if self.world == 1:
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
+        # collectives every rank takes part in, in this order: the trainers' FSDP mesh, the sync group
+        self.mesh = None
+        if self.trainers > 1:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            self.mesh = DeviceMesh(self.device.type, list(range(self.trainers)))
+        self.sync_group = dist.new_group([0] + list(range(self.trainers, self.world)))
+
+    def _setup_tokenizer(self, cfg: DictConfig) -> None:
+        """The tokenizer, the reward, the ids that stop a response and the ids a response may use."""
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.reward_fn = config.instantiate(cfg.reward)
+        self.stop_ids = stop_ids(self.tokenizer)
+        # a checkpoint's embedding often has rows past the tokenizer (Qwen2.5: 271): never sampled, never trained
+        self.vocab_limit = emittable_ids(self.tokenizer)
 
-        # data: every rank draws the same batches; rollout ranks take disjoint slices of the prompts
+    def _setup_data(self, cfg: DictConfig) -> None:
+        """Training prompts (every rank draws the same batches; rollout ranks take disjoint slices) and the
+        held-out set, tokenized the same way."""
         max_prompt = cfg.engine.max_prompt_len
         if cfg.get("dataset") is not None:
             rows = read_jsonl(cfg.dataset)
@@ -135,17 +167,22 @@ class GRPORecipe:
             task = config.instantiate(cfg.task)
             source = TaskSource(task, seed=cfg.seed)
             eval_rows = [task.example(cfg.seed + 10_007, i) for i in range(cfg.eval.prompts)]
-        self.loader = prompt_loader(source, self.tokenizer, batch_size=self.prompts_per_step, max_prompt_len=max_prompt)
+        self.loader = prompt_loader(source, self.tokenizer, batch_size=self.prompts_per_step,
+                                    max_prompt_len=max_prompt, prompt_format=self.prompt_format)
         self.data_iter = iter(self.loader)
-        self.eval_set = [(self.tokenizer.encode(e.prompt), e.answer) for e in eval_rows]
+        self.eval_set = [(self.prompt_format.encode(self.tokenizer, e.prompt), e.answer) for e in eval_rows]
         too_long = [i for i, (p, _) in enumerate(self.eval_set) if len(p) > max_prompt]
         if too_long:
             raise ValueError(f"prompt of {len(self.eval_set[too_long[0]][0])} tokens is longer than "
                              f"engine.max_prompt_len ({max_prompt})")
 
-        # models: the fp32 trainer (dense attention) and the bf16 rollout copy (configured attention)
-        torch.manual_seed(cfg.seed)  # every rank draws the same initial weights
-        model = config.instantiate(cfg.model).to(self.device)
+    def _setup_model(self, cfg: DictConfig):
+        """The policy's weights on the CPU in fp32 (built, initialised or loaded, resumed); returns it and the
+        checkpoint resumed from (None for a fresh run)."""
+        model = config.instantiate(cfg.model)
+        rows = model.tok_embeddings.num_embeddings
+        if self.vocab_limit > rows:
+            raise ValueError(f"the tokenizer has {self.vocab_limit} ids but the model only {rows} embedding rows")
         if cfg.get("init_std") is not None:  # training from scratch: small random weights
             with torch.no_grad():
                 for p in model.parameters():
@@ -153,9 +190,7 @@ class GRPORecipe:
                         p.normal_(0.0, cfg.init_std)
         if cfg.get("checkpoint") is not None:  # a Sparrow / torchtune state dict (safetensors)
             load_model_state(model, _read_weights(Path(cfg.checkpoint), "starting checkpoint"))
-        if cfg.get("hf_checkpoint") is not None:  # a Hugging Face model directory (local files only)
-            load_hf_checkpoint(model, cfg.hf_checkpoint.dir, model_type=cfg.hf_checkpoint.get("model_type", "QWEN2"))
-        sharded = self.is_trainer and self.trainers > 1
+        ckpt = None
         if cfg.resume_from_checkpoint:  # weights before sharding; a sharded optimizer's state after it
             ckpt = latest_checkpoint(self.output_dir / "checkpoints")
             state = load_checkpoint(ckpt, model=model, optimizer=None, restore_rng=False)
@@ -163,46 +198,51 @@ class GRPORecipe:
             self.history = state.get("history", [])
             self.loader.load_state_dict(state["data"])
             self.data_iter = iter(self.loader)
-        if self.is_trainer:
-            if sharded:
-                from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+        return model, ckpt
 
-                for layer in model.layers:
-                    fully_shard(layer, mesh=self.mesh)
-                fully_shard(model, mesh=self.mesh)
-                # log-probs call the model's parts directly (chunked lm_head): one FSDP forward around them, so
-                # the root's parameters (embeddings, final norm, lm_head) are gathered for it
-                model.response_logprobs = types.MethodType(self._logprob_fn(), model)
-                register_fsdp_forward_method(model, "response_logprobs")
-                self._logprobs = model.response_logprobs
-            else:
-                self._logprobs = functools.partial(self._logprob_fn(), model)
-            self.model = model
-            self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
-            if cfg.resume_from_checkpoint:
-                self._load_optimizer(ckpt)
-        if self.is_rollout:
-            self.rollout_model = config.instantiate(cfg.model)
-            use_attention(self.rollout_model, config.instantiate(cfg.attention))
-            self.rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
-            with torch.no_grad():  # version 0 of the sync: both sides start from the same bf16 bits
-                src = dict(model.named_parameters())
-                for n, p in sync_tensors(self.rollout_model).items():
-                    p.copy_(src[n])
-            # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache
-            self.drafter, max_draft = build_speculation(cfg.get("speculative"), self.rollout_model)
-            engine_cfg = dict(cfg.engine) | ({"max_draft": max_draft} if max_draft else {})
-            self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
-            if self.drafter is not None:
-                self.engine.toggle = build_toggle(cfg.speculative, self.engine, self._sampling_params())
-            if cfg.engine.get("compile", True):  # every batch size compiled and captured now, not in a step
-                self.engine.prepare(self._sampling_params())
-            # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
-            self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
-            self.receiver = ssync.SyncReceiver(sync_tensors(self.rollout_model), verify=cfg.sync.verify)
-        if not self.is_trainer:
-            del model
+    def _setup_trainer(self, cfg: DictConfig, model, ckpt: Path | None) -> None:
+        """The fp32 trainer (dense attention; FSDP2 over the trainer ranks), its log-prob pass and optimizer."""
+        model = model.to(self.device)
+        if self.trainers > 1:
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+            for layer in model.layers:
+                fully_shard(layer, mesh=self.mesh)
+            fully_shard(model, mesh=self.mesh)
+            # log-probs call the model's parts directly (chunked lm_head): one FSDP forward around them, so
+            # the root's parameters (embeddings, final norm, lm_head) are gathered for it
+            model.response_logprobs = types.MethodType(self._logprob_fn(), model)
+            register_fsdp_forward_method(model, "response_logprobs")
+            self._logprobs = model.response_logprobs
         else:
+            self._logprobs = functools.partial(self._logprob_fn(), model)
+        self.model = model
+        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+        if ckpt is not None:
+            self._load_optimizer(ckpt)
+
+    def _setup_rollout(self, cfg: DictConfig, model) -> None:
+        """The bf16 rollout copy (configured attention), the drafter, the engine compiled and captured for every
+        batch size, and the sync receiver. Version 0 of the sync: the copy holds the trainer's bf16 bits."""
+        self.rollout_model = copy.deepcopy(model)
+        use_attention(self.rollout_model, config.instantiate(cfg.attention))
+        self.rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
+        # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache
+        self.drafter, max_draft = build_speculation(cfg.get("speculative"), self.rollout_model)
+        engine_cfg = dict(cfg.engine) | ({"max_draft": max_draft} if max_draft else {})
+        self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
+        if self.drafter is not None:
+            self.engine.toggle = build_toggle(cfg.speculative, self.engine, self._sampling_params())
+        if cfg.engine.get("compile", True):  # every batch size compiled and captured now, not in a step
+            self.engine.prepare(self._sampling_params())
+        # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
+        self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
+        self.receiver = ssync.SyncReceiver(sync_tensors(self.rollout_model), verify=cfg.sync.verify)
+
+    def _setup_sync(self, cfg: DictConfig) -> None:
+        """The sender on rank 0 (from the trainer's bf16 weights), codec warm-up, the transport."""
+        weights = None
+        if self.is_trainer:
             weights = self._trainer_bf16()  # a collective over the trainers when sharded
             if self.is_main:
                 self.sender = ssync.SyncSender(weights, codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes,
@@ -211,16 +251,11 @@ class GRPORecipe:
             # the sparse codec's Triton kernels compile now, not inside the first sync that carries changes
             ssync.warmup(weights if self.is_main else sync_tensors(self.rollout_model), codec=cfg.sync.codec,
                          bucket_bytes=cfg.sync.bucket_bytes)
-        if cfg.resume_from_checkpoint:  # last: building the rollout copy above drew random numbers
-            restore_rng_state(ckpt)
         self.transport = None
         if self.world == 1:
             self.transport = ssync.InProcessTransport()
         elif self.is_main or self.is_rollout:
             self.transport = ssync.DistributedTransport(src=0, group=self.sync_group, device=self.device)
-        if self.is_main:
-            self.metric_logger = config.instantiate(cfg.metric_logger)
-            self.metric_logger.log_config(cfg)
 
     # ------------------------------------------------------------------------------------------- train
     def _rollout(self, batch: list[dict[str, Any]]):
@@ -231,14 +266,15 @@ class GRPORecipe:
         prompts = [b["prompt_ids"] for b in mine]
         out = self.engine.generate(prompts, self.group, self._sampling_params())
         rewards = torch.tensor([
-            self.reward_fn(mine[i // self.group]["answer"],
-                           self.tokenizer.decode([t for t in s.tokens.tolist() if t != self.tokenizer.eos_id]))
+            self.reward_fn(mine[i // self.group]["answer"], decode_response(self.tokenizer, s.tokens, self.stop_ids))
             for i, s in enumerate(out.samples)
         ], dtype=torch.float32)
         return prompts, out, rewards
 
     def _sampling_params(self) -> SamplingParams:
-        return SamplingParams(**self.sampling, stop_token_ids=(self.tokenizer.eos_id,),
+        """The behaviour policy of this step: the engine samples from it and the trainer's log-probs use the same
+        processing (vocabulary limit, temperature, top-k, top-p)."""
+        return SamplingParams(**self.sampling, stop_token_ids=self.stop_ids, vocab_limit=self.vocab_limit,
                               seed=self.cfg.seed * 1_000_003 + self.step)
 
     def _rollout_metrics(self, gen) -> dict[str, float]:
@@ -271,10 +307,12 @@ class GRPORecipe:
 
     def _train_on(self, rb) -> dict[str, float]:
         cfg, model = self.cfg, self.model
+        if int(rb.tokens.max()) >= self.vocab_limit:  # host tensors: a sample from outside the engine's support
+            raise ValueError(f"step {self.step}: token id {int(rb.tokens.max())} is past the tokenizer's "
+                             f"{self.vocab_limit} ids")
         rb = rb.to(self.device)
         N = rb.tokens.shape[0]
-        temperature = self.sampling.get("temperature", 1.0) or 1.0
-        lp_kwargs = dict(max_response_len=rb.max_response_len, temperature=temperature,
+        lp_kwargs = dict(max_response_len=rb.max_response_len, sampling=self._sampling_params(),
                          chunk_size=cfg.logprob_chunk)
         updates = cfg.ppo_epochs * cfg.minibatches
         t0 = time.perf_counter()
@@ -407,8 +445,9 @@ class GRPORecipe:
         """Greedy accuracy on the held-out set (rollout side; rank 1 reports in distributed runs)."""
         prompts = [p for p, _ in self.eval_set]
         out = self.engine.generate(prompts, 1, SamplingParams(
-            temperature=0.0, max_new_tokens=self.sampling["max_new_tokens"], stop_token_ids=(self.tokenizer.eos_id,)))
-        hits = [self.reward_fn(a, self.tokenizer.decode([t for t in s.tokens.tolist() if t != self.tokenizer.eos_id]))
+            temperature=0.0, max_new_tokens=self.sampling["max_new_tokens"], stop_token_ids=self.stop_ids,
+            vocab_limit=self.vocab_limit))
+        hits = [self.reward_fn(a, decode_response(self.tokenizer, s.tokens, self.stop_ids))
                 for s, (_, a) in zip(out.samples, self.eval_set)]
         return sum(hits) / len(hits)
 
@@ -573,7 +612,7 @@ def _maybe_inject_fault(rank: int, step: int) -> None:
         os._exit(17)
 
 
-@config.parse
+@parse
 def recipe_main(cfg: DictConfig) -> None:
     recipe = GRPORecipe(cfg)
     recipe.setup(cfg)

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torchtune import config
 from tqdm import tqdm
 
-from sparrow.rl.recipe_utils import check_config
+from sparrow.rl.recipe_config import check_config, parse
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 
 KEYS = {k: None for k in ("name", "output_dir", "seed", "data_seed", "device", "steps", "batch_size", "lr", "warmup_steps",
@@ -115,7 +115,7 @@ class SFTRecipe:
         pass
 
 
-@config.parse
+@parse
 def recipe_main(cfg: DictConfig) -> None:
     recipe = SFTRecipe(cfg)
     recipe.setup(cfg)

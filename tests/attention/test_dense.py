@@ -3,7 +3,7 @@ import torch
 
 from sparrow.attention import CacheSpec, DecodeMeta, DenseAttention, LayerShape, PrefillMeta
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
-from tests.helpers import random_tiny
+from tests.helpers import DEVICE, random_tiny
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])
@@ -13,22 +13,22 @@ def test_cached_decode_equals_full_forward(impl, T):
     logits equal a full causal forward over each row's whole sequence."""
     from functools import partial
 
-    model = random_tiny("qwen2", attention=partial(DenseAttention, impl=impl))
+    dev = DEVICE if impl == "triton" else torch.device("cpu")  # Triton: CUDA, or the CPU's interpreter
+    model = random_tiny("qwen2", attention=partial(DenseAttention, impl=impl)).to(dev)
     spec = CacheSpec(num_prefixes=3, max_prefix_len=16, num_rows=4, max_gen_len=12)
-    caches = [layer.attn.backend.init_cache(spec, dtype=torch.float32, device=torch.device("cpu"))
-              for layer in model.layers]
-    prompts = [torch.randint(0, 64, (n,)) for n in (11, 6)]
-    toks = torch.zeros(2, 11, dtype=torch.int64)
+    caches = [layer.attn.backend.init_cache(spec, dtype=torch.float32, device=dev) for layer in model.layers]
+    prompts = [torch.randint(0, 64, (n,)).to(dev) for n in (11, 6)]
+    toks = torch.zeros(2, 11, dtype=torch.int64, device=dev)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
-    slots, plen = torch.tensor([2, 0]), torch.tensor([11, 6])
+    slots, plen = torch.tensor([2, 0], device=dev), torch.tensor([11, 6], device=dev)
     with torch.no_grad():
         prefill_hidden(model, toks, caches, PrefillMeta(slots, plen))
-        rows = torch.tensor([3, 0, 1])
-        prefix_of_row = torch.tensor([0, 1, 1])  # rows 0 and 1 share prompt 1
-        gen = torch.randint(0, 64, (3, 2 * T))
+        rows = torch.tensor([3, 0, 1], device=dev)
+        prefix_of_row = torch.tensor([0, 1, 1], device=dev)  # rows 0 and 1 share prompt 1
+        gen = torch.randint(0, 64, (3, 2 * T)).to(dev)
         for blk in range(2):
-            meta = DecodeMeta(rows, slots[prefix_of_row], plen[prefix_of_row], torch.full((3,), blk * T))
+            meta = DecodeMeta(rows, slots[prefix_of_row], plen[prefix_of_row], torch.full((3,), blk * T, device=dev))
             h = decode_hidden(model, gen[:, blk * T:(blk + 1) * T], caches, meta)
             logits = logits_from_hidden(model, h)
             for r in range(3):

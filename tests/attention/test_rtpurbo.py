@@ -15,9 +15,14 @@ from sparrow.attention.rtpurbo import (
 from sparrow.models import load_model_state, use_attention
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
-from tests.helpers import random_tiny
+from tests.helpers import DEVICE, random_tiny
 
 SMALL = dict(decode_block=16, prefill_block=16, ret_window=16, ring_slack=4)
+
+
+def _device(impl: str) -> torch.device:
+    """Where a backend of ``impl`` runs in these tests: Triton on CUDA when present (else the interpreter)."""
+    return DEVICE if impl == "triton" else torch.device("cpu")
 
 
 def _cfg(**kw):
@@ -31,7 +36,7 @@ def _masked_forward(model, seq, plen):
         c = b.config
 
         def ft(q, k, v, *, q_pre=None, k_pre=None, mask=None, b=b, c=c):
-            i = torch.arange(q.shape[2])
+            i = torch.arange(q.shape[2], device=q.device)
             causal = i[None, :] <= i[:, None]
             local = causal & ((i[:, None] - i[None, :] < c.window) | (i[None, :] < min(c.num_sinks, plen)))
             is_loc = (b.head_is_ret == 0).repeat_interleave(b.shape.q_per_kv)
@@ -50,25 +55,25 @@ def _cached_vs_full(model, *, T, steps, plens=(37, 6), full=None):
     """Prefill two prompts (shared prefix slots), decode ``steps`` blocks of T tokens for three rows; return
     the largest logit difference from ``full(model, seq, prompt_len)``."""
     full = full or (lambda m, seq, n: m(seq[None])[0])
+    dev = next(model.parameters()).device
     spec = CacheSpec(num_prefixes=3, max_prefix_len=40, num_rows=4, max_gen_len=30)
-    caches = [layer.attn.backend.init_cache(spec, dtype=torch.float32, device=torch.device("cpu"))
-              for layer in model.layers]
+    caches = [layer.attn.backend.init_cache(spec, dtype=torch.float32, device=dev) for layer in model.layers]
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 64, (n,), generator=g) for n in plens]
-    toks = torch.zeros(2, max(plens), dtype=torch.int64)
+    prompts = [torch.randint(0, 64, (n,), generator=g).to(dev) for n in plens]
+    toks = torch.zeros(2, max(plens), dtype=torch.int64, device=dev)
     for i, p in enumerate(prompts):
         toks[i, : len(p)] = p
-    slots, plen = torch.tensor([2, 0]), torch.tensor(plens)
+    slots, plen = torch.tensor([2, 0], device=dev), torch.tensor(plens, device=dev)
     err = 0.0
     with torch.no_grad():
         h = prefill_hidden(model, toks, caches, PrefillMeta(slots, plen))
         for i, p in enumerate(prompts):
             ref = full(model, p, len(p))
             err = max(err, float((logits_from_hidden(model, h[i, : len(p)]) - ref).abs().max()))
-        rows, pr = torch.tensor([3, 0, 1]), torch.tensor([0, 1, 1])
-        gen = torch.randint(0, 64, (3, steps * T), generator=g)
+        rows, pr = torch.tensor([3, 0, 1], device=dev), torch.tensor([0, 1, 1], device=dev)
+        gen = torch.randint(0, 64, (3, steps * T), generator=g).to(dev)
         for blk in range(steps):
-            meta = DecodeMeta(rows, slots[pr], plen[pr], torch.full((3,), blk * T))
+            meta = DecodeMeta(rows, slots[pr], plen[pr], torch.full((3,), blk * T, device=dev))
             logits = logits_from_hidden(model, decode_hidden(model, gen[:, blk * T:(blk + 1) * T], caches, meta))
             for r in range(3):
                 seq = torch.cat([prompts[int(pr[r])], gen[r, : (blk + 1) * T]])
@@ -82,7 +87,7 @@ def test_p1_all_retrieval_equals_dense(impl, T, steps):
     """top_p = 1 with every head a retrieval head: logits through prefill + cached decode equal the dense
     model's full forward."""
     model = random_tiny("qwen2", attention=lambda s: RTPurboAttention(s, _cfg(top_p=1.0, impl=impl, window=8)))
-    assert _cached_vs_full(model, T=T, steps=steps) < 1e-4
+    assert _cached_vs_full(model.to(_device(impl)), T=T, steps=steps) < 1e-4
 
 
 @pytest.mark.parametrize("impl,T,steps", [("reference", 1, 14), ("reference", 3, 8), ("triton", 2, 4)])
@@ -90,7 +95,7 @@ def test_local_heads_ring_buffers_equal_masked_attention(impl, T, steps):
     """Local heads with an 8-token window (rings wrap: prompt ring 8, generation ring 12): cached decode
     equals a full forward whose local heads are masked to sinks + window."""
     model = random_tiny("qwen2", attention=lambda s: RTPurboAttention(s, _cfg(top_p=1.0, impl=impl, window=8), [1]))
-    assert _cached_vs_full(model, T=T, steps=steps, full=_masked_forward) < 1e-4
+    assert _cached_vs_full(model.to(_device(impl)), T=T, steps=steps, full=_masked_forward) < 1e-4
 
 
 def test_sparse_selection_changes_little_and_records_density():
@@ -261,7 +266,7 @@ def test_engine_compiles_the_triton_path_with_inductor_and_a_drafter():
     outs = []
     for impl, compile_ in (("reference", False), ("triton", True)):
         sparse = use_attention(copy.deepcopy(dense), rtpurbo_attention(prof, None, _cfg(top_p=0.8, impl=impl,
-                                                                                       window=8)))
+                                                                                       window=8))).to(_device(impl))
         eng = RolloutEngine(sparse, EngineConfig(max_rows=4, max_prompt_len=64, max_new_tokens=12, sync_every=3,
                                                  compile=compile_, max_draft=2),
                             drafter=QuantizedSelfDrafter(sparse, DrafterConfig(weight="none")))

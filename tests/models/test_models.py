@@ -79,15 +79,18 @@ def test_named_builder_shapes():
 
 
 def _write_hf_dir(tmp_path, model):
-    """Save ``model`` in Hugging Face Qwen2 format (config.json + model.safetensors)."""
+    """Save ``model`` in Hugging Face Qwen2 format (config.json as released checkpoints write it + safetensors)."""
     from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
 
     sd = qwen2_tune_to_hf({k: v for k, v in model.state_dict().items()}, num_heads=TINY["num_heads"],
                           num_kv_heads=TINY["num_kv_heads"], dim=TINY["embed_dim"], tie_word_embeddings=True)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "model.safetensors"))
-    cfg = {"architectures": ["Qwen2ForCausalLM"], "num_attention_heads": TINY["num_heads"],
-           "num_key_value_heads": TINY["num_kv_heads"], "hidden_size": TINY["embed_dim"],
-           "tie_word_embeddings": True}
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+           "vocab_size": TINY["vocab_size"], "num_hidden_layers": TINY["num_layers"],
+           "num_attention_heads": TINY["num_heads"], "num_key_value_heads": TINY["num_kv_heads"],
+           "hidden_size": TINY["embed_dim"], "intermediate_size": TINY["intermediate_dim"],
+           "max_position_embeddings": TINY["max_seq_len"], "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+           "rope_scaling": None, "use_sliding_window": False, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
 
 
@@ -97,7 +100,7 @@ def test_hf_checkpoint_roundtrip(tmp_path):
     dst = copy.deepcopy(src)
     for p in dst.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    load_hf_checkpoint(dst, tmp_path, model_type="QWEN2")
+    load_hf_checkpoint(dst, tmp_path)
     for k, v in src.state_dict().items():
         assert torch.equal(dst.state_dict()[k], v), k
     tokens = torch.randint(0, TINY["vocab_size"], (1, 16))
@@ -114,6 +117,15 @@ def test_hf_checkpoint_errors(tmp_path):
     _write_hf_dir(tmp_path, use_attention(_torchtune_model("qwen2")))
     with pytest.raises(FileNotFoundError, match="missing.safetensors"):
         load_hf_checkpoint(m, tmp_path, checkpoint_files=["missing.safetensors"])
-    small = tiny_qwen2(vocab_size=TINY["vocab_size"])  # other sizes
-    with pytest.raises(ValueError, match="does not fit"):
+    small = tiny_qwen2(vocab_size=TINY["vocab_size"])  # other sizes: config.json says so
+    with pytest.raises(ValueError, match="num_layers: checkpoint 3 vs model 2"):
         load_hf_checkpoint(small, tmp_path)
+    # config.json fits but a tensor is missing: the tensor check still stands behind the config check
+    from safetensors.torch import load_file
+
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["model.norm.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    fits = use_attention(_torchtune_model("qwen2"))
+    with pytest.raises(ValueError, match=r"does not fit the model: missing \['norm.scale'\]"):
+        load_hf_checkpoint(fits, tmp_path)

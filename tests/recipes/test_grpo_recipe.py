@@ -1,6 +1,7 @@
 """The real CLI (`tune run sparrow_grpo`) on a tiny model: resume exactness, errors, distributed mode."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -11,6 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from sparrow.rl import read_metrics
+from sparrow.rl.recipe_config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "recipes" / "configs" / "tiny_kv_retrieval.yaml"
@@ -25,11 +29,25 @@ TINY = [
 
 
 def run(out: Path, *overrides: str, nproc: int = 1, env: dict | None = None, timeout: int = 600,
-        base: list[str] = TINY):
+        base: list[str] = TINY, config: Path = CONFIG):
     cmd = [TUNE, "run"] + (["--nproc_per_node", str(nproc)] if nproc > 1 else []) + [
-        "sparrow_grpo", "--config", str(CONFIG), f"output_dir={out}", *base, *overrides]
+        "sparrow_grpo", "--config", str(config), f"output_dir={out}", *base, *overrides]
     e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=timeout, env=e)
+
+
+def in_process(tmp_path: Path, monkeypatch, *overrides: str, config: Path = CONFIG, base: list[str] = TINY):
+    """The recipe module and a set-up GRPORecipe in this process (one rank), for tests that look inside."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sparrow_grpo_recipe", REPO / "recipes" / "sparrow_grpo.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config(config, [*base, f"output_dir={tmp_path}", *overrides])
+    recipe = mod.GRPORecipe(cfg)
+    recipe.setup(cfg)
+    return mod, recipe
 
 
 def _bits(path: Path) -> dict[str, torch.Tensor]:
@@ -194,63 +212,109 @@ def test_sparse_speculative_rollouts_dense_training(tmp_path):
         assert key in log, key
 
 
-def test_starts_from_a_hugging_face_directory(tmp_path):
-    """`hf_checkpoint: {dir, model_type}` loads HF-format safetensors through torchtune's checkpointer."""
-    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+MATH = [("what is 12 plus 30", "42"), ("how many apples: 7 times 6", "42"), ("sum of 100 and 23", "123"),
+        ("19 minus 4", "15"), ("the total of 5 and 5", "10")]
+SYSTEM = "Put the final answer in \\boxed{}."
 
-    from sparrow.models import tiny_qwen2
 
-    torch.manual_seed(0)
-    model = tiny_qwen2(vocab_size=48, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1,
-                       intermediate_dim=64, max_seq_len=40)
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    from safetensors.torch import save_file
+def _hf_run_config(tmp_path: Path) -> Path:
+    """A config file beside a tiny Qwen2.5-layout Hugging Face directory and a JSONL math dataset, both named by
+    paths relative to the config file: from_hf + hf_tokenizer + the chat format + a math reward."""
+    from omegaconf import OmegaConf
 
-    sd = qwen2_tune_to_hf(dict(model.state_dict()), num_heads=2, num_kv_heads=1, dim=32, tie_word_embeddings=True)
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(hf / "model.safetensors"))
-    (hf / "config.json").write_text(json.dumps({"num_attention_heads": 2, "num_key_value_heads": 1,
-                                                "hidden_size": 32, "tie_word_embeddings": True}))
-    r = run(tmp_path / "h", "total_steps=1", "checkpoint_every=1", f"hf_checkpoint.dir={hf}",
-            "hf_checkpoint.model_type=QWEN2", "optimizer.lr=0.0")
+    from tests.hf_dirs import QWEN_ROWS, qwen2_config, write_model, write_qwen_tokenizer
+
+    here = tmp_path / "project"
+    write_model(here / "qwen_tiny", qwen2_config(vocab_size=QWEN_ROWS, max_position_embeddings=512))
+    write_qwen_tokenizer(here / "qwen_tiny")
+    (here / "math.jsonl").write_text("".join(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in MATH))
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIG))
+    cfg.update(
+        model_dir="qwen_tiny", checkpoint=None, task=None, dataset="math.jsonl",
+        tokenizer={"_component_": "sparrow.models.hf_tokenizer", "path": "${model_dir}"},
+        model={"_component_": "sparrow.models.from_hf", "path": "${model_dir}", "max_seq_len": 160},
+        prompt={"chat": True, "system": SYSTEM},
+        reward={"_component_": "sparrow.rl.CombinedReward", "components": [
+            {"_component_": "sparrow.rl.MathAnswer"}, {"_component_": "sparrow.rl.FormatReward", "style": "boxed"}]},
+        group_size=4, prompts_per_step=4, minibatches=1, micro_batch_size=16, total_steps=2, checkpoint_every=2,
+        plot=False, eval={"every": 1, "prompts": 3},
+        metric_logger={"_component_": "sparrow.rl.JsonlLogger", "log_dir": "${output_dir}/logs"})
+    cfg["engine"].update(max_prompt_len=96, max_new_tokens=12, max_rows=16)
+    cfg["sampling"].update(max_new_tokens=12, top_p=0.9, top_k=50)
+    path = here / "configs" / "math.yaml"
+    path.parent.mkdir()
+    cfg["model_dir"] = "../qwen_tiny"  # relative to the config file
+    cfg["dataset"] = "../math.jsonl"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+    return path
+
+
+def test_a_hugging_face_directory_with_a_jsonl_math_dataset(tmp_path, monkeypatch):
+    """The real-model path on a CPU: a Qwen2.5-layout directory (151,936 embedding rows, 151,665 tokens) read by
+    from_hf / hf_tokenizer, JSONL prompts in the chat format with a math reward, top-p / top-k sampling, run by
+    the real CLI from another directory; and, in process, what it trains on."""
+    from sparrow.models import from_hf
+    from sparrow.rl import PromptFormat
+
+    config = _hf_run_config(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = run(elsewhere / "out", config=config, base=[])
+    assert r.returncode == 0, r.stderr[-4000:]
+    steps = [m for m in read_metrics(elsewhere / "out" / "logs") if "time/step_s" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert all(math.isfinite(m[k]) for k in ("loss", "mismatch_kl", "outside_support_frac", "reward/mean"))
+        assert m["mismatch_kl"] < 0.05 and "eval/accuracy" in m
+
+    monkeypatch.chdir(elsewhere)
+    mod, recipe = in_process(tmp_path / "in", monkeypatch, config=config, base=[])
+    tok = recipe.tokenizer
+    assert recipe.vocab_limit == 151_665 and recipe.stop_ids == (tok.im_end_id, tok.pad_id)
+    fmt = PromptFormat(chat=True, system=SYSTEM)
+    batch = next(recipe.data_iter)
+    held_out = recipe.eval_set[0][0]  # the held-out prompts are the dataset's first rows
+    for ids, (question, _) in [(b["prompt_ids"], MATH[b["index"]]) for b in batch] + [(held_out, MATH[0])]:
+        assert ids == fmt.encode(tok, question)  # training and held-out prompts: one tokenization
+        assert tok.decode(ids) == (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{question}"
+                                   "<|im_end|>\n<|im_start|>assistant\n")  # no EOS: the assistant's turn is open
+    prompts, gen, rewards = recipe._rollout(batch)
+    tokens = torch.cat([s.tokens for s in gen.samples])
+    assert int(tokens.max()) < 151_665  # never an embedding row without a token ...
+    with pytest.raises(TypeError):  # ... which torchtune's decode cannot turn into text
+        tok.decode([151_700])
+    # the trainer starts from the directory's weights, bit for bit
+    ref = from_hf(config.parent / "../qwen_tiny").state_dict()
+    own = recipe.model.state_dict()
+    assert set(ref) == set(own) and all(torch.equal(ref[k].view(torch.int32), own[k].view(torch.int32)) for k in ref)
+    recipe.cleanup()
+
+
+def test_the_main_job_runs_from_any_directory(tmp_path):
+    """`tune run sparrow_grpo --config <absolute path>` from elsewhere: the starting checkpoint, named relative to
+    the config file, is found."""
+    r = run(tmp_path / "o", "total_steps=1", "eval.every=0", "prompts_per_step=4", "plot=false", base=[])
     assert r.returncode == 0, r.stderr[-3000:]
-    # with a zero learning rate the trained weights are exactly the Hugging Face checkpoint's
-    w = load_file(str(tmp_path / "h/checkpoints/step_000001/model.safetensors"))
-    own = model.state_dict()
-    assert set(w) == set(own) and all(torch.equal(w[k].view(torch.int32), own[k].view(torch.int32)) for k in own)
-    bad = run(tmp_path / "b", "total_steps=1", f"hf_checkpoint.dir={tmp_path / 'nowhere'}")
-    assert bad.returncode != 0 and "does not exist" in bad.stderr
+    assert (tmp_path / "o" / "logs").is_dir()
+    bad = run(tmp_path / "b", "total_steps=1", "checkpoint=nowhere/model.safetensors", base=[])
+    assert bad.returncode != 0 and "starting checkpoint" in bad.stderr and "does not exist" in bad.stderr
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_configs_are_valid(path):
-    from omegaconf import OmegaConf
+    from sparrow.rl.recipe_config import check_config, check_values, load_config
 
-    from sparrow.rl.recipe_utils import RECIPE_KEYS, check_config
-
-    cfg = OmegaConf.load(path)
+    cfg = load_config(path)
     if "loss" in cfg:  # GRPO configs (the SFT config is checked by its recipe's own key list)
-        check_config(cfg, RECIPE_KEYS)
-        from sparrow.rl import GRPOConfig
-        from sparrow.rollout import EngineConfig
-
-        GRPOConfig(**cfg.loss)
-        EngineConfig(**cfg.engine)
+        check_config(cfg)
+        check_values(cfg)
+        if cfg.get("checkpoint"):  # an input path, resolved against the config file
+            assert Path(cfg.checkpoint).is_file()
 
 
 def test_bitwise_sync_check_catches_one_flipped_bit(tmp_path, monkeypatch):
     """The recipe's after-sync check compares every bit of the rollout copy with what the trainer sent."""
-    import importlib.util
-
-    from omegaconf import OmegaConf
-
-    spec = importlib.util.spec_from_file_location("sparrow_grpo_recipe", REPO / "recipes" / "sparrow_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(TINY + [f"output_dir={tmp_path}"]))
-    recipe = mod.GRPORecipe(cfg)
-    recipe.setup(cfg)
+    mod, recipe = in_process(tmp_path, monkeypatch)
     sent = recipe._trainer_bf16()
     recipe._check_sync(sent)  # freshly set up: both sides hold the same bits
     p = next(iter(mod.sync_tensors(recipe.rollout_model).values()))
@@ -264,18 +328,8 @@ def test_old_policy_logprobs_use_the_training_forwards_precision(tmp_path, monke
     """With several updates per step, π_old comes from a separate no-grad pass; it must run in the precision of
     the training forward (bf16 autocast on the GPU), so that at the first update π_θ / π_old is exactly 1. Checked
     on the CPU with bf16 autocast standing in for the GPU's, bit for bit."""
-    import importlib.util
-
-    from omegaconf import OmegaConf
-
-    spec = importlib.util.spec_from_file_location("sparrow_grpo_recipe", REPO / "recipes" / "sparrow_grpo.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = OmegaConf.merge(OmegaConf.load(CONFIG), OmegaConf.from_dotlist(
-        TINY + [f"output_dir={tmp_path}", "ppo_epochs=1", "minibatches=2", "micro_batch_size=16"]))
-    recipe = mod.GRPORecipe(cfg)
-    recipe.setup(cfg)
+    mod, recipe = in_process(tmp_path, monkeypatch, "ppo_epochs=1", "minibatches=2", "micro_batch_size=16")
+    cfg = recipe.cfg
     monkeypatch.setattr(recipe, "_autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     seen = []
     real = mod.grpo_loss
@@ -291,7 +345,8 @@ def test_old_policy_logprobs_use_the_training_forwards_precision(tmp_path, monke
     first_rows = rb.select(torch.arange(8))  # the first minibatch, one micro-batch
     with torch.no_grad():  # what π_old was before: the same pass in fp32
         fp32 = recipe._logprobs(first_rows.tokens, first_rows.prompt_len, first_rows.response_len,
-                                max_response_len=rb.max_response_len, temperature=1.0, chunk_size=cfg.logprob_chunk)
+                                max_response_len=rb.max_response_len, sampling=recipe._sampling_params(),
+                                chunk_size=cfg.logprob_chunk)
     recipe._train_on(rb)
     lp, old = seen[0]  # the first update: nothing has changed the weights yet
     assert torch.equal(lp.view(torch.int32), old.view(torch.int32))

@@ -1,6 +1,7 @@
 import torch
 
 from sparrow.rl import response_logprobs
+from sparrow.rollout import SamplingParams
 from tests.helpers import random_tiny
 
 
@@ -22,7 +23,7 @@ def test_chunked_logprobs_equal_full_logits_and_gradients():
     direct = _direct(model, tokens, plen, rlen, 11, 0.7)
     for chunk in (1, 4, 1000):
         model.zero_grad()
-        got = response_logprobs(model, tokens, plen, rlen, max_response_len=11, temperature=0.7, chunk_size=chunk)
+        got = response_logprobs(model, tokens, plen, rlen, max_response_len=11, sampling=SamplingParams(temperature=0.7), chunk_size=chunk)
         assert torch.allclose(got, direct, atol=1e-5)
         got.sum().backward()
         g = [p.grad.clone() for p in model.parameters()]
@@ -60,7 +61,8 @@ def _both(model, tokens, plen, rlen, group, L):
     out = []
     for fn, kw in ((response_logprobs, {}), (shared_prefix_logprobs, {"group": group})):
         model.zero_grad()
-        lp = fn(model, tokens, plen, rlen, max_response_len=L, temperature=0.8, chunk_size=7, **kw)
+        lp = fn(model, tokens, plen, rlen, max_response_len=L, sampling=SamplingParams(temperature=0.8), chunk_size=7,
+                **kw)
         if lp.requires_grad:  # no response token at all: nothing to differentiate
             (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
         out.append((lp.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone()

@@ -132,6 +132,17 @@ def test_rewards():
     assert CharAccuracy()("12", "1234") == 0.5 and CharAccuracy()("12", "") == 0.0
     with pytest.raises(ValueError, match="weights"):
         CombinedReward([MathAnswer()], [1.0, 2.0])
+    # as a recipe's YAML lists them: component configs
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"components": [{"_component_": "sparrow.rl.MathAnswer"},
+                                           {"_component_": "sparrow.rl.FormatReward", "style": "boxed"}]})
+    from_yaml = CombinedReward(cfg.components)
+    assert from_yaml("7", r"\boxed{7}") == pytest.approx(1.1) and from_yaml("7", r"\boxed{8}") == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="_component_"):
+        CombinedReward([{"style": "boxed"}])
+    with pytest.raises(ValueError, match="must be rewards"):
+        CombinedReward([3])
 
 
 import re  # noqa: E402

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sparrow.rollout.sampling import (
     uniform_noise,
 )
 
+TEMPERATURES = st.one_of(st.just(0.0), st.floats(0.05, 3.0))
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -125,12 +127,13 @@ def test_noise_is_uniform_and_counter_based():
     "kwargs,match",
     [
         (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=1e-30), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-1), "top_k"),
         (dict(max_new_tokens=0), "max_new_tokens"),
     ],
-    ids=["neg-temp", "top-p-0", "top-p-1.5", "top-k-neg", "max-new-0"],
+    ids=["neg-temp", "tiny-temp", "top-p-0", "top-p-1.5", "top-k-neg", "max-new-0"],
 )
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -152,3 +155,95 @@ def test_compiled_noise_is_bitwise_equal_to_eager():
     eager = uniform_noise(keys, 151936, salt=3)
     compiled = torch.compile(uniform_noise, fullgraph=True)(keys, 151936, salt=3)
     assert torch.equal(eager.view(torch.int32), compiled.view(torch.int32))
+
+
+# -- the vocabulary limit and the top-p boundary at a real vocabulary ------------------------------------
+from sparrow.rollout.sampling import token_logprobs, vocab_mask  # noqa: E402
+
+
+def _descending_float32_top_p(logits, p):  # the rule summed from the most likely down: rounds near 1
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    keep = (torch.cumsum(probs, dim=-1) - probs) < p
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def _float64_top_p(logits, p):
+    sorted_logits, order = torch.sort(logits.double(), dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    keep = (torch.cumsum(probs, dim=-1) - probs) < p
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@pytest.mark.parametrize("p", [0.5, 0.9, 0.99, 0.999])
+def test_top_p_agrees_with_transformers_at_the_qwen_vocabulary(p):
+    """151,936 ids: the kept set is the one transformers' TopPLogitsWarper keeps, and float64's count."""
+    warper = pytest.importorskip("transformers.generation.logits_process").TopPLogitsWarper
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 151936, generator=g) * 3.0
+    ours = torch.isfinite(top_p_mask(logits, p))
+    hf = torch.isfinite(warper(p)(None, logits.clone()))
+    assert torch.equal(ours, hf)
+    exact = _float64_top_p(logits, p).sum(-1)
+    assert (ours.sum(-1) - exact).abs().max() <= 2
+    if p == 0.999:  # negative control: the float32 sum from the most likely down misses by ~200 tokens
+        assert (_descending_float32_top_p(logits, p).sum(-1) - exact).abs().max() > 50
+
+
+@SETTINGS
+@given(logits=logit_rows(), limit=st.integers(1, 40), t=TEMPERATURES, p=st.floats(0.05, 1.0),
+       k=st.integers(0, 50))
+def test_vocab_limit_removes_the_rows_past_it(logits, limit, t, p, k):
+    params = SamplingParams(temperature=t, top_p=p, top_k=k, vocab_limit=limit)
+    lp = process_logits(logits.float()[None], params)[0]
+    check_vocab_limit(lp, limit)
+
+
+def check_vocab_limit(lp: torch.Tensor, limit: int) -> None:
+    assert (lp[limit:].exp() == 0).all()
+    assert math.isclose(lp.exp().sum().item(), 1.0, rel_tol=1e-5)
+
+
+def test_vocab_limit_property_catches_processing_without_it():
+    """The rows past the limit are the most likely ones: processing that ignores the limit samples them."""
+    logits = torch.tensor([[0.5, 0.1, -0.3, 4.0, 3.0]])
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=2)):
+        check_vocab_limit(process_logits(logits, replace(params, vocab_limit=3))[0], 3)
+        with pytest.raises(AssertionError):
+            check_vocab_limit(process_logits(logits, params)[0], 3)
+
+
+@SETTINGS
+@given(logits=logit_rows(), limit=st.integers(1, 40), t=TEMPERATURES, p=st.floats(0.05, 1.0),
+       k=st.integers(0, 50), seed=st.integers(0, 2**31))
+def test_token_logprobs_equal_the_processed_distribution_with_gradients(logits, limit, t, p, k, seed):
+    """The trainer's token_logprobs (fused cross-entropy when only temperature and the limit apply) equals
+    gathering from process_logits, values and gradients, for tokens in the support."""
+    V = logits.numel()
+    limit = min(limit, V)
+    params = SamplingParams(temperature=t, top_p=p, top_k=k, vocab_limit=limit)
+    x = logits.float().expand(6, V).clone()
+    lp_full = process_logits(x, params)
+    g = torch.Generator().manual_seed(seed)
+    support = torch.isfinite(lp_full[0]).nonzero().flatten()
+    tok = support[torch.randint(0, len(support), (6,), generator=g)]
+    a = x.clone().requires_grad_(True)
+    b = x.clone().requires_grad_(True)
+    got = token_logprobs(a, tok, params)
+    want = process_logits(b, params).gather(-1, tok[:, None]).squeeze(-1)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-5)
+
+
+def test_vocab_limit_validation():
+    with pytest.raises(ValueError, match="vocab_limit"):
+        SamplingParams(vocab_limit=0)
+    with pytest.raises(ValueError, match="exceeds the model"):
+        SamplingParams(vocab_limit=65).validate_vocab(64)
+    with pytest.raises(ValueError, match="unknown stop token"):  # a stop id the limit makes unreachable
+        SamplingParams(vocab_limit=60, stop_token_ids=(61,)).validate_vocab(64)
+    x = torch.randn(3, 10)
+    assert torch.equal(vocab_mask(x, None), x) and torch.equal(vocab_mask(x, 10), x)
+    assert torch.isinf(vocab_mask(x, 7)[:, 7:]).all() and torch.equal(vocab_mask(x, 7)[:, :7], x[:, :7])

@@ -186,6 +186,12 @@ def test_public_rejection_sample_validates():
                          torch.rand(2, 4, v))
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_public_rejection_sample_on_an_empty_batch(k):
+    tokens, num = rejection_sample(torch.zeros(0, k, dtype=torch.int64), torch.rand(0, k, 5), torch.rand(0, k + 1, 5))
+    assert tokens.shape == (0, k + 1) and num.shape == (0,) and tokens.dtype == num.dtype == torch.int64
+
+
 # --------------------------------------------------------------------------- the engine's variant
 def test_counter_based_variant_matches_target_and_is_deterministic():
     p, q = _tables(v=6, k=2, seed=3)

@@ -85,6 +85,9 @@ class DenseAttention(AttentionBackend):
             raise ValueError(f"DenseAttention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
         self.impl = impl
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, impl={self.impl}"
+
     def validate_configuration(self, *, dtype: torch.dtype, device: torch.device) -> list[str]:
         reasons = []
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -463,9 +463,7 @@ class RTPurboAttention(AttentionBackend):
         st["prefill_ret_causal_blocks"] += float(((qb + 1).double()[None, None] * real).sum()) * self.num_retrieval
 
     def extra_repr(self) -> str:
-        c = self.config
-        return (f"{super().extra_repr()}, retrieval_kv_heads={list(self.retrieval_heads)}, top_p={c.top_p}, "
-                f"window={c.window}, sinks={c.num_sinks}, indexer_dim={c.indexer_dim}")
+        return f"{super().extra_repr()}, retrieval_kv_heads={list(self.retrieval_heads)}, {self.config!r}"
 
 
 def _empty_stats() -> dict[str, float]:

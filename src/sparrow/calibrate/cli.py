@@ -2,10 +2,12 @@
 
 Example::
 
-    sparrow calibrate --model qwen2_5_1_5b --checkpoint /ckpt/Qwen2.5-1.5B --seq-len 8192 --steps 600
+    sparrow calibrate --checkpoint DIR --seq-len 8192 --steps 600
 
-loads the checkpoint, profiles retrieval heads on one repeated-span sequence (``--profile-seqs``), fits the
-indexer on ``--num-seqs`` sequences, prints per-head recall / density, and writes ``rtpurbo.json`` and
+builds the model the Hugging Face directory ``DIR`` describes (``sparrow.models.from_hf``; with
+``--model NAME`` the named builder instead, checked against ``config.json`` when the weights load), loads the
+weights, profiles retrieval heads on one repeated-span sequence (``--profile-seqs``), fits the indexer on
+``--num-seqs`` sequences, prints per-head recall / density, and writes ``rtpurbo.json`` and
 ``rtpurbo_indexer.safetensors`` into ``--out`` (default: the checkpoint directory).
 """
 
@@ -31,12 +33,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparrow calibrate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="a builder of sparrow.models, e.g. qwen2_5_0_5b, tiny_qwen2")
+    p.add_argument("--model", default=None,
+                   help="a builder of sparrow.models, e.g. qwen2_5_0_5b, tiny_qwen2 (default with a Hugging Face "
+                        "directory: the model its config.json describes; required with a state-dict file)")
     p.add_argument("--checkpoint", required=True, type=Path,
                    help="Hugging Face model directory, or a .safetensors / .pt state dict of the Sparrow model")
-    p.add_argument("--model-type", default="QWEN2", help="torchtune ModelType of an HF checkpoint (QWEN2, LLAMA3_2)")
     p.add_argument("--max-seq-len", type=int, default=None,
-                   help="model context (RoPE table; sets the saved window): default the builder's, at least seq-len")
+                   help="model context (RoPE table; sets the saved window): default the builder's or the config's "
+                        "max_position_embeddings, at least seq-len")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: beside the checkpoint)")
     p.add_argument("--ratio", type=float, default=0.15, help="fraction of (layer, kv head) pairs kept as retrieval heads")
     p.add_argument("--seq-len", type=int, default=4096, help="calibration sequence length")
@@ -56,34 +60,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(name: str, checkpoint: Path, *, max_seq_len: int, model_type: str, device: str, dtype: torch.dtype):
+def load_model(name: str | None, checkpoint: Path, *, max_seq_len: int, device: str, dtype: torch.dtype):
+    """The model to calibrate: ``from_hf(checkpoint)`` for a Hugging Face directory without ``name``; else the
+    builder ``name`` of :mod:`sparrow.models` with the checkpoint loaded (an HF directory through the validated
+    ``load_hf_checkpoint``, a ``.safetensors`` / ``.pt`` state dict directly)."""
     import sparrow.models as models
 
+    if not checkpoint.exists():
+        raise SystemExit(f"checkpoint {checkpoint} does not exist")
+    if name is None:
+        if not checkpoint.is_dir():
+            raise SystemExit(f"--model is required with a state-dict checkpoint ({checkpoint}): name the "
+                             "sparrow.models builder it belongs to, e.g. --model tiny_qwen2")
+        model = models.from_hf(checkpoint, max_seq_len=max_seq_len)
+        return model.to(device=device, dtype=dtype).eval()
     builder = getattr(models, name, None)
     if builder is None or not callable(builder):
         raise SystemExit(f"unknown model builder {name!r} (see sparrow.models)")
     model = builder(max_seq_len=max_seq_len)
     if checkpoint.is_dir():
-        models.load_hf_checkpoint(model, checkpoint, model_type=model_type)
+        models.load_hf_checkpoint(model, checkpoint)
     elif checkpoint.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         models.load_model_state(model, load_file(str(checkpoint)))
-    elif checkpoint.is_file():
-        models.load_model_state(model, torch.load(checkpoint, map_location="cpu", weights_only=True))
     else:
-        raise SystemExit(f"checkpoint {checkpoint} does not exist")
+        models.load_model_state(model, torch.load(checkpoint, map_location="cpu", weights_only=True))
     return model.to(device=device, dtype=dtype).eval()
 
 
 def _context(args) -> int:
-    """The model context: ``--max-seq-len``, else the builder's default, and never below ``--seq-len``."""
+    """The model context: ``--max-seq-len``, else the builder's default (an HF directory without ``--model``:
+    its ``max_position_embeddings``), and never below ``--seq-len``."""
     if args.max_seq_len:
         return max(args.max_seq_len, args.seq_len)
     import inspect
 
     import sparrow.models as models
 
+    if args.model is None:
+        if not args.checkpoint.is_dir():
+            return args.seq_len  # load_model reports the missing --model
+        return max(models.read_hf_config(args.checkpoint).max_position_embeddings, args.seq_len)
     builder = getattr(models, args.model, None)
     if not callable(builder):
         return args.seq_len  # load_model reports the unknown name
@@ -96,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     progress = not args.no_progress
     t0 = time.perf_counter()
-    model = load_model(args.model, args.checkpoint, max_seq_len=_context(args), model_type=args.model_type,
-                       device=args.device, dtype=DTYPES[args.dtype])
+    model = load_model(args.model, args.checkpoint, max_seq_len=_context(args), device=args.device,
+                       dtype=DTYPES[args.dtype])
     for p in model.parameters():
         p.requires_grad_(False)
     vocab = model.tok_embeddings.num_embeddings

@@ -8,9 +8,10 @@ builders (``qwen2_5_0_5b``, ``llama3_2_1b``, ``tiny_qwen2`` ...) fix the sizes. 
 
 from __future__ import annotations
 
+from torchtune.models.llama3_1._position_embeddings import Llama3ScaledRoPE
 from torchtune.models.llama3_2 import llama3_2 as _tt_llama3_2
 from torchtune.models.qwen2 import qwen2 as _tt_qwen2
-from torchtune.modules import TransformerDecoder
+from torchtune.modules import RotaryPositionalEmbeddings, TransformerDecoder
 
 from sparrow.attention.dense import DenseAttention
 from sparrow.models.attention import AttentionFactory, use_attention
@@ -49,17 +50,46 @@ def llama3(
     intermediate_dim: int,
     max_seq_len: int,
     norm_eps: float = 1e-5,
-    rope_base: int = 500_000,
-    scale_factor: int = 32,
+    rope_base: float = 500_000,
+    scale_factor: float | None = 32,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    old_context_len: int = 8192,
     tie_word_embeddings: bool = True,
     attention: AttentionFactory = DenseAttention,
 ) -> TransformerDecoder:
-    """Llama-3.x decoder (torchtune's ``llama3_2`` component builder, scaled RoPE) with Sparrow attention."""
+    """Llama-3.x decoder (torchtune's ``llama3_2`` component builder) with Sparrow attention.
+
+    RoPE: ``scale_factor=None`` gives plain RoPE (Llama-3.0 checkpoints, no ``rope_scaling``); a number gives
+    Llama-3.1-style scaled RoPE (torchtune's ``Llama3ScaledRoPE``, Hugging Face ``rope_type: llama3``) with
+    ``factor=scale_factor``, ``low_freq_factor``, ``high_freq_factor`` and
+    ``original_max_position_embeddings=old_context_len``. The defaults are Llama-3.2's (32, 1, 4, 8192);
+    Llama-3.1 uses factor 8.
+
+    Raises:
+        ValueError: a non-positive ``scale_factor`` / ``old_context_len``, or not
+            ``0 < low_freq_factor < high_freq_factor``.
+    """
+    head_dim = embed_dim // num_heads
+    if scale_factor is None:
+        rope = RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
+    else:
+        if not scale_factor > 0 or not old_context_len > 0:
+            raise ValueError(f"llama3: scale_factor and old_context_len must be > 0, got scale_factor={scale_factor}, "
+                             f"old_context_len={old_context_len}")
+        if not 0 < low_freq_factor < high_freq_factor:
+            raise ValueError(f"llama3: need 0 < low_freq_factor < high_freq_factor, got low_freq_factor="
+                             f"{low_freq_factor}, high_freq_factor={high_freq_factor}")
+        rope = Llama3ScaledRoPE(dim=head_dim, max_seq_len=max_seq_len, base=rope_base, scale_factor=scale_factor,
+                                low_freq_factor=low_freq_factor, high_freq_factor=high_freq_factor,
+                                old_context_len=old_context_len)
     model = _tt_llama3_2(
         vocab_size=vocab_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
         embed_dim=embed_dim, max_seq_len=max_seq_len, intermediate_dim=intermediate_dim, norm_eps=norm_eps,
-        rope_base=rope_base, scale_factor=scale_factor, tie_word_embeddings=tie_word_embeddings,
+        rope_base=rope_base, scale_factor=scale_factor or 1, tie_word_embeddings=tie_word_embeddings,
     )
+    for layer in model.layers:  # torchtune's builder shares one RoPE module across layers: so does this one
+        layer.attn.pos_embeddings = rope
     return use_attention(model, attention)
 
 

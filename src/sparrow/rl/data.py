@@ -6,10 +6,12 @@ Every node keeps its position in ``get_state()``, so the :class:`~torchdata.node
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Collection, Protocol, Sequence
 
 from torchdata.nodes import Batcher, BaseNode, Loader, Mapper
 
@@ -112,8 +114,61 @@ class ListSource(BaseNode[Example]):
         return {"epoch": self._epoch, "position": self._pos}
 
 
-def tokenize(ex: Example, tokenizer: Tokenizer, max_prompt_len: int) -> dict[str, Any]:
-    ids = tokenizer.encode(ex.prompt, add_bos=True, add_eos=False)
+@dataclass(frozen=True)
+class PromptFormat:
+    """How prompt text becomes the tokens the policy continues (the recipe's ``prompt`` section).
+
+    Attributes:
+        chat: ``False``: the text as it is (``encode(add_bos=True, add_eos=False)``: the tokenizer's BOS, if it
+            has one, and no EOS). ``True``: the text as the user message of the tokenizer's chat format
+            (torchtune ``Message`` s through ``tokenize_messages``: ChatML for Qwen2.5, Llama-3's headers),
+            with the assistant's turn opened, for instruct models.
+        system: a system message before it (``chat`` only).
+    """
+
+    chat: bool = False
+    system: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.system is not None and not self.chat:
+            raise ValueError("PromptFormat.system needs chat=True (a system message is part of the chat format)")
+
+    def encode(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        """Token ids of the prompt ``text``.
+
+        Raises:
+            ValueError: ``chat`` with a tokenizer that has no chat format, or a prompt the tokenizer truncated.
+        """
+        if not self.chat:
+            return tokenizer.encode(text, add_bos=True, add_eos=False)
+        fn = getattr(tokenizer, "tokenize_messages", None)
+        if fn is None:
+            raise ValueError(f"{type(tokenizer).__name__} has no chat format (tokenize_messages): set prompt.chat "
+                             "to false")
+        from torchtune.data import Message
+
+        messages = [Message(role="system", content=self.system)] if self.system else []
+        messages += [Message(role="user", content=text), Message(role="assistant", content="")]
+        # no end tokens after the (empty, last) assistant message: the policy writes it
+        end = {"add_eos": False} if "add_eos" in inspect.signature(fn).parameters else {"add_end_tokens": False}
+        ids, _ = fn(messages, **end)
+        limit = getattr(tokenizer, "max_seq_len", None)
+        if limit and len(ids) >= limit:
+            raise ValueError(f"the tokenizer's max_seq_len ({limit}) cuts the prompt: raise it or set it to null")
+        return list(ids)
+
+
+def decode_response(tokenizer: Tokenizer, tokens: Sequence[int], stop: Collection[int]) -> str:
+    """The text of a response: its tokens without the stop token that ended it."""
+    ids = [int(t) for t in tokens]
+    if ids and ids[-1] in stop:
+        ids = ids[:-1]
+    return tokenizer.decode(ids)
+
+
+def tokenize(ex: Example, tokenizer: Tokenizer, max_prompt_len: int,
+             prompt_format: PromptFormat = PromptFormat()) -> dict[str, Any]:
+    ids = prompt_format.encode(tokenizer, ex.prompt)
     if len(ids) > max_prompt_len:
         raise ValueError(f"{ex.task} example {ex.index}: prompt of {len(ids)} tokens is longer than "
                          f"max_prompt_len ({max_prompt_len})")
@@ -121,9 +176,10 @@ def tokenize(ex: Example, tokenizer: Tokenizer, max_prompt_len: int) -> dict[str
 
 
 def prompt_loader(source: BaseNode[Example], tokenizer: Tokenizer, *, batch_size: int,
-                  max_prompt_len: int) -> Loader:
-    """Tokenize ``source`` and batch it (lists of dicts with ``prompt_ids``, ``answer``, ``task``, ``index``)."""
+                  max_prompt_len: int, prompt_format: PromptFormat = PromptFormat()) -> Loader:
+    """Tokenize ``source`` (:class:`PromptFormat`) and batch it (lists of dicts with ``prompt_ids``, ``answer``,
+    ``task``, ``index``)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    node = Mapper(source, lambda ex: tokenize(ex, tokenizer, max_prompt_len))
+    node = Mapper(source, lambda ex: tokenize(ex, tokenizer, max_prompt_len, prompt_format))
     return Loader(Batcher(node, batch_size=batch_size, drop_last=True))

@@ -11,6 +11,11 @@ Notation, per response token ``t`` of sequence ``i``:
 The policy-gradient term uses the PPO ratio π_θ/π_old with separate low/high clipping; the mismatch
 between μ and π_old is corrected by the truncated importance weight w = π_old/μ (per token, or per
 sequence as a product), either clipped at ``C`` (``truncate``) or dropped above ``C`` (``mask``).
+
+All three are log-probs of the *processed* distribution (vocabulary limit, temperature, top-k, top-p), so a
+sampled token can lie outside π_old's support: top-p / top-k under the trainer's weights drop a token that the
+rollout copy's nucleus held. Its importance weight π_old/μ is exactly 0, so such a token carries no loss; the
+fraction is logged (``outside_support_frac``).
 """
 
 from __future__ import annotations
@@ -133,18 +138,25 @@ def grpo_loss(
         ref: [N, L] reference-policy log-probs, required when ``cfg.kl_beta > 0``.
 
     Returns: (loss, metrics) — metrics are detached scalars: ``policy_clip_frac``, ``is_clip_frac``,
-    ``mismatch_kl`` (k3 estimate of KL(μ || π_old) per token), ``ratio_mean``, ``kl_ref``.
+    ``mismatch_kl`` (k3 estimate of KL(μ || π_old) per token, over the tokens inside π_old's support),
+    ``outside_support_frac`` (tokens π_old gives probability 0: no loss, module docstring), ``ratio_mean``,
+    ``kl_ref``.
     """
     if cfg.kl_beta > 0 and ref is None:
         raise ValueError("kl_beta > 0 needs reference log-probs")
     n_tok = mask.sum().clamp_min(1)
+    outside = mask & ~torch.isfinite(old)
+    mask = mask & ~outside  # importance weight 0: no loss, no gradient, no NaN from -inf - -inf
+    n_in = mask.sum().clamp_min(1)
     log_ratio = (logp - old).masked_fill(~mask, 0.0)
     ratio = log_ratio.exp()
     adv = advantages[:, None].to(logp.dtype)
     clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     pg = -torch.minimum(ratio * adv, clipped * adv)
     w_is, is_frac = importance_weights(old, behav, mask, cfg)
-    token_loss = pg * w_is
+    if cfg.is_level == "sequence":  # π_old(y) / μ(y) is 0 for a sequence with a token outside the support
+        w_is = w_is * ~outside.any(1, keepdim=True)
+    token_loss = torch.where(mask, pg * w_is, 0.0)
     kl_ref = logp.new_zeros(())
     if cfg.kl_beta > 0:
         d = (ref - logp).masked_fill(~mask, 0.0)
@@ -155,10 +167,11 @@ def grpo_loss(
     with torch.no_grad():
         d = (old - behav).masked_fill(~mask, 0.0)
         metrics = {
-            "policy_clip_frac": (((ratio - clipped).abs() > 0) & mask).sum() / n_tok,
+            "policy_clip_frac": (((ratio - clipped).abs() > 0) & mask).sum() / n_in,
             "is_clip_frac": is_frac.detach(),
-            "mismatch_kl": ((d.exp() - d - 1.0) * mask).sum() / n_tok,
-            "ratio_mean": (ratio * mask).sum() / n_tok,
+            "mismatch_kl": ((d.exp() - d - 1.0) * mask).sum() / n_in,
+            "outside_support_frac": outside.sum() / n_tok,
+            "ratio_mean": (ratio * mask).sum() / n_in,
             "kl_ref": kl_ref,
         }
     return loss, metrics

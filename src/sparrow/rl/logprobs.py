@@ -2,7 +2,9 @@
 
 The final hidden states of every position are computed once; the output projection, log-softmax and
 gather then run over chunks of response tokens under activation checkpointing, so at most
-``chunk_size x vocab`` logits exist at any time, in the forward and in the backward pass.
+``chunk_size x vocab`` logits exist at any time, in the forward and in the backward pass. Log-probs are taken
+in the distribution the rollout engine samples from (``sampling``: vocabulary limit, temperature, top-k,
+top-p), so π_θ, π_old and the behaviour policy μ are one distribution.
 
 :func:`shared_prefix_logprobs` gives the same log-probs for a GRPO batch whose rows come in groups sharing
 one prompt, computing each prompt once: a group becomes one packed sequence ``prompt | response_1 | ... |
@@ -19,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torchtune.modules import TransformerDecoder
+
+from sparrow.rollout.sampling import SamplingParams, token_logprobs
 
 
 def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -36,11 +39,8 @@ def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *, mask: torc
     return h
 
 
-def _chunk_logprobs(model: TransformerDecoder, h: torch.Tensor, targets: torch.Tensor, temperature: float):
-    logits = model.output(model.norm(h)).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    return -F.cross_entropy(logits, targets, reduction="none")
+def _chunk_logprobs(model: TransformerDecoder, h: torch.Tensor, targets: torch.Tensor, sampling: SamplingParams):
+    return token_logprobs(model.output(model.norm(h)), targets, sampling)
 
 
 def response_logprobs(
@@ -50,19 +50,21 @@ def response_logprobs(
     response_len: torch.Tensor,
     *,
     max_response_len: int,
-    temperature: float = 1.0,
+    sampling: SamplingParams | None = None,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
-    """Log-probs of each response token under ``model`` at ``temperature``.
+    """Log-probs of each response token under ``model``, in the distribution the rollout engine samples from.
 
     Args:
         tokens: [N, S] prompt followed by response, right-padded.
         prompt_len, response_len: [N] int64.
         max_response_len: ``L``, the width of the output.
+        sampling: the behaviour policy's processing (vocabulary limit, temperature, top-k, top-p; see
+            :func:`sparrow.rollout.sampling.token_logprobs`); default: the model's plain distribution.
         chunk_size: response tokens per logits chunk.
 
     Returns: [N, L] float32; entry ``(i, j)`` is log p(token at ``prompt_len[i] + j``), zero past
-    ``response_len[i]``.
+    ``response_len[i]``; ``-inf`` where top-k / top-p under these weights exclude the token.
     """
     N, S = tokens.shape
     j = torch.arange(max_response_len, device=tokens.device)
@@ -73,19 +75,21 @@ def response_logprobs(
     src = pos[rows, cols]
     h_sel = h[rows, src - 1]  # the hidden state that predicts the token
     tgt = tokens[rows, src]
-    return _gather_logprobs(model, h_sel, tgt, rows, cols, (N, max_response_len), temperature, chunk_size)
+    return _gather_logprobs(model, h_sel, tgt, rows, cols, (N, max_response_len), sampling, chunk_size)
 
 
-def _gather_logprobs(model, h_sel, tgt, rows, cols, shape, temperature: float, chunk_size: int) -> torch.Tensor:
+def _gather_logprobs(model, h_sel, tgt, rows, cols, shape, sampling: SamplingParams | None,
+                     chunk_size: int) -> torch.Tensor:
     """Log-probs of ``tgt`` from the hidden states ``h_sel`` [T, E], in chunks, scattered into ``shape``."""
+    sampling = sampling or SamplingParams()
     out = torch.zeros(shape, dtype=torch.float32, device=h_sel.device)
     parts = []
     for s in range(0, h_sel.shape[0], chunk_size):
         hs, ts = h_sel[s:s + chunk_size], tgt[s:s + chunk_size]
         if torch.is_grad_enabled() and hs.requires_grad:
-            parts.append(checkpoint(_chunk_logprobs, model, hs, ts, temperature, use_reentrant=False))
+            parts.append(checkpoint(_chunk_logprobs, model, hs, ts, sampling, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(model, hs, ts, temperature))
+            parts.append(_chunk_logprobs(model, hs, ts, sampling))
     if parts:
         out = out.index_put((rows, cols), torch.cat(parts))
     return out
@@ -177,7 +181,7 @@ def shared_prefix_logprobs(
     *,
     group: int,
     max_response_len: int,
-    temperature: float = 1.0,
+    sampling: SamplingParams | None = None,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
     """:func:`response_logprobs` for rows that come in groups of ``group`` sharing one prompt, each prompt
@@ -190,4 +194,4 @@ def shared_prefix_logprobs(
     h = hidden_states(model, pack.tokens, mask=pack.mask, input_pos=pack.input_pos)  # [n, W, E]
     h_sel = h[pack.rows // group, pack.predictor]
     return _gather_logprobs(model, h_sel, pack.targets, pack.rows, pack.cols, (tokens.shape[0], max_response_len),
-                            temperature, chunk_size)
+                            sampling, chunk_size)

@@ -1,61 +1,16 @@
-"""Helpers of the ``sparrow_grpo`` recipe: config checking, rollout exchange between ranks, sync views,
-fingerprints and the reward-curve plot."""
+"""Helpers of the ``sparrow_grpo`` recipe: rollout exchange between ranks, sync views, fingerprints, the
+speculative builders and the reward-curve plot (its configuration lives in :mod:`sparrow.rl.recipe_config`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
-from sparrow.rl.grpo import GRPOConfig
-from sparrow.rollout.engine import EngineConfig, Sample
-
-COMPONENT = "component"  # any keyword arguments: the component's constructor validates them
-SPECULATIVE_KEYS = {"drafter", "toggle", "max_active", "num_draft", "draft_lengths", "margin", "hysteresis",
-                    "probe_every", "correct_costs"}
-
-RECIPE_KEYS: dict[str, Any] = {
-    "name": None, "model_dir": None, "output_dir": None, "seed": None, "device": None, "trainer_precision": None,
-    "dist_timeout_s": None, "tokenizer": COMPONENT, "task": COMPONENT, "dataset": None, "reward": COMPONENT,
-    "model": COMPONENT, "attention": COMPONENT, "checkpoint": None, "optimizer": COMPONENT,
-    "metric_logger": COMPONENT,
-    "engine": {f.name for f in dataclasses.fields(EngineConfig)},
-    "sampling": {"temperature", "top_p", "top_k", "max_new_tokens"},
-    "loss": {f.name for f in dataclasses.fields(GRPOConfig)},
-    "sync": {"codec", "bucket_bytes", "anchor_every", "verify", "check_bitwise"},
-    "eval": {"every", "prompts"},
-    "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
-    "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "shared_prefix": None, "total_steps": None,
-    "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None, "init_std": None, "trainer_ranks": None,
-    "speculative": SPECULATIVE_KEYS, "indexer_refresh": {"every", "steps", "sequences"}, "hf_checkpoint": {"dir", "model_type"},
-}
-OPTIONAL = {"name", "model_dir", "task", "dataset", "checkpoint", "init_std", "speculative", "indexer_refresh", "hf_checkpoint",
-            "trainer_ranks", "shared_prefix"}
-
-
-def check_config(cfg: DictConfig, spec: Mapping[str, Any], optional: Collection[str] = OPTIONAL) -> None:
-    """Raise ValueError naming every unknown or missing key (nested sections included); keys of ``spec``
-    not in ``optional`` are required (the default: the GRPO recipe's optional keys)."""
-    unknown, missing = [], []
-    for key in cfg:
-        if key not in spec:
-            unknown.append(str(key))
-        elif isinstance(spec[key], set) and cfg[key] is not None:
-            unknown += [f"{key}.{k}" for k in cfg[key] if k not in spec[key]]
-        elif spec[key] == COMPONENT and cfg[key] is not None and "_component_" not in cfg[key]:
-            raise ValueError(f"config key {key!r} needs a _component_")
-    missing = [k for k in spec if k not in cfg and k not in optional]
-    if unknown:
-        raise ValueError(f"unknown config keys: {', '.join(unknown)}")
-    if missing:
-        raise ValueError(f"missing config keys: {', '.join(missing)}")
-    if cfg.get("task") is None and cfg.get("dataset") is None:
-        raise ValueError("the config needs a task or a dataset")
+from sparrow.rollout.engine import Sample
 
 
 def sync_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -150,10 +105,8 @@ def build_speculation(spec_cfg, rollout_model):
 
     from sparrow.speculative import QuantizedSelfDrafter
 
-    if spec_cfg is None:  # its keys were checked with the rest of the config (RECIPE_KEYS)
+    if spec_cfg is None:  # keys and values were checked with the rest of the config (recipe_config)
         return None, 0
-    if spec_cfg.toggle not in ("always", "threshold", "cost_model"):
-        raise ValueError(f"speculative.toggle must be always, threshold or cost_model, got {spec_cfg.toggle!r}")
     drafter = QuantizedSelfDrafter(rollout_model, tt_config.instantiate(spec_cfg.drafter))
     lengths = tuple(spec_cfg.get("draft_lengths") or (spec_cfg.get("num_draft", 4),))
     return drafter, max(lengths + (spec_cfg.get("num_draft", 4),))

@@ -94,13 +94,18 @@ class FormatReward(Reward):
 
 
 class CombinedReward(Reward):
-    """Weighted sum of rewards. ``components``: rewards; ``weights``: one per component (default 1)."""
+    """Weighted sum of rewards. ``components``: rewards, or their configs (``{_component_: ..., ...}``, as a
+    recipe's YAML lists them); ``weights``: one per component (default 1)."""
 
     name = "combined"
 
-    def __init__(self, components: Sequence[Reward], weights: Sequence[float] | None = None) -> None:
+    def __init__(self, components: Sequence[Reward | Mapping[str, Any]], weights: Sequence[float] | None = None) -> None:
         if not components:
             raise ValueError("CombinedReward needs at least one component")
+        components = [_instantiate(c) if isinstance(c, Mapping) else c for c in components]
+        bad = [type(c).__name__ for c in components if not callable(c)]
+        if bad:
+            raise ValueError(f"CombinedReward components must be rewards, got {', '.join(bad)}")
         weights = list(weights) if weights is not None else [1.0] * len(components)
         if len(weights) != len(components):
             raise ValueError(f"{len(components)} reward components but {len(weights)} weights")
@@ -111,3 +116,12 @@ class CombinedReward(Reward):
 
     def breakdown(self, answer: str, completion: str) -> Mapping[str, Any]:
         return {c.name: c(answer, completion) for c in self.components}
+
+
+def _instantiate(cfg: Mapping[str, Any]) -> Reward:
+    from omegaconf import DictConfig, OmegaConf
+    from torchtune import config
+
+    if "_component_" not in cfg:
+        raise ValueError(f"a reward config needs a _component_, got keys {sorted(cfg)}")
+    return config.instantiate(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg)))

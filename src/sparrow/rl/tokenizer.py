@@ -1,8 +1,9 @@
-"""A character-level tokenizer for the synthetic tasks (no files, no network)."""
+"""A character-level tokenizer for the synthetic tasks (no files, no network), and what the recipe asks of any
+tokenizer: how many ids it can emit and which ids stop a response."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz =;:?,.\n"
@@ -51,3 +52,37 @@ class CharTokenizer:
             elif not skip_special:
                 out.append(SPECIALS[i] if i < len(SPECIALS) else "<unk>")
         return "".join(out)
+
+
+def emittable_ids(tokenizer: Any) -> int:
+    """How many ids ``tokenizer`` can turn into text: ids ``0 .. n-1`` all decode, ids ``>= n`` have no token.
+
+    Read from ``vocab_size`` when the tokenizer has one (the synthetic tokenizer, torchtune's tiktoken-based
+    Llama-3 tokenizer), else from the vocabulary and special tokens of a BPE tokenizer (torchtune's Qwen2 /
+    Qwen2.5: ordinary tokens 0..151,642, special tokens 151,643..151,664, so 151,665 of the checkpoint's
+    151,936 embedding rows).
+
+    Raises:
+        ValueError: the ids have holes (an id below the largest has no token), or the tokenizer offers neither.
+    """
+    n = getattr(tokenizer, "vocab_size", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    vocab = getattr(tokenizer, "encoder", None)
+    if isinstance(vocab, dict) and vocab:
+        ids = set(vocab.values()) | set((getattr(tokenizer, "special_tokens", None) or {}).values())
+        n = max(ids) + 1
+        if len(ids) != n or min(ids) != 0:
+            missing = sorted(set(range(n)) - ids)[:5]
+            raise ValueError(f"{type(tokenizer).__name__}'s ids are not contiguous: ids {missing}... below {n} "
+                             "have no token")
+        return n
+    raise ValueError(f"cannot tell which ids {type(tokenizer).__name__} can decode: it has neither a vocab_size "
+                     "nor an encoder dict")
+
+
+def stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a response: the tokenizer's ``stop_tokens`` (torchtune's Qwen: ``<|im_end|>`` and
+    ``<|endoftext|>``), else its ``eos_id``."""
+    ids = getattr(tokenizer, "stop_tokens", None) or [tokenizer.eos_id]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))

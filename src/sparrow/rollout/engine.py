@@ -289,14 +289,13 @@ class RolloutEngine:
 
     def _set_params(self, params: SamplingParams) -> None:
         """Make ``params`` current. The compiled steps and CUDA graphs specialise on the processing parameters
-        (temperature, top-p, top-k) and on the size of the stop-id buffer: each such mode keeps its own, so
+        (temperature, top-p, top-k, vocabulary limit) and on the size of the stop-id buffer: each such mode keeps its own, so
         alternating modes (say, sampled rollouts and greedy evaluation) compiles and captures each once. The
         stop ids sit in a buffer of :data:`STOP_SLOTS` entries (more when more are given, rounded up to a power
         of two), padded with -1 (no token): a different stop set, or none, reuses the mode's graphs."""
         stop = params.stop_token_ids
-        mode = (params.temperature, params.top_p, params.top_k, stop_slots(len(stop)))
-        current = None if self._params is None else (
-            self._params.temperature, self._params.top_p, self._params.top_k, self.stop_ids.numel())
+        mode = params.processing + (stop_slots(len(stop)),)
+        current = None if self._params is None else self._params.processing + (self.stop_ids.numel(),)
         if mode != current:
             if current is not None:
                 self._modes[current] = _Mode(self._step_fn, self._graphs, self.stop_ids,
@@ -309,7 +308,7 @@ class RolloutEngine:
                 self._step_fn, self._graphs = None, {}
                 if self._spec is not None:
                     self._spec.reset_compiled()
-                self.stop_ids = torch.full((mode[3],), -1, dtype=torch.int64, device=self.device)
+                self.stop_ids = torch.full((mode[-1],), -1, dtype=torch.int64, device=self.device)
         padded = list(stop) + [-1] * (self.stop_ids.numel() - len(stop))
         self.stop_ids.copy_(torch.tensor(padded, dtype=torch.int64))  # in place: captured graphs read it
         self.seed.fill_(params.seed)

@@ -1,6 +1,8 @@
-"""Sampling: parameters, logit processing (temperature, top-k, top-p) and batch-invariant noise.
+"""Sampling: parameters, logit processing (vocabulary limit, temperature, top-k, top-p) and batch-invariant
+noise.
 
-Every function here is shape-static and host-sync-free, so it runs inside the compiled decode step.
+Every function here is shape-static and host-sync-free, so it runs inside the compiled decode step; the
+trainer computes its log-probs with the same processing (:func:`token_logprobs`).
 
 Randomness is *counter-based*: the noise for vocabulary entry ``v`` of token ``t`` of sample ``i`` is a
 hash of ``(seed, i, t, v)``. A sample's tokens therefore do not depend on which other rows share its
@@ -14,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 _M32 = 0xFFFFFFFF
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -29,10 +33,16 @@ class SamplingParams:
         max_new_tokens: generated tokens per sample, at least 1.
         stop_token_ids: a sample finishes after emitting any of these (the stop token is included).
         seed: base of the counter-based noise.
+        vocab_limit: ids at or above it are never sampled (``None``: every id of the model may be). A
+            checkpoint's embedding often has more rows than its tokenizer has tokens (Qwen2.5: 151,936 rows,
+            151,665 tokens): the rows past the tokenizer have no text, so they are masked out of the
+            distribution. The GRPO recipe sets it from the tokenizer.
 
     The log-probability reported for each token is taken under the distribution it was sampled from
-    (after temperature / top-k / top-p). For greedy decoding (``temperature == 0``) it is the model's
-    unprocessed ``log_softmax``.
+    (vocabulary limit, temperature, top-k, top-p: :func:`process_logits`); the trainer computes its
+    log-probs under the same processing (:func:`token_logprobs`), so behaviour and trainer policies are
+    one distribution. For greedy decoding (``temperature == 0``) it is the ``log_softmax`` of the model's
+    logits over the vocabulary limit, without temperature, top-k or top-p.
     """
 
     temperature: float = 1.0
@@ -41,10 +51,12 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     seed: int = 0
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0.0 or self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE} (float32 logits divided by "
+                             f"less overflow), got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -54,15 +66,26 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.vocab_limit is not None and self.vocab_limit < 1:
+            raise ValueError(f"vocab_limit must be >= 1 (None: no limit), got {self.vocab_limit}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate_vocab(self, vocab_size: int) -> None:
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        """Check the parameters against a model with ``vocab_size`` embedding rows (``ValueError``)."""
+        if self.vocab_limit is not None and self.vocab_limit > vocab_size:
+            raise ValueError(f"vocab_limit ({self.vocab_limit}) exceeds the model's {vocab_size} embedding rows")
+        limit = vocab_size if self.vocab_limit is None else self.vocab_limit
+        bad = [t for t in self.stop_token_ids if not 0 <= t < limit]
         if bad:
-            raise ValueError(f"unknown stop token ids {bad}: the vocabulary has {vocab_size} tokens")
+            raise ValueError(f"unknown stop token ids {bad}: the vocabulary has {limit} tokens")
+
+    @property
+    def processing(self) -> tuple:
+        """What the processed distribution depends on (compiled steps specialise on it)."""
+        return (self.temperature, self.top_p, self.top_k, self.vocab_limit)
 
 
 def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -76,27 +99,60 @@ def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
 def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches ``p``; -inf elsewhere.
 
-    logits: [..., V]. The most likely token is always kept.
+    logits: [..., V]. The most likely token is always kept. A token is dropped when the mass of itself and
+    every less likely token is at most ``1 - p`` (the same rule as dropping it when the strictly more likely
+    tokens already reach ``p``), summed from the least likely up, as Hugging Face's ``TopPLogitsWarper``
+    does: a float32 sum taken from the most likely down rounds at the boundary, where it is near 1 (at
+    151,936 ids and p = 0.999 it kept 82,186 tokens against 82,346 by float64).
     """
     if p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-    drop_sorted = mass_before >= p
+    sorted_logits, order = torch.sort(logits.detach(), dim=-1, descending=False)
+    tail = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)  # mass of each token and every less likely one
+    drop_sorted = tail <= 1.0 - p
+    drop_sorted[..., -1] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
 
+def vocab_mask(logits: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """-inf at ids ``>= limit`` (embedding rows with no token). logits: [..., V]."""
+    if limit is None or limit >= logits.shape[-1]:
+        return logits
+    return logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= limit, float("-inf"))
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Log-probabilities of the distribution tokens are sampled from. logits: [..., V] float32."""
-    logits = logits.float()
+    logits = vocab_mask(logits.float(), params.vocab_limit)
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
     logits = logits / params.temperature
     logits = top_k_mask(logits, params.top_k)
     logits = top_p_mask(logits, params.top_p)
     return torch.log_softmax(logits, dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probability of ``tokens`` [...] under :func:`process_logits` of ``logits`` [..., V]: the trainer's
+    side of the behaviour distribution, differentiable in ``logits``. -inf for a token outside the processed
+    support (dropped by top-k / top-p under these logits).
+
+    Without top-k / top-p the vocabulary limit is a slice and the log-softmax a fused cross-entropy, so no
+    second ``[..., V]`` tensor is made (the trainer evaluates thousands of tokens x 151,936 ids per chunk).
+
+    ``tokens`` must lie below the vocabulary limit (the engine never samples above it; the recipe checks
+    the batches it trains on).
+    """
+    V = logits.shape[-1]
+    limit = V if params.vocab_limit is None else min(params.vocab_limit, V)
+    if params.greedy or (params.top_k == 0 and params.top_p >= 1.0):
+        x = logits[..., :limit].float()
+        if not params.greedy and params.temperature != 1.0:
+            x = x / params.temperature
+        lp = -F.cross_entropy(x.reshape(-1, limit), tokens.reshape(-1), reduction="none")
+        return lp.view(tokens.shape)
+    return process_logits(logits, params).gather(-1, tokens[..., None]).squeeze(-1)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

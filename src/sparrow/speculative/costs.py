@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import sparrow
+
 if TYPE_CHECKING:  # pragma: no cover
     from sparrow.rollout.engine import RolloutEngine
     from sparrow.rollout.sampling import SamplingParams
@@ -271,7 +273,8 @@ def _reset_rows(engine: "RolloutEngine") -> None:
 
 
 def cost_key(engine: "RolloutEngine", params: "SamplingParams") -> str:
-    """Identity of what a cost model measures: model shape, drafter, dtype, device, processing, capacity."""
+    """Identity of what a cost model measures: model shape, attention backends, drafter, dtype, device, library
+    versions, processing, capacity."""
     m = engine.model
     a = m.layers[0].attn
     dev = engine.device
@@ -284,7 +287,11 @@ def cost_key(engine: "RolloutEngine", params: "SamplingParams") -> str:
         "dtype": str(engine.dtype).replace("torch.", ""),
         "device": dev_name,
         "torch": torch.__version__,
-        "processing": f"t{params.temperature}-p{params.top_p}-k{params.top_k}-greedy{params.greedy}",
+        "sparrow": sparrow.__version__,
+        # every layer's backend with its whole configuration (RTPurbo's window, heads, blocks, top-p ...)
+        "attention": hashlib.sha1("|".join(repr(a.backend) for a in engine.attn).encode()).hexdigest()[:16],
+        "processing": f"t{params.temperature}-p{params.top_p}-k{params.top_k}-v{params.vocab_limit}"
+                      f"-greedy{params.greedy}",
         "engine": f"rows{c.max_rows}-prefixes{c.num_prefixes}-prompt{c.max_prompt_len}-new{c.max_new_tokens}"
                   f"-draft{c.max_draft}-compile{c.compile}-graphs{c.cuda_graphs}-{c.compile_backend}",
     }

@@ -77,7 +77,8 @@ def rejection_sample(
 
     Returns:
         ``(tokens, num_emitted)``: tokens [B, k + 1] int64, the accepted drafts followed by the residual or
-        bonus token, padded with ``-1``; num_emitted [B] int64 in ``[1, k + 1]``.
+        bonus token, padded with ``-1``; num_emitted [B] int64 in ``[1, k + 1]``. An empty batch (``B == 0``)
+        gives empty results.
 
     Raises:
         ValueError: inconsistent shapes, non-floating probabilities, or draft tokens outside ``[0, V)``.
@@ -96,9 +97,11 @@ def rejection_sample(
         raise ValueError("draft_probs and target_probs must be floating point")
     if draft_tokens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
-    if k > 0 and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
+    if draft_tokens.numel() and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
         raise ValueError(f"draft_tokens must lie in [0, {V})")
     draft_tokens = draft_tokens.long()
+    if B == 0:
+        return draft_tokens.new_zeros((0, k + 1)), draft_tokens.new_zeros((0,))
     dtype = torch.promote_types(draft_probs.dtype, target_probs.dtype)
     p, q = target_probs.to(dtype), draft_probs.to(dtype)
     u = torch.rand((B, k), generator=generator, device=p.device, dtype=dtype)

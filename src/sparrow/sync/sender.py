@@ -42,12 +42,14 @@ class SyncSender:
     packed bodies of its changed elements.
     """
 
+    CODECS = ("auto", "compact", "coo", "dense")
+
     def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, codec: str = "auto",
                  bucket_bytes: int = 256 << 20, run_id: str | None = None, anchor_every: int = 0,
                  with_hash: bool = True, max_slice_elems: int = 1 << 25, initial_anchor: bool = False,
                  impl: str | None = None) -> None:
-        if codec not in ("auto", "compact", "coo", "dense"):
-            raise ValueError(f"unknown codec {codec!r}; expected auto, compact, coo or dense")
+        if codec not in self.CODECS:
+            raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(self.CODECS)}")
         if bucket_bytes < 1024:
             raise ValueError("bucket_bytes must be at least 1024")
         if anchor_every < 0:
