@@ -214,9 +214,7 @@ def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: 
         if args.draft_window and not on["rtpurbo"]:  # a windowed draft needs dense caches
             drafter["window"] = args.draft_window
         lengths = [int(x) for x in args.draft_lengths.split(",") if x]
-        cfg["speculative"] = {"drafter": drafter, "toggle": args.spec_toggle, "num_draft": max(lengths),
-                              "draft_lengths": lengths, **({"max_active": args.max_active}
-                                                           if args.spec_toggle == "threshold" else {})}
+        cfg["speculative"] = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
     if on["sparse_sync"]:
         cfg["sync"]["codec"] = "auto"
     return cfg
@@ -370,13 +368,25 @@ def summarise(rows: list[dict], steps: list[dict]) -> list[dict]:
 
 # -- main -------------------------------------------------------------------------------------------------
 
+def speculative_section(drafter: dict, toggle: str, lengths: list[int], max_active: int) -> dict:
+    """The recipe's ``speculative`` section with the keys ``toggle`` reads (the recipe refuses any other)."""
+    if toggle == "always":
+        return {"drafter": drafter, "toggle": toggle, "num_draft": max(lengths)}
+    if toggle == "threshold":
+        return {"drafter": drafter, "toggle": toggle, "num_draft": max(lengths), "draft_lengths": lengths,
+                "max_active": max_active}
+    return {"drafter": drafter, "toggle": toggle, "draft_lengths": lengths}
+
+
 def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
     """One uncompiled step of all_on (toggle ``always``): the attention density the compiled runs cannot record."""
     cfg = run_config(base, "all_on", seed, args, rtpurbo_dir, work / "probe")
     cfg["engine"].update(compile=False, cuda_graphs=False)
     cfg.update(total_steps=1, eval={"every": 0, "prompts": 1})
     cfg["sync"]["check_bitwise"] = 0
-    cfg["speculative"]["toggle"] = "always"
+    spec = cfg["speculative"]
+    cfg["speculative"] = speculative_section(spec["drafter"], "always", spec.get("draft_lengths") or
+                                             [spec["num_draft"]], 0)
     out = run_recipe(cfg)
     step = [r for r in out["records"] if "time/step_s" in r][-1]
     return {"config": "all_on", "compile": False, "toggle": "always",

@@ -50,7 +50,8 @@ CONFIG = REPO / "recipes" / "configs" / "qwen2_5_0_5b_long_context.yaml"
 def run_overrides(name: str, calibration: Path | None, toggle: str) -> list[str]:
     if name == "all_off":
         return ["attention._component_=sparrow.attention.dense", "sync.codec=dense"]
-    spec = {"drafter": {"_component_": "sparrow.speculative.DrafterConfig", "weight": "int8", "window": 1024},
+    # no draft window: a windowed drafter needs dense caches, and RTPurbo's local heads are windowed already
+    spec = {"drafter": {"_component_": "sparrow.speculative.DrafterConfig", "weight": "int8"},
             "toggle": toggle}
     if toggle == "threshold":
         spec.update(max_active=64, num_draft=4)

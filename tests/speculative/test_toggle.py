@@ -261,3 +261,32 @@ def test_toggles_name_the_draft_lengths_they_can_ask_for():
     assert t.draft_lengths() == (2, 4)
     seen = {t.decide(StepStats(a, 100.0, 100, 1 if a == 1 else 64)).num_draft for a in (1, 1, 64)}
     assert seen - {0} and seen - {0} <= set(t.draft_lengths())  # it speculates at one row, within the set
+
+
+def test_cost_key_names_everything_the_costs_depend_on(monkeypatch):
+    """A cached calibration is reused only for the same library, attention configuration and processing."""
+    import copy
+
+    import sparrow
+    from sparrow.attention.rtpurbo import RTPurboConfig, rtpurbo_attention
+    from sparrow.models import use_attention
+    from sparrow.speculative.costs import cost_key
+
+    model = random_tiny("qwen2")
+    cfg = EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=16, compile=False, max_draft=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+
+    def key(m, p=params):
+        return cost_key(RolloutEngine(m, cfg, drafter=QuantizedSelfDrafter(m)), p)
+
+    base = key(model)
+    assert f"sparrow={sparrow.__version__}" in base and "torch=" in base
+    small = dict(decode_block=16, prefill_block=16, ret_window=16, ring_slack=4)
+    sparse = [use_attention(copy.deepcopy(model), rtpurbo_attention(None, None, RTPurboConfig(**small, window=w)))
+              for w in (8, 16)]
+    keys = {base, key(sparse[0]), key(sparse[1]), key(model, SamplingParams(temperature=1.0, vocab_limit=60)),
+            key(model, SamplingParams(temperature=1.0, top_p=0.9))}
+    assert len(keys) == 5  # dense vs RTPurbo, two windows, the vocabulary limit, top-p: all distinct
+    assert key(model) == base  # and stable
+    monkeypatch.setattr(sparrow, "__version__", "9.9.9")
+    assert key(model) != base

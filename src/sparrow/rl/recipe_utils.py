@@ -108,8 +108,9 @@ def build_speculation(spec_cfg, rollout_model):
     if spec_cfg is None:  # keys and values were checked with the rest of the config (recipe_config)
         return None, 0
     drafter = QuantizedSelfDrafter(rollout_model, tt_config.instantiate(spec_cfg.drafter))
-    lengths = tuple(spec_cfg.get("draft_lengths") or (spec_cfg.get("num_draft", 4),))
-    return drafter, max(lengths + (spec_cfg.get("num_draft", 4),))
+    # the longest draft the toggle can ask for: its ladder and / or its fixed length (4 when it names neither)
+    lengths = list(spec_cfg.get("draft_lengths") or []) + ([spec_cfg.num_draft] if spec_cfg.get("num_draft") else [])
+    return drafter, max(lengths or [4])
 
 
 def build_toggle(spec_cfg, engine, params):
