@@ -149,19 +149,19 @@ def main() -> None:
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
     names = args.configs.split(",")
+    config = {"model": json.loads((args.model / "config.json").read_text()), "steps": args.steps,
+              "overrides": args.set, "toggle": args.toggle, "calib_seq_len": args.calib_seq_len,
+              "calib_steps": args.calib_steps, "title": f"{args.name}: the shipped recipe on a Hugging Face directory"}
     rows, extra = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         calibration = args.calibration
-        if "all_on" in names and calibration is None:
-            calibration, extra["calibrate_s"] = calibrate(args, work)
         for name in names:
+            if name == "all_on" and calibration is None:
+                calibration, extra["calibrate_s"] = calibrate(args, work)
             rows.append(tune_run(args, name, work, calibration))
-    config = {"model": json.loads((args.model / "config.json").read_text()), "steps": args.steps,
-              "overrides": args.set, "toggle": args.toggle, "calib_seq_len": args.calib_seq_len,
-              "calib_steps": args.calib_steps, "title": f"{args.name}: the shipped recipe on a Hugging Face directory"}
-    path = write_json(args.name, config, rows, out_dir=args.out, extra=extra)
-    plot(json.loads(path.read_text()), path.with_suffix(".png"))
+            path = write_json(args.name, config, rows, out_dir=args.out, extra=extra)  # after every run
+            plot(json.loads(path.read_text()), path.with_suffix(".png"))
     print_table(rows, ["config", "steps_run", "wall_s", "setup_s", "median_step_s", "median_rollout_s",
                        *("median_" + k.replace("/", "_") for k in PHASES), "compiled_after_setup"])
 
