@@ -247,3 +247,39 @@ def test_vocab_limit_validation():
     x = torch.randn(3, 10)
     assert torch.equal(vocab_mask(x, None), x) and torch.equal(vocab_mask(x, 10), x)
     assert torch.isinf(vocab_mask(x, 7)[:, 7:]).all() and torch.equal(vocab_mask(x, 7)[:, :7], x[:, :7])
+
+
+def _old_unit(h):  # the mapping before the fix: the largest 24-bit value rounds to 1.0
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    from sparrow.rollout.sampling import bits_to_unit
+
+    h = torch.tensor([0, 255, 256, (1 << 32) - 512, (1 << 32) - 256, (1 << 32) - 1], dtype=torch.int64)
+    u = bits_to_unit(h)
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert torch.equal(u[:-2], _old_unit(h)[:-2])  # every other value is what it was
+    assert _old_unit(h)[-1] == 1.0  # negative control: the old mapping reached 1, a Gumbel value of +inf
+
+
+def test_the_draw_at_a_real_vocabulary_is_never_decided_by_a_uniform_of_one(monkeypatch):
+    """128 draws at Qwen2.5's 151,936 ids (vocabulary limit 151,665): every uniform is below 1, so no Gumbel
+    value is +inf, and no id past the limit is drawn. Negative control: with the old uniforms three entries of
+    these rows were exactly 1, and each of those rows drew that entry, whatever its probability."""
+    import sparrow.rollout.sampling as sampling
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(128, 151_936, generator=g)
+    keys = row_keys(torch.tensor(9), torch.arange(128), torch.full((128,), 5))
+    params = SamplingParams(temperature=1.0, vocab_limit=151_665)
+    assert (uniform_noise(keys, 151_936) < 1).all()
+    tokens, lp = sample(logits, params, keys)
+    assert int(tokens.max()) < 151_665 and torch.isfinite(lp).all()
+    monkeypatch.setattr(sampling, "bits_to_unit", _old_unit)
+    ones = uniform_noise(keys, 151_936) == 1.0
+    rows = ones.any(1).nonzero().flatten()
+    assert len(rows) == 3
+    old_tokens, _ = sample(logits, params, keys)
+    assert torch.equal(old_tokens[rows], ones[rows].float().argmax(1))  # the uniform of one decided the draw

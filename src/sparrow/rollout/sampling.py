@@ -181,8 +181,15 @@ def uniform_noise(keys: torch.Tensor, vocab_size: int, salt: int = 0) -> torch.T
     """
     v = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     salt_c = (0x5BD1E995 + salt * 0x27D4EB2F) & _M32
-    h = _mix32(_mix32(keys[..., None] ^ v) ^ salt_c)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return bits_to_unit(_mix32(_mix32(keys[..., None] ^ v) ^ salt_c))
+
+
+def bits_to_unit(h: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 holding [0, 2**32)) -> float32 uniforms strictly inside (0, 1): the top 24 bits
+    ``b`` give ``(b + 0.5) / 2**24``, except that the largest, ``(2**24 - 0.5) / 2**24``, has no float32 and
+    would round to 1.0 — a Gumbel value of +inf that wins any argmax, masked ids included (at 151,936 ids about
+    one token in 110 would be that entry, whatever its probability): it is held at the float32 below 1."""
+    return (((h >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp(max=1.0 - 2.0**-24)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab_size: int, salt: int = 0) -> torch.Tensor:
