@@ -12,8 +12,8 @@ from sparrow.models.builders import (
     tiny_llama3,
     tiny_qwen2,
 )
-from sparrow.models.checkpoint import load_hf_checkpoint, load_model_state
-from sparrow.models.hf import HFModelConfig, from_hf, hf_tokenizer, model_config, read_hf_config
+from sparrow.models.checkpoint import load_model_state
+from sparrow.models.hf import HFModelConfig, from_hf, hf_tokenizer, load_hf_checkpoint, model_config, read_hf_config
 
 __all__ = [
     "AttentionFactory", "SparrowAttention", "attention_modules", "use_attention", "llama3", "llama3_2_1b",
