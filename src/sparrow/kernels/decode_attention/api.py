@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-Impl = Literal["auto", "reference", "triton"]
+from ..common.impl import Impl, resolve_impl
 
 
 def _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len) -> None:
@@ -67,16 +65,12 @@ def decode_attention(
         _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len)
         if window is not None and (window < q.shape[2] or sink < 0):
             raise ValueError(f"window ({window}) must cover the {q.shape[2]} new tokens and sink ({sink}) be >= 0")
-    if impl == "auto":
-        impl = "triton" if q.is_cuda else "reference"
-    if impl == "triton":
+    if resolve_impl(impl, q) == "triton":
         from .triton_decode import decode_attention_triton
 
         return decode_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
                                        cached_len, scale, window=window, sink=sink)
-    if impl == "reference":
-        from .reference import decode_attention_reference
+    from .reference import decode_attention_reference
 
-        return decode_attention_reference(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
-                                          cached_len, scale, window, sink)
-    raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    return decode_attention_reference(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
+                                      cached_len, scale, window, sink)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 
+from ..common.impl import Impl, resolve_impl
 from .reference import int8_linear_reference, quantize_int8
-
-Impl = Literal["auto", "reference", "triton"]
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -53,15 +50,11 @@ def int8_linear(
     """
     if validate:
         _check(x, qweight, scale, bias)
-    if impl == "auto":
-        impl = "triton" if x.is_cuda else "reference"
-    if impl == "triton":
+    if resolve_impl(impl, x) == "triton":
         from .triton_int8_linear import int8_linear_triton
 
         return int8_linear_triton(x, qweight, scale, bias)
-    if impl == "reference":
-        return int8_linear_reference(x, qweight, scale, bias)
-    raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    return int8_linear_reference(x, qweight, scale, bias)
 
 
 class Int8Linear(nn.Module):
