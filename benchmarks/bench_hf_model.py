@@ -51,14 +51,10 @@ def run_overrides(name: str, calibration: Path | None, toggle: str) -> list[str]
     if name == "all_off":
         return ["attention._component_=sparrow.attention.dense", "sync.codec=dense"]
     # no draft window: a windowed drafter needs dense caches, and RTPurbo's local heads are windowed already
+    settings = {"always_on": {"num_draft": 4}, "threshold": {"max_active": 64, "num_draft": 4},
+                "cost_model": {"draft_lengths": [2, 4]}}[toggle]
     spec = {"drafter": {"_component_": "sparrow.speculative.DrafterConfig", "weight": "int8"},
-            "toggle": toggle}
-    if toggle == "threshold":
-        spec.update(max_active=64, num_draft=4)
-    elif toggle == "always":
-        spec.update(num_draft=4)
-    else:
-        spec.update(draft_lengths=[2, 4])
+            "toggle": {"_component_": f"sparrow.speculative.{toggle}", **settings}}
     return ["attention._component_=sparrow.attention.rtpurbo", f"attention.path={calibration}",
             "sync.codec=auto", "speculative=" + json.dumps(spec).replace('"', "")]
 
@@ -139,7 +135,7 @@ def main() -> None:
     p.add_argument("--config", type=Path, default=CONFIG)
     p.add_argument("--configs", default="all_off,all_on")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--toggle", default="threshold", choices=["always", "threshold", "cost_model"])
+    p.add_argument("--toggle", default="threshold", choices=["always_on", "threshold", "cost_model"])
     p.add_argument("--calibration", type=Path, default=None, help="an existing sparrow calibrate output")
     p.add_argument("--calib-seq-len", type=int, default=4096)
     p.add_argument("--calib-steps", type=int, default=200)

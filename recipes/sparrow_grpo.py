@@ -38,7 +38,7 @@ from torchtune import config
 from tqdm import tqdm
 
 import sparrow.sync as ssync
-from sparrow.models import load_model_state, use_attention
+from sparrow.models import load_model_state, policy_parameters, use_attention
 from sparrow.rl import (
     GRPOConfig,
     ListSource,
@@ -48,10 +48,12 @@ from sparrow.rl import (
     build_rollout_batch,
     decode_response,
     emittable_ids,
+    exchange_rollouts,
     group_advantages,
     grpo_loss,
     latest_checkpoint,
     load_checkpoint,
+    plot_history,
     prompt_loader,
     read_optimizer_state,
     read_jsonl,
@@ -62,15 +64,9 @@ from sparrow.rl import (
     stop_ids,
 )
 from sparrow.rl.recipe_config import check_config, check_values, parse
-from sparrow.rl.recipe_utils import (
-    build_speculation,
-    build_toggle,
-    exchange_rollouts,
-    plot_history,
-    state_fingerprint,
-    sync_tensors,
-)
+from sparrow.rl.recipe_utils import state_fingerprint
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.speculative import QuantizedSelfDrafter
 
 
 class GRPORecipe:
@@ -227,17 +223,22 @@ class GRPORecipe:
         self.rollout_model = copy.deepcopy(model)
         use_attention(self.rollout_model, config.instantiate(cfg.attention))
         self.rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
-        # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache
-        self.drafter, max_draft = build_speculation(cfg.get("speculative"), self.rollout_model)
-        engine_cfg = dict(cfg.engine) | ({"max_draft": max_draft} if max_draft else {})
+        # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache, and the
+        # toggle that decides when and how far to draft (built on the engine: a cost model measures it)
+        spec, self.drafter, engine_cfg = cfg.get("speculative"), None, dict(cfg.engine)
+        if spec is not None:
+            self.drafter = QuantizedSelfDrafter(self.rollout_model, config.instantiate(spec.drafter))
+            # scratch for the longest draft the toggle can ask for: its ladder and / or its fixed length
+            engine_cfg["max_draft"] = max(list(spec.toggle.get("draft_lengths") or [])
+                                          + [spec.toggle.get("num_draft") or 4])
         self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
-        if self.drafter is not None:
-            self.engine.toggle = build_toggle(cfg.speculative, self.engine, self._sampling_params())
+        if spec is not None:
+            self.engine.toggle = config.instantiate(spec.toggle, engine=self.engine, params=self._sampling_params())
         if cfg.engine.get("compile", True):  # every batch size compiled and captured now, not in a step
             self.engine.prepare(self._sampling_params())
         # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
         self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
-        self.receiver = ssync.SyncReceiver(sync_tensors(self.rollout_model), verify=cfg.sync.verify)
+        self.receiver = ssync.SyncReceiver(policy_parameters(self.rollout_model), verify=cfg.sync.verify)
 
     def _setup_sync(self, cfg: DictConfig) -> None:
         """The sender on rank 0 (from the trainer's bf16 weights), codec warm-up, the transport."""
@@ -249,7 +250,7 @@ class GRPORecipe:
                                                anchor_every=cfg.sync.anchor_every)
         if cfg.sync.codec != "dense" and self.device.type == "cuda" and (self.is_main or self.is_rollout):
             # the sparse codec's Triton kernels compile now, not inside the first sync that carries changes
-            ssync.warmup(weights if self.is_main else sync_tensors(self.rollout_model), codec=cfg.sync.codec,
+            ssync.warmup(weights if self.is_main else policy_parameters(self.rollout_model), codec=cfg.sync.codec,
                          bucket_bytes=cfg.sync.bucket_bytes)
         self.transport = None
         if self.world == 1:
@@ -399,7 +400,7 @@ class GRPORecipe:
     def _trainer_bf16(self) -> dict[str, torch.Tensor]:
         """The trainer's weights in bf16, whole: under FSDP2 an all-gather that every trainer rank joins."""
         out = {}
-        for n, t in sync_tensors(self.model).items():
+        for n, t in policy_parameters(self.model).items():
             t = t.detach()
             out[n] = (t.full_tensor() if hasattr(t, "full_tensor") else t).to(torch.bfloat16)
         return out
@@ -430,10 +431,10 @@ class GRPORecipe:
         """The rollout copy must hold exactly the trainer's bf16 bits (every rank compared). ``sent``: the
         trainer's bf16 weights that this sync sent (None on ranks that only roll out)."""
         if self.world == 1:
-            mine = sync_tensors(self.rollout_model)
+            mine = policy_parameters(self.rollout_model)
             ok = all(torch.equal(t.view(torch.int16), mine[n].view(torch.int16)) for n, t in sent.items())
         else:
-            named = sent if self.is_trainer else sync_tensors(self.rollout_model)
+            named = sent if self.is_trainer else policy_parameters(self.rollout_model)
             fp = torch.tensor([state_fingerprint(named)], dtype=torch.int64, device=self.device)
             allfp = [torch.zeros_like(fp) for _ in range(self.world)]
             dist.all_gather(allfp, fp)

@@ -204,7 +204,8 @@ def test_sparse_speculative_rollouts_dense_training(tmp_path):
     r = run(tmp_path / "s", "total_steps=3", f"checkpoint={ckpt}", "attention._component_=sparrow.attention.rtpurbo",
             f"attention.path={rt}", "indexer_refresh.every=2", "indexer_refresh.steps=2", "indexer_refresh.sequences=4",
             "speculative.drafter._component_=sparrow.speculative.DrafterConfig", "speculative.drafter.weight=int8",
-            "speculative.toggle=always", "speculative.num_draft=2", "sync.check_bitwise=1", "checkpoint_every=3")
+            "speculative.toggle._component_=sparrow.speculative.always_on", "speculative.toggle.num_draft=2",
+            "sync.check_bitwise=1", "checkpoint_every=3")
     assert r.returncode == 0, r.stderr[-4000:]
     log = next((tmp_path / "s/logs").glob("*.txt")).read_text()
     for key in ("mismatch_kl", "is_clip_frac", "spec/acceptance", "attention/decode_ret_density",
@@ -317,7 +318,7 @@ def test_bitwise_sync_check_catches_one_flipped_bit(tmp_path, monkeypatch):
     mod, recipe = in_process(tmp_path, monkeypatch)
     sent = recipe._trainer_bf16()
     recipe._check_sync(sent)  # freshly set up: both sides hold the same bits
-    p = next(iter(mod.sync_tensors(recipe.rollout_model).values()))
+    p = next(iter(mod.policy_parameters(recipe.rollout_model).values()))
     p.view(torch.int16).view(-1)[0] ^= 1  # one mantissa bit
     with pytest.raises(RuntimeError, match="rollout weights differ"):
         recipe._check_sync(sent)

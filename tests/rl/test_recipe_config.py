@@ -26,15 +26,23 @@ def _cfg(*overrides: str):
                  "missing: steps", id="indexer-refresh-steps"),
     pytest.param(["indexer_refresh={every: 5, steps: 0, sequences: 2}"], "indexer_refresh.steps must be an integer "
                  ">= 1", id="indexer-refresh-zero"),
-    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: cost_model, "
-                  "max_active: 8}"], "speculative.max_active: not read by toggle 'cost_model'", id="ignored-key"),
-    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: always, "
-                  "draft_lengths: [2, 4]}"], "speculative.draft_lengths: not read by toggle 'always'",
-                 id="always-lengths"),
-    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: threshold}"],
-                 "needs speculative.max_active", id="threshold-needs-max-active"),
-    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: sometimes}"],
-                 "speculative.toggle must be one of always, threshold, cost_model", id="unknown-toggle"),
+    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: {_component_: "
+                  "sparrow.speculative.cost_model, max_active: 8}}"],
+                 "speculative.toggle: sparrow.speculative.cost_model takes no argument 'max_active'", id="ignored-key"),
+    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: {_component_: "
+                  "sparrow.speculative.always_on, draft_lengths: [2, 4]}}"],
+                 "sparrow.speculative.always_on takes no argument 'draft_lengths'", id="always-lengths"),
+    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: cost_model}"],
+                 "speculative.toggle needs a _component_", id="toggle-not-a-component"),
+    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig}, toggle: {_component_: "
+                  "sparrow.speculative.sometimes}}"], "speculative.toggle: cannot find component", id="unknown-toggle"),
+    pytest.param(["speculative={drafter: {_component_: sparrow.speculative.DrafterConfig, bits: 3}, toggle: "
+                  "{_component_: sparrow.speculative.always_on}}"], "DrafterConfig takes no argument 'bits'",
+                 id="drafter-arg"),
+    pytest.param(["optimizer.momentum=0.9"], "optimizer: torch.optim.AdamW takes no argument 'momentum'",
+                 id="optimizer-arg"),
+    pytest.param(["model.num_layer=2"], "model: sparrow.models.tiny_qwen2 takes no argument 'num_layer'",
+                 id="model-arg"),
     pytest.param(["sync.codec=zip"], "sync.codec must be one of auto, compact, coo, dense", id="codec"),
     pytest.param(["group_size=0"], "group_size must be an integer >= 1", id="group"),
     pytest.param(["minibatches=3"], "minibatches \\(3\\) must divide", id="minibatches"),

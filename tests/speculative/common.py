@@ -6,9 +6,8 @@ import copy
 
 import torch
 
-from sparrow.rollout.forward import logits_from_hidden
+from sparrow.rollout.forward import decode_hidden, logits_from_hidden
 from sparrow.speculative.base import Drafter
-from sparrow.speculative.runtime import decode_hidden_clamped
 
 
 class CopyDrafter(Drafter):
@@ -22,7 +21,7 @@ class CopyDrafter(Drafter):
         pass
 
     def forward_logits(self, tokens, caches, meta):
-        return logits_from_hidden(self.model, decode_hidden_clamped(self.model, tokens, caches, meta))
+        return logits_from_hidden(self.model, decode_hidden(self.model, tokens, caches, meta))
 
     def __repr__(self) -> str:
         return "CopyDrafter()"

@@ -8,7 +8,6 @@ from sparrow.attention.dense import DenseAttention
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
 from sparrow.attention.base import CacheSpec, PrefillMeta
-from sparrow.speculative.base import DraftContext
 from sparrow.kernels.int8_linear import Int8Linear
 from sparrow.speculative.drafter import DrafterConfig, QuantizedSelfDrafter
 from sparrow.speculative.toggle import AlwaysOn
@@ -171,25 +170,3 @@ def test_window_covering_everything_equals_dense_attention():
     assert torch.allclose(_draft_logits(wide, model, ps), _target_logits(model, ps), atol=1e-4)
     narrow = QuantizedSelfDrafter(model, DrafterConfig(weight="none", window=3, sink=1))
     assert not torch.allclose(_draft_logits(narrow, model, ps), _target_logits(model, ps), atol=1e-3)
-
-
-def test_propose_draws_from_the_processed_draft_distribution():
-    model = random_tiny("qwen2", std=0.1)
-    ps = prompts()
-    d = QuantizedSelfDrafter(model)
-    caches, meta, last = _caches_with_prompts(model, ps)
-    params = SamplingParams(temperature=0.8, top_k=5)
-    from sparrow.rollout.sampling import process_logits, row_keys
-
-    keys = row_keys(torch.tensor(0), torch.arange(len(ps)), torch.arange(3)[None].expand(len(ps), 3).contiguous())
-    ctx = DraftContext(last, caches, meta, lambda x: process_logits(x, params), keys)
-    with torch.no_grad():
-        prop = d.propose(ctx, 3)
-    assert prop.tokens.shape == (len(ps), 3) and prop.probs.shape == (len(ps), 3, 64)
-    assert torch.allclose(prop.probs.sum(-1), torch.ones(len(ps), 3), atol=1e-5)
-    assert bool((prop.probs.gather(-1, prop.tokens[..., None]) > 0).all())  # drafted tokens are in the top-k
-    assert bool(((prop.probs > 0).sum(-1) <= 5).all())
-    caches, meta, last = _caches_with_prompts(model, ps)  # fresh caches: the same first draft position
-    with torch.no_grad():
-        greedy = d.propose(DraftContext(last, caches, meta, lambda x: process_logits(x, params), keys, True), 2)
-    assert torch.equal(greedy.tokens[:, 0], prop.probs[:, 0].argmax(-1))

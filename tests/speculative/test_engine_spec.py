@@ -178,12 +178,12 @@ def test_spec_steps_compile_without_graph_breaks(target):
                         drafter=d, toggle=AlwaysOn(3))
     got = eng.generate(ps, 2, p)
     _assert_same(got.samples, eager.samples)
-    spec = eng._spec
+    d = eng.drafts
     slots = torch.tensor([0, 1, 2, eng.scratch])
-    spec.cursor.zero_()
-    explain = torch._dynamo.explain(spec.draft_step)(slots)
+    d.cursor.zero_()
+    explain = torch._dynamo.explain(eng._draft_step)(slots)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
-    explain = torch._dynamo.explain(spec.verify_step)(slots, spec.dtok[:, :3], spec.dprobs[:, :3])
+    explain = torch._dynamo.explain(eng._verify_step)(slots, d.tokens[:, :3], d.probs[:, :3])
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 

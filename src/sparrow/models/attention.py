@@ -173,3 +173,9 @@ def _make_backend(attention: AttentionFactory, shape: LayerShape, like: nn.Modul
     if p is not None:
         backend.to(device=p.device)
     return backend
+
+
+def policy_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's own parameters, by name: every parameter except those of its attention backends (an RTPurbo
+    indexer is the rollout side's own). What a trainer owns and the weight sync sends."""
+    return {n: p for n, p in model.named_parameters() if ".backend." not in n}

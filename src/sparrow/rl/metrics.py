@@ -1,4 +1,5 @@
-"""A metric logger for the recipes that writes JSON lines: one record per ``log_dict`` call."""
+"""A metric logger for the recipes that writes JSON lines (one record per ``log_dict`` call), and the reward
+curve of a run's history."""
 
 from __future__ import annotations
 
@@ -44,3 +45,32 @@ def read_metrics(log_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: was the run's metric_logger a sparrow.rl.JsonlLogger?")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_history(history: list[dict[str, float]], png: Path, title: str = "") -> None:
+    """Reward (and greedy eval accuracy, when measured) against steps."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - matplotlib is a dependency; keep training results regardless
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    tr = [h for h in history if "reward" in h]
+    ev = [h for h in history if "eval" in h]
+    if tr:
+        ax.plot([h["step"] for h in tr], [h["reward"] for h in tr], lw=1, alpha=0.5, label="sampled reward (T=1)")
+        k = max(1, len(tr) // 15)
+        sm = [sum(h["reward"] for h in tr[max(0, i - k + 1): i + 1]) / len(tr[max(0, i - k + 1): i + 1])
+              for i in range(len(tr))]
+        ax.plot([h["step"] for h in tr], sm, lw=2, label=f"sampled reward, mean of {k}")
+    if ev:
+        ax.plot([h["step"] for h in ev], [h["eval"] for h in ev], "o-", label="greedy accuracy (held out)")
+    ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)

@@ -28,15 +28,13 @@ PATH_KEYS = frozenset({"checkpoint", "dataset", "model_dir"})  # top-level input
 PATH_ARGS = frozenset({"path", "dir", "merges_file", "special_tokens_path", "checkpoint_dir"})  # component inputs
 
 TRAINER_PRECISIONS = ("fp32", "bf16-mixed")
-TOGGLES = ("always", "threshold", "cost_model")
-# the keys each toggle reads; any other speculative key would be silently ignored, so it is refused
-TOGGLE_KEYS = {
-    "always": {"drafter", "toggle", "num_draft"},
-    "threshold": {"drafter", "toggle", "num_draft", "max_active", "draft_lengths"},
-    "cost_model": {"drafter", "toggle", "draft_lengths", "margin", "hysteresis", "probe_every", "correct_costs"},
-}
-SPECULATIVE_KEYS = set().union(*TOGGLE_KEYS.values())
+SPECULATIVE_KEYS = {"drafter", "toggle"}  # both components: a DrafterConfig, a toggle builder
 INDEXER_REFRESH_KEYS = {"every", "steps", "sequences"}
+# every component the recipe builds, with the arguments the recipe passes it besides the config's own
+COMPONENTS: dict[str, tuple[str, ...]] = {
+    "tokenizer": (), "task": (), "reward": (), "model": (), "attention": (), "optimizer": ("params",),
+    "metric_logger": (), "speculative.drafter": (), "speculative.toggle": ("engine", "params"),
+}
 
 
 def _recipe_keys() -> dict[str, Any]:
@@ -145,29 +143,56 @@ def check_values(cfg: DictConfig) -> None:
         _int_at_least(rc.sequences, 1, "indexer_refresh.sequences")
     spec = cfg.get("speculative")
     if spec is not None:
-        toggle = spec.get("toggle")
-        if toggle not in TOGGLES:
-            raise ValueError(f"speculative.toggle must be one of {', '.join(TOGGLES)}, got {toggle!r}")
-        if spec.get("drafter") is None:
-            raise ValueError("speculative.drafter is required (e.g. {_component_: sparrow.speculative.DrafterConfig})")
-        ignored = sorted(set(spec) - TOGGLE_KEYS[toggle])
-        if ignored:
-            raise ValueError(f"speculative.{', speculative.'.join(ignored)}: not read by toggle {toggle!r} "
-                             f"(it reads {', '.join(sorted(TOGGLE_KEYS[toggle] - {'drafter', 'toggle'}))})")
-        if toggle == "threshold" and spec.get("max_active") is None:
-            raise ValueError("speculative.toggle 'threshold' needs speculative.max_active")
-        lengths = spec.get("draft_lengths")
+        for key in SPECULATIVE_KEYS:
+            if not has_component(spec, key):
+                raise ValueError(f"speculative.{key} needs a _component_ (e.g. speculative.toggle: "
+                                 "{_component_: sparrow.speculative.cost_model, draft_lengths: [2, 4]})")
+        lengths = spec.toggle.get("draft_lengths")
         if lengths is not None and (not lengths or any(not isinstance(k, int) or k < 1 for k in lengths)):
-            raise ValueError(f"speculative.draft_lengths must be positive integers, got {list(lengths)}")
-        if spec.get("num_draft") is not None:
-            _int_at_least(spec.num_draft, 1, "speculative.num_draft")
+            raise ValueError(f"speculative.toggle.draft_lengths must be positive integers, got {list(lengths)}")
+    for key, passed in COMPONENTS.items():
+        check_component_args(cfg, key, passed)
+
+
+def check_component_args(cfg: DictConfig, key: str, passed: Collection[str] = ()) -> None:
+    """Check that component ``key`` (a dotted path into ``cfg``; absent or null: nothing to check) names a
+    callable that takes the config's arguments, beside the ``passed`` ones the recipe gives it: a misspelt or
+    ignored argument fails here, not when the component is built minutes later.
+
+    Raises:
+        ValueError: the component cannot be found, or an argument it does not take (naming what it takes).
+    """
+    import inspect
+
+    from torchtune.config._utils import _get_component_from_path
+
+    sec = OmegaConf.select(cfg, key)
+    if sec is None or not isinstance(sec, Mapping) or sec.get("_component_") is None:
+        return
+    path = sec["_component_"]
+    try:
+        fn = _get_component_from_path(path)
+    except Exception as e:  # torchtune raises its InstantiationError (or an ImportError) with the cause
+        raise ValueError(f"{key}: cannot find component {path!r} ({e})") from None
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: its own call checks
+        return
+    params = sig.parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    names = [n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for arg in sec:
+        if arg != "_component_" and (arg not in names or arg in passed):
+            takes = ", ".join(n for n in names if n not in passed and n != "self")
+            raise ValueError(f"{key}: {path} takes no argument {arg!r} (it takes {takes})")
 
 
 def has_component(cfg: DictConfig, key: str) -> bool:
     """Whether section ``key`` names a component (``key=null`` on the command line leaves its arguments behind
     with ``_component_: null``)."""
     sec = cfg.get(key)
-    return sec is not None and sec.get("_component_") is not None
+    return isinstance(sec, Mapping) and sec.get("_component_") is not None
 
 
 def _int_at_least(value: Any, low: int, key: str) -> None:

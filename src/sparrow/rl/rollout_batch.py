@@ -1,4 +1,4 @@
-"""Turning engine samples into padded training tensors, and rewards into advantages."""
+"""Turning engine samples into padded training tensors, and gathering them from the rollout ranks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from sparrow.rollout.engine import Sample
 
@@ -59,3 +60,39 @@ def build_rollout_batch(prompts: Sequence[Sequence[int]], samples: Sequence[Samp
         behav[i, : s.length] = s.logprobs
     mask = torch.arange(L)[None, :] < rlen[:, None]
     return RolloutBatch(tokens, plen, rlen, behav, mask, rewards.float(), advantages.float())
+
+
+def exchange_rollouts(batch, local, group: int, world: int, rank: int, device: torch.device, max_new: int,
+                      trainers: int = 1):
+    """Gather the samples and rewards of every rollout rank (ranks ``trainers .. world-1``) on every trainer
+    rank (an all-gather of padded tensors).
+
+    Returns (prompts, samples, rewards) on the trainer ranks and (None, None, None) elsewhere.
+    """
+    share = len(batch) // (world - trainers)
+    rows = share * group
+    tok = torch.full((rows, max_new), -1, dtype=torch.int64)
+    lp = torch.zeros((rows, max_new), dtype=torch.float32)
+    meta = torch.zeros((rows, 3), dtype=torch.float32)  # length, reward, finished-by-stop
+    if local is not None:
+        _, gen, rewards = local
+        for i, s in enumerate(gen.samples):
+            tok[i, : s.length] = s.tokens
+            lp[i, : s.length] = s.logprobs
+            meta[i] = torch.tensor([s.length, float(rewards[i]), 1.0 if s.finish_reason == "stop" else 0.0])
+    parts = []
+    for t in (tok, lp, meta):
+        t = t.to(device)
+        out = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(out, t)
+        parts.append([o.cpu() for o in out[trainers:]])
+    if rank >= trainers:
+        return None, None, None
+    samples, rewards = [], []
+    for r in range(world - trainers):
+        for i in range(rows):
+            n = int(parts[2][r][i, 0])
+            samples.append(Sample(r * share + i // group, i % group, parts[0][r][i, :n].clone(),
+                                  parts[1][r][i, :n].clone(), "stop" if parts[2][r][i, 2] > 0 else "length"))
+            rewards.append(float(parts[2][r][i, 1]))
+    return [b["prompt_ids"] for b in batch], samples, torch.tensor(rewards, dtype=torch.float32)

@@ -1,43 +1,58 @@
-"""The rollout engine: batched sampling with shared prompt prefixes and continuous batching.
+"""The rollout engine: batched sampling with shared prompt prefixes, continuous batching and exact
+self-speculative decoding.
 
-Reading order: :meth:`RolloutEngine.generate` (the host loop) -> :meth:`_admit` (prefill new prompts,
-sample their first tokens) -> :meth:`_decode_step` (one token for every active row; compiled with
-``fullgraph=True`` and replayed as a CUDA graph per batch bucket) -> :meth:`_retire` (the one deliberate
-host sync: which rows finished).
+Reading order: :meth:`RolloutEngine.generate` (the host loop) -> :meth:`_admit` (prefill new prompts, sample
+their first tokens) -> :meth:`_decode_block` (a block of steps on the active rows, then the block's one host
+sync: which rows finished). A block runs one of two programs, replayed as one CUDA graph per batch bucket:
+
+* a plain step, :meth:`_decode_step`: one token for every active row;
+* with a drafter, when the toggle says so, a speculative *cycle*: ``k`` :meth:`_draft_step` s (one draft
+  token per row, from the drafter, over the target's caches) and one :meth:`_verify_step` (the target over
+  ``[last token, d_1..d_k]``, exact rejection sampling: 1..k+1 tokens per row).
+
+Both end in :meth:`_emit`, the one place where a row's tokens, log-probs, length and done flag change. Steps
+are compiled with ``fullgraph=True`` (one compiled step for every batch bucket; a verify step for every draft
+length) and never synchronise with the host.
 
 Layout. Every distinct prompt is prefilled once into a *prefix slot*; its ``n_samples`` rows each own a
-*generation slot* and point at the shared prefix slot. Rows that finish leave the active set at the
-next sync point (every ``sync_every`` steps), and new prompts are admitted into the freed slots, so a
-decode step's cost follows the number of active rows. Device state per generation slot: emitted tokens,
-their log-probs, count, done flag; the step reads and writes it in place.
+*generation slot* and point at the shared prefix slot. Rows that finish leave the active set at the next
+block boundary, and new prompts are admitted into the freed slots, so a step's cost follows the number of
+active rows. Device state: :class:`~sparrow.rollout.state.RowState` per generation slot,
+:class:`~sparrow.rollout.state.DraftState` for the cycle's scratch.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Literal, NamedTuple, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 from torchtune.modules import TransformerDecoder
 
-from sparrow.attention.base import CacheSpec, DecodeMeta, PrefillMeta
+from sparrow.attention.base import CacheSpec, PrefillMeta
 from sparrow.models.attention import attention_modules
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
-from sparrow.rollout.sampling import SamplingParams, process_logits, row_keys, sample_from_logprobs
-from sparrow.speculative.base import Drafter, ToggleController
+from sparrow.rollout.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
+from sparrow.rollout.state import DraftState, RowState
+from sparrow.speculative.base import Drafter, StepStats, ToggleController
+from sparrow.speculative.costs import expected_tokens_per_cycle
+from sparrow.speculative.rejection import DRAFT_SALT, accept_counter_based
+from sparrow.speculative.toggle import AlwaysOn
 
 FinishReason = Literal["stop", "length"]
+StepKind = Literal["decode", "draft", "cycle"]
 STOP_SLOTS = 8  # stop-id buffer entries; a mode's compiled steps and graphs are shared by all stop sets that fit
 
 
-class _Mode(NamedTuple):
-    """What a sampling mode compiled, kept while another mode is current."""
+@dataclass
+class _Mode:
+    """What one sampling mode compiled and captured: compiled steps by kind (``decode``, ``draft``,
+    ``verify``), CUDA graphs by ``(kind, bucket, draft length)``, and its stop-id buffer (which they read)."""
 
-    step_fn: Callable | None
-    graphs: dict
     stop_ids: torch.Tensor
-    spec_state: tuple | None  # SpeculativeRunner.compiled_state(): (draft_fn, verify_fn, graphs)
+    steps: dict[str, Callable] = field(default_factory=dict)
+    graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
 def stop_slots(n: int) -> int:
@@ -195,7 +210,7 @@ class RolloutEngine:
         drafter: enables speculative decoding (e.g. :class:`sparrow.speculative.QuantizedSelfDrafter`);
             needs ``config.max_draft >= 1``. Sampled tokens follow the target's distribution exactly and
             their log-probs are the target's.
-        toggle: decides at each sync point whether to speculate and how far (default: always, with
+        toggle: decides before each block whether to speculate and how far (default: always, with
             ``config.max_draft`` drafts). Draft lengths above ``config.max_draft`` are clamped.
     """
 
@@ -212,49 +227,52 @@ class RolloutEngine:
                    for r in a.backend.validate_configuration(dtype=self.dtype, device=self.device)]
         if reasons:
             raise ValueError("attention backends cannot run here: " + "; ".join(reasons))
-        self.caches: list | None = None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._step_fn = None
-        self._params: SamplingParams | None = None
-        self._modes: dict[tuple, _Mode] = {}  # compiled steps and graphs of the other sampling modes seen
-        self._spec = None
         if toggle is not None and drafter is None:
             raise ValueError("a toggle needs a drafter")
-        if drafter is not None:
-            if self.config.max_draft < 1:
-                raise ValueError("speculative decoding needs EngineConfig.max_draft >= 1 (the draft scratch length)")
-            from sparrow.speculative.runtime import SpeculativeRunner
-            from sparrow.speculative.toggle import AlwaysOn
-
-            self._spec = SpeculativeRunner(self, drafter, toggle or AlwaysOn(self.config.max_draft))
+        if drafter is not None and self.config.max_draft < 1:
+            raise ValueError("speculative decoding needs EngineConfig.max_draft >= 1 (the draft scratch length)")
+        self._drafter = drafter
+        self._toggle = None if drafter is None else (toggle or AlwaysOn(self.config.max_draft))
+        self.caches: list | None = None
+        self.rows: RowState | None = None
+        self.drafts: DraftState | None = None
+        self._params: SamplingParams | None = None
+        self._mode: _Mode | None = None  # the current sampling mode's compiled steps and graphs
+        self._modes: dict[tuple, _Mode] = {}  # every mode seen, by its key
+        self._pool = None  # one CUDA-graph memory pool: the graphs never run concurrently
+        self._ngen: dict[int, int] = {}  # host view of each active row's n_gen, refreshed at every block sync
+        self._alpha_seen = 0.8  # acceptance seen so far (sizes speculative blocks; decisions are the toggle's)
 
     @property
     def captured_graphs(self) -> int:
-        """CUDA graphs captured so far over every sampling mode: plain decode steps, draft steps and speculative
-        cycles (0 without CUDA graphs). A count that grows during a generation means it captured (and compiled)
-        inside it; :meth:`prepare` keeps it from growing."""
-        states = [(self._graphs, self._spec.compiled_state() if self._spec is not None else None),
-                  *((m.graphs, m.spec_state) for m in self._modes.values())]
-        return sum(len(graphs) + (len(spec[2]) if spec is not None else 0) for graphs, spec in states)
+        """CUDA graphs captured so far over every sampling mode: plain steps, draft steps and speculative cycles
+        (0 without CUDA graphs). A count that grows during a generation means it captured (and compiled) inside
+        it; :meth:`prepare` keeps it from growing."""
+        return sum(len(m.graphs) for m in self._modes.values())
 
     @property
     def sampling_modes(self) -> int:
-        """Sampling modes seen so far (each compiles its own steps, see :meth:`generate`)."""
-        return len(self._modes) + (self._params is not None)
+        """Sampling modes seen so far (each compiles its own steps, see :meth:`_set_params`)."""
+        return len(self._modes)
 
     @property
     def drafter(self) -> Drafter | None:
-        return None if self._spec is None else self._spec.drafter
+        return self._drafter
 
     @property
     def toggle(self) -> ToggleController | None:
-        return None if self._spec is None else self._spec.toggle
+        return self._toggle
 
     @toggle.setter
     def toggle(self, toggle: ToggleController) -> None:
-        if self._spec is None:
+        if self._drafter is None:
             raise ValueError("a toggle needs a drafter")
-        self._spec.toggle = toggle
+        self._toggle = toggle
+
+    @property
+    def scratch(self) -> int:
+        """The generation slot padding rows point at (always done: nothing read back depends on it)."""
+        return self.cache_spec.num_rows
 
     # ------------------------------------------------------------------------------------ setup
     @property
@@ -264,23 +282,12 @@ class RolloutEngine:
         return CacheSpec(num_prefixes, c.max_prompt_len, c.max_rows, c.max_new_tokens + c.max_draft + 1)
 
     def _allocate(self) -> None:
-        spec, dev = self.cache_spec, self.device
+        spec, dev, c = self.cache_spec, self.device, self.config
         self.caches = [a.backend.init_cache(spec, dtype=self.dtype, device=dev) for a in self.attn]
-        R = spec.num_rows + 1  # + scratch slot for padding rows
-        L = self.config.max_new_tokens + self.config.max_draft + 1
-        self.scratch = spec.num_rows
-        self.out_tokens = torch.zeros((R, L), dtype=torch.int64, device=dev)
-        self.out_logprobs = torch.zeros((R, L), dtype=torch.float32, device=dev)
-        self.n_gen = torch.ones(R, dtype=torch.int64, device=dev)
-        self.done = torch.ones(R, dtype=torch.bool, device=dev)
-        self.last_token = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.row_prefix_slot = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.row_prefix_len = torch.ones(R, dtype=torch.int64, device=dev)
-        self.row_sample_id = torch.zeros(R, dtype=torch.int64, device=dev)
-        self.seed = torch.zeros((), dtype=torch.int64, device=dev)
-        self.max_new = torch.ones((), dtype=torch.int64, device=dev)
-        if self._spec is not None:
-            self._spec.allocate()
+        R = spec.num_rows + 1  # + the scratch slot of padding rows
+        self.rows = RowState.allocate(R, c.max_new_tokens + c.max_draft + 1, dev)
+        if self._drafter is not None:
+            self.drafts = DraftState.allocate(R, c.max_draft, self.vocab_size, dev)
 
     def cache_nbytes(self) -> int:
         if self.caches is None:
@@ -288,35 +295,27 @@ class RolloutEngine:
         return sum(a.backend.cache_nbytes(c) for a, c in zip(self.attn, self.caches))
 
     def _set_params(self, params: SamplingParams) -> None:
-        """Make ``params`` current. The compiled steps and CUDA graphs specialise on the processing parameters
-        (temperature, top-p, top-k, vocabulary limit) and on the size of the stop-id buffer: each such mode keeps its own, so
-        alternating modes (say, sampled rollouts and greedy evaluation) compiles and captures each once. The
-        stop ids sit in a buffer of :data:`STOP_SLOTS` entries (more when more are given, rounded up to a power
-        of two), padded with -1 (no token): a different stop set, or none, reuses the mode's graphs."""
+        """Make ``params`` current (allocating the state on first use). The compiled steps and CUDA graphs
+        specialise on the processing parameters (temperature, top-p, top-k, vocabulary limit) and on the size of
+        the stop-id buffer: each such mode keeps its own, so alternating modes (say, sampled rollouts and greedy
+        evaluation) compiles and captures each once. The stop ids sit in a buffer of :data:`STOP_SLOTS` entries
+        (more when more are given, rounded up to a power of two), padded with -1 (no token): a different stop
+        set, or none, reuses the mode's graphs."""
+        if self.caches is None:
+            self._allocate()
         stop = params.stop_token_ids
-        mode = params.processing + (stop_slots(len(stop)),)
-        current = None if self._params is None else self._params.processing + (self.stop_ids.numel(),)
-        if mode != current:
-            if current is not None:
-                self._modes[current] = _Mode(self._step_fn, self._graphs, self.stop_ids,
-                                             self._spec.compiled_state() if self._spec is not None else None)
-            if mode in self._modes:
-                self._step_fn, self._graphs, self.stop_ids, spec_state = self._modes.pop(mode)
-                if self._spec is not None:
-                    self._spec.restore_compiled(spec_state)
-            else:
-                self._step_fn, self._graphs = None, {}
-                if self._spec is not None:
-                    self._spec.reset_compiled()
-                self.stop_ids = torch.full((mode[-1],), -1, dtype=torch.int64, device=self.device)
-        padded = list(stop) + [-1] * (self.stop_ids.numel() - len(stop))
-        self.stop_ids.copy_(torch.tensor(padded, dtype=torch.int64))  # in place: captured graphs read it
-        self.seed.fill_(params.seed)
-        self.max_new.fill_(params.max_new_tokens)
+        key = params.processing + (stop_slots(len(stop)),)
+        if key not in self._modes:
+            self._modes[key] = _Mode(torch.full((key[-1],), -1, dtype=torch.int64, device=self.device))
+        self._mode = self._modes[key]
+        padded = list(stop) + [-1] * (self._mode.stop_ids.numel() - len(stop))
+        self._mode.stop_ids.copy_(torch.tensor(padded, dtype=torch.int64))  # in place: captured graphs read it
+        self.rows.seed.fill_(params.seed)
+        self.rows.max_new.fill_(params.max_new_tokens)
         self._params = params
 
     def prepare(self, params: SamplingParams | None = None, draft_lengths: Sequence[int] | None = None) -> float:
-        """Compile the decode step of ``params``' sampling mode and capture its CUDA graph for every batch bucket
+        """Compile the steps of ``params``' sampling mode and capture their CUDA graphs for every batch bucket
         (with a drafter also the draft step and the speculative cycle of every draft length the toggle can ask
         for, :meth:`ToggleController.draft_lengths`, or ``draft_lengths``), so that no block of a later
         :meth:`generate` in that mode compiles. Without it the first block at each batch size (and draft
@@ -330,24 +329,70 @@ class RolloutEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         t0 = time.perf_counter()
-        if self.caches is None:
-            self._allocate()
         self._set_params(params)
         ks: tuple[int, ...] = ()
-        if self._spec is not None:
-            ks = tuple(self.toggle.draft_lengths() if draft_lengths is None else draft_lengths)
+        if self._drafter is not None:
+            ks = tuple(self._toggle.draft_lengths() if draft_lengths is None else draft_lengths)
             ks = tuple(sorted({min(int(k), self.config.max_draft) for k in ks if k >= 1}))
-        self.done[self.scratch] = True
+        self.rows.done[self.scratch] = True
         for b in self.config.buckets:
             slots = torch.full((b,), self.scratch, dtype=torch.int64, device=self.device)
-            runs = [self._runner(b)]  # captured here on CUDA; run once so that compilation happens here too
-            if self._spec is not None:
-                runs += [self._spec.draft_runner(b)] + [self._spec.cycle_runner(b, k) for k in ks]
+            runs = [self._runner("decode", b)]  # captured here on CUDA; run once so that compilation happens here too
+            if self._drafter is not None:
+                runs += [self._runner("draft", b)] + [self._runner("cycle", b, k) for k in ks]
             for run in runs:
                 run(slots)
+        self._synchronize()
+        return time.perf_counter() - t0
+
+    def time_step(self, kind: StepKind, bucket: int, *, context: int, k: int = 0, steps: int = 8,
+                  params: SamplingParams | None = None) -> float:
+        """Seconds per step of ``steps`` runs of one kind of step (``decode``: a plain step; ``draft``: one draft
+        step; ``cycle``: ``k`` draft steps and a verify step) at batch ``bucket`` and context ``context``, through
+        the same compiled step / CUDA graph a generation uses (compiled and captured before the timing). Rows
+        ``0 .. bucket-1`` stand in at that context (prompt part in distinct prefix slots), done, so the steps
+        change no row's length; they are left idle. For the cost model of the speculative toggle.
+
+        Raises:
+            ValueError: a kind the engine cannot run (a draft without a drafter, ``k`` out of ``1..max_draft``),
+                ``bucket`` not one of the engine's buckets, or a context outside ``[2, max_prompt_len +
+                max_new_tokens]``.
+        """
+        c = self.config
+        if kind not in ("decode", "draft", "cycle"):
+            raise ValueError(f"kind must be decode, draft or cycle, got {kind!r}")
+        if kind != "decode" and self._drafter is None:
+            raise ValueError(f"a {kind} step needs a drafter")
+        if kind == "cycle" and not 1 <= k <= c.max_draft:
+            raise ValueError(f"a cycle needs 1 <= k <= max_draft ({c.max_draft}), got {k}")
+        if bucket not in c.buckets:
+            raise ValueError(f"bucket {bucket} is not one of the engine's {c.buckets}")
+        if not 2 <= context <= c.max_prompt_len + c.max_new_tokens:
+            raise ValueError(f"context must lie in [2, {c.max_prompt_len + c.max_new_tokens}], got {context}")
+        self._set_params(params or self._params or SamplingParams(max_new_tokens=1))
+        r, spec = self.rows, self.cache_spec
+        plen = max(1, min(context - 1, c.max_prompt_len))
+        rows = torch.arange(bucket, device=self.device)
+        r.prefix_slot[rows] = rows % spec.num_prefixes
+        r.prefix_len[rows] = plen
+        r.n_gen[rows] = max(1, min(context - plen, c.max_new_tokens))
+        r.sample_id[rows] = rows
+        r.last_token[rows] = 0
+        r.done[rows] = True
+        run = self._runner(kind, bucket, k if kind == "cycle" else 0)
+        run(rows)  # compile / capture outside the timing
+        self._synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run(rows)
+        self._synchronize()
+        seconds = (time.perf_counter() - t0) / steps
+        r.idle(rows)
+        return seconds
+
+    def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------------------ validation
     def _validate(self, prompts: Sequence, n_samples: int, params: SamplingParams) -> list[torch.Tensor]:
@@ -409,13 +454,10 @@ class RolloutEngine:
         """
         params = params or SamplingParams()
         toks = self._validate(prompts, n_samples, params)
-        if self.caches is None:
-            self._allocate()
         self._set_params(params)
         self._n_samples = n_samples
+        self._ngen.clear()
         stats = GenerationStats()
-        if self._spec is not None:
-            self._spec.begin()
         spec = self.cache_spec
         n = n_samples
         pending = list(range(len(toks)))
@@ -446,13 +488,9 @@ class RolloutEngine:
                 active = sorted(active + [r for _, rows, _ in admit for r in rows])
             if not active:  # pragma: no cover - admission always succeeds when nothing is active
                 raise RuntimeError("the engine cannot admit a prompt: capacity too small")
-            # a block of decode steps on the active rows, then one host sync to retire finished rows
+            # a block of steps on the active rows, then one host sync to retire finished rows
             t0 = time.perf_counter()
-            if self._spec is None:
-                finished = self._decode_block(active, stats)
-            else:
-                plens = [toks[row_owner[r][0]].numel() for r in active]
-                finished = self._spec.decode_block(active, plens, stats)
+            finished = self._decode_block(active, [toks[row_owner[r][0]].numel() for r in active], stats)
             stats.decode_s += self._elapsed(t0)
             if finished:
                 self._collect(finished, row_owner, results)
@@ -473,8 +511,7 @@ class RolloutEngine:
         return Generation(samples, stats)
 
     def _elapsed(self, t0: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._synchronize()
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------- prefill
@@ -495,7 +532,7 @@ class RolloutEngine:
             i += m
 
     def _prefill_batch(self, batch, toks, n: int, stats: GenerationStats) -> None:
-        dev = self.device
+        dev, r = self.device, self.rows
         lens = [toks[pi].numel() for pi, _, _, _ in batch]
         tokens = torch.zeros((len(batch), max(lens)), dtype=torch.int64)  # right padding
         for b, (pi, _, _, _) in enumerate(batch):
@@ -511,39 +548,169 @@ class RolloutEngine:
         owner = torch.tensor([b for b, (_, _, rs, _) in enumerate(batch) for _ in rs], device=dev)
         rows = torch.tensor([r for _, _, rs, _ in batch for r in rs], dtype=torch.int64, device=dev)
         sid = torch.tensor([pi * n + j for pi, _, _, js in batch for j in js], dtype=torch.int64, device=dev)
-        self.row_prefix_slot[rows] = slots[owner]
-        self.row_prefix_len[rows] = plen[owner]
-        self.row_sample_id[rows] = sid
+        r.prefix_slot[rows] = slots[owner]
+        r.prefix_len[rows] = plen[owner]
+        r.sample_id[rows] = sid
         logprobs = process_logits(logits[owner], self._params)
-        tok = sample_from_logprobs(logprobs, row_keys(self.seed, sid, torch.zeros_like(sid)), self._params.greedy)
-        self.out_tokens[rows, 0] = tok
-        self.out_logprobs[rows, 0] = logprobs.gather(-1, tok[:, None]).squeeze(-1)
-        self.n_gen[rows] = 1
-        self.last_token[rows] = tok
-        self.done[rows] = torch.isin(tok, self.stop_ids) | (self.max_new <= 1)
+        tok = sample_from_logprobs(logprobs, row_keys(r.seed, sid, torch.zeros_like(sid)), self._params.greedy)
+        r.tokens[rows, 0] = tok
+        r.logprobs[rows, 0] = logprobs.gather(-1, tok[:, None]).squeeze(-1)
+        r.n_gen[rows] = 1
+        r.last_token[rows] = tok
+        r.done[rows] = torch.isin(tok, self._mode.stop_ids) | (r.max_new <= 1)
 
-    # ----------------------------------------------------------------------------------- decode
+    # ----------------------------------------------------------------------------------- blocks
+    def _decode_block(self, active: list[int], prompt_lens: list[int], stats: GenerationStats) -> list[int]:
+        """One block on the ``active`` rows (``prompt_lens``: their prompts' lengths): plain steps, or with a
+        drafter speculative cycles of the length the toggle picks; then the block's one host sync. Returns the
+        rows that finished."""
+        A, c = len(active), self.config
+        bucket = self._bucket(A)
+        k, st = 0, None
+        if self._drafter is not None:
+            ctx = [p + self._ngen.get(r, 1) for r, p in zip(active, prompt_lens)]
+            st = StepStats(A, sum(ctx) / A, max(ctx), bucket)
+            decision = self._toggle.decide(st)
+            k = min(decision.num_draft, c.max_draft) if decision.speculate else 0
+            self.drafts.counters.zero_()
+        slots = torch.tensor(active + [self.scratch] * (bucket - A), dtype=torch.int64).to(self.device)
+        self.rows.done[self.scratch] = True  # padding rows never change state that is read back
+        # about sync_every tokens per row per block: fewer cycles when each emits several
+        steps = max(1, round(c.sync_every / expected_tokens_per_cycle(self._alpha_seen, k))) if k else c.sync_every
+        run = self._runner("cycle" if k else "decode", bucket, k)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run(slots)
+        idx = slots[:A]
+        parts = [self.rows.done[idx].long(), self.rows.n_gen[idx]]
+        host = torch.cat(parts + ([self.drafts.counters] if self._drafter is not None else [])).cpu()
+        seconds = time.perf_counter() - t0  # deliberate host sync above: which rows finished, how far each got
+        done, n_gen = host[:A].tolist(), host[A:2 * A].tolist()
+        tokens = sum(m - self._ngen.get(r, 1) for r, m in zip(active, n_gen))
+        stats.decode_steps += steps
+        stats.row_steps += steps * bucket
+        stats.active_hist[bucket] = stats.active_hist.get(bucket, 0) + steps
+        stats.block_tokens[bucket] = stats.block_tokens.get(bucket, 0) + tokens
+        stats.block_time_s[bucket] = stats.block_time_s.get(bucket, 0.0) + seconds
+        if self._drafter is not None:
+            self._toggle.observe_block(st, num_draft=k, steps=steps, seconds=seconds)
+            if k:
+                proposed, accepted, row_cycles = host[2 * A:].tolist()
+                stats.spec_cycles += steps
+                stats.spec_row_cycles += row_cycles
+                stats.draft_proposed += proposed
+                stats.draft_accepted += accepted
+                stats.spec_hist[bucket] = stats.spec_hist.get(bucket, 0) + steps
+                stats.draft_len_hist[k] = stats.draft_len_hist.get(k, 0) + steps
+                if proposed > 0:
+                    self._alpha_seen = 0.5 * self._alpha_seen + 0.5 * accepted / proposed
+                self._toggle.observe(proposed=proposed, accepted=accepted, rows=row_cycles, seconds=seconds)
+        finished = []
+        for r, d, m in zip(active, done, n_gen):
+            if d:
+                finished.append(r)
+                self._ngen.pop(r, None)
+            else:
+                self._ngen[r] = m
+        return finished
+
+    def _collect(self, rows: list[int], row_owner, results: dict[int, Sample]) -> None:
+        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        n_gen = self.rows.n_gen[idx].cpu()
+        toks = self.rows.tokens[idx].cpu()
+        lps = self.rows.logprobs[idx].cpu()
+        stop_set = set(self._params.stop_token_ids)
+        for k, r in enumerate(rows):
+            pi, j, _ = row_owner[r]
+            L = int(n_gen[k])
+            t = toks[k, :L].clone()
+            reason: FinishReason = "stop" if stop_set and int(t[-1]) in stop_set else "length"
+            results[pi * self._n_samples + j] = Sample(pi, j, t, lps[k, :L].clone(), reason)
+
+    # ------------------------------------------------------------------------------------ steps
     def _decode_step(self, row_slot: torch.Tensor) -> None:
         """One token for each row in ``row_slot`` [A] (padding rows point at the scratch slot).
 
         Pure device work on the engine's state: no host sync, no data-dependent Python branching.
         """
-        n_gen = self.n_gen[row_slot]  # [A] tokens emitted so far; the last one is not cached yet
-        meta = DecodeMeta(row_slot, self.row_prefix_slot[row_slot], self.row_prefix_len[row_slot], n_gen - 1)
-        h = decode_hidden(self.model, self.last_token[row_slot][:, None], self.caches, meta)  # [A, 1, E]
+        r = self.rows
+        n_gen = r.n_gen[row_slot]  # [A] tokens emitted so far; the last one is not cached yet
+        h = decode_hidden(self.model, r.last_token[row_slot][:, None], self.caches, r.meta(row_slot, n_gen - 1))
         logprobs = process_logits(logits_from_hidden(self.model, h[:, 0]), self._params)  # [A, V]
-        keys = row_keys(self.seed, self.row_sample_id[row_slot], n_gen)
-        tok = sample_from_logprobs(logprobs, keys, self._params.greedy)
-        lp = logprobs.gather(-1, tok[:, None]).squeeze(-1)
-        live = ~self.done[row_slot]
-        self.out_tokens[row_slot, n_gen] = tok
-        self.out_logprobs[row_slot, n_gen] = lp
-        new_n = n_gen + live.long()
-        self.n_gen[row_slot] = new_n
-        self.last_token[row_slot] = torch.where(live, tok, self.last_token[row_slot])
-        stop = torch.isin(tok, self.stop_ids)
-        self.done[row_slot] = ~live | stop | (new_n >= self.max_new)
+        tok = sample_from_logprobs(logprobs, row_keys(r.seed, r.sample_id[row_slot], n_gen), self._params.greedy)
+        lp = logprobs.gather(-1, tok[:, None])  # [A, 1]
+        self._emit(row_slot, n_gen, tok[:, None], lp, torch.zeros_like(n_gen))
 
+    def _draft_step(self, row_slot: torch.Tensor) -> None:
+        """One draft token for every row of ``row_slot`` [A] at draft index ``cursor``: the drafter's forward at
+        position ``n_gen - 1 + cursor`` (the cursor is a device tensor, so every draft step is the same graph),
+        processed like the target's logits, drawn with the draft noise stream; advances the cursor."""
+        r, d = self.rows, self.drafts
+        A = row_slot.shape[0]
+        i = d.cursor
+        n_gen = r.n_gen[row_slot]
+        ar = torch.arange(A, device=row_slot.device)
+        prev = d.tokens[:A].gather(1, (i - 1).clamp(min=0).view(1, 1).expand(A, 1)).squeeze(1)
+        tok_in = torch.where(i == 0, r.last_token[row_slot], prev)
+        logits = self._drafter.forward_logits(tok_in[:, None], self.caches, r.meta(row_slot, n_gen - 1 + i))[:, 0]
+        logq = process_logits(logits, self._params)
+        idx = i.view(1).expand(A)
+        if self._params.greedy:
+            tok = torch.argmax(logq, dim=-1)
+        else:
+            keys = row_keys(r.seed, r.sample_id[row_slot], n_gen + i)
+            tok = torch.argmax(logq + gumbel_noise(keys, logq.shape[-1], DRAFT_SALT), dim=-1)
+            d.probs.index_put_((ar, idx), logq.exp())
+        d.tokens.index_put_((ar, idx), tok)
+        d.cursor.add_(1)
+
+    def _verify_step(self, row_slot: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor) -> None:
+        """The target over ``[last token, d_1..d_k]`` for every row of ``row_slot`` [A] (``T = k + 1`` new
+        tokens: their KV overwrites the draft's), exact rejection sampling with counter-based uniforms, then the
+        emitted tokens and their target log-probs; resets the cursor. ``draft_tokens`` [>=A, k] and
+        ``draft_probs`` [>=A, k, V] are views of the draft buffers whose first ``A`` rows belong to the batch
+        (``k`` is read from their shape: one compiled graph serves every draft length)."""
+        r, d = self.rows, self.drafts
+        A, k = row_slot.shape[0], draft_tokens.shape[1]
+        n_gen = r.n_gen[row_slot]
+        drafts = draft_tokens[:A]
+        inputs = torch.cat([r.last_token[row_slot][:, None], drafts], dim=1)  # [A, k + 1]
+        h = decode_hidden(self.model, inputs, self.caches, r.meta(row_slot, n_gen - 1))  # [A, k + 1, E]
+        logp = process_logits(logits_from_hidden(self.model, h), self._params)  # [A, k + 1, V]
+        keys = row_keys(r.seed, r.sample_id[row_slot], n_gen[:, None] + torch.arange(k + 1, device=row_slot.device))
+        greedy = self._params.greedy
+        tokens, accepted = accept_counter_based(logp, drafts, None if greedy else draft_probs[:A], keys, greedy)
+        live = self._emit(row_slot, n_gen, tokens, logp.gather(-1, tokens[..., None]).squeeze(-1), accepted)
+        n_live = live.long().sum()
+        d.counters.add_(torch.stack([n_live * k, (accepted * live.long()).sum(), n_live]))
+        d.cursor.zero_()
+
+    def _emit(self, row_slot: torch.Tensor, n_gen: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
+              accepted: torch.Tensor) -> torch.Tensor:
+        """Emit for rows ``row_slot`` [A] the first ``accepted + 1`` [A] of ``tokens`` / ``logprobs`` [A, T] at
+        each row's own offset ``n_gen`` [A], cut after the first stop token and at ``max_new``; a row that was
+        already done emits nothing (its writes land in scratch columns nobody reads). The one place where a row's
+        tokens, length, last token and done flag change. Returns which rows were live [A] bool."""
+        r = self.rows
+        live = ~r.done[row_slot]
+        pos = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+        emit = accepted + 1
+        stop = torch.isin(tokens, self._mode.stop_ids) & (pos < emit[:, None])
+        first_stop = torch.where(stop, pos, tokens.shape[1]).min(dim=1).values
+        emit = torch.minimum(torch.minimum(emit, first_stop + 1), r.max_new - n_gen)
+        hit_stop = first_stop < emit
+        emit = emit * live.long()
+        out_idx = n_gen[:, None] + pos  # the buffers hold max_new_tokens + max_draft + 1 columns
+        r.tokens[row_slot[:, None], out_idx] = tokens
+        r.logprobs[row_slot[:, None], out_idx] = logprobs
+        new_n = n_gen + emit
+        r.n_gen[row_slot] = new_n
+        new_last = tokens.gather(1, (emit - 1).clamp(min=0)[:, None]).squeeze(1)
+        r.last_token[row_slot] = torch.where(live, new_last, r.last_token[row_slot])
+        r.done[row_slot] = ~live | hit_stop | (new_n >= r.max_new)
+        return live
+
+    # --------------------------------------------------------------------- compiling and graphs
     def compile_step(self, fn):
         """``fn`` compiled when the config says so (``fullgraph=True``), run under ``no_grad`` (inference only,
         whatever the caller's grad mode). ``fn`` itself is compiled, not a wrapper around it, so each step keeps
@@ -555,11 +722,13 @@ class RolloutEngine:
             fn = torch.compile(fn, fullgraph=True, backend=backend, options=options)
         return torch.no_grad()(fn)
 
-    def _compiled_step(self):
-        if self._step_fn is None:
-            fn = self.compile_step(self._decode_step)
-            self._step_fn = fn
-        return self._step_fn
+    def _step(self, name: str) -> Callable:
+        """The current mode's compiled ``decode`` / ``draft`` / ``verify`` step (compiled on first use)."""
+        steps = self._mode.steps
+        if name not in steps:
+            steps[name] = self.compile_step({"decode": self._decode_step, "draft": self._draft_step,
+                                             "verify": self._verify_step}[name])
+        return steps[name]
 
     def _bucket(self, a: int) -> int:
         for b in self.config.buckets:
@@ -567,67 +736,69 @@ class RolloutEngine:
                 return b
         raise AssertionError(f"{a} active rows exceed max_rows")  # pragma: no cover
 
-    def _runner(self, bucket: int):
-        """A callable running one decode step for a ``[bucket]`` slot tensor (a CUDA graph when enabled)."""
-        use_graphs = self.config.cuda_graphs and self.device.type == "cuda"
-        if not use_graphs:
-            step = self._compiled_step()
+    def _program(self, kind: StepKind, k: int) -> Callable[[torch.Tensor], None]:
+        """What one run of ``kind`` does for a slot tensor: a plain step; a draft step from index 0 (calibration);
+        or a cycle of ``k`` draft steps and a verify step. Compiled steps take every batch bucket (and every
+        draft length) through dynamic dimensions."""
+        dynamic = self.config.compile
+        if kind == "decode":
+            decode = self._step("decode")
 
-            def run_eager(slots: torch.Tensor) -> None:
-                if self.config.compile:
+            def program(slots: torch.Tensor) -> None:
+                if dynamic:
                     torch._dynamo.mark_dynamic(slots, 0)  # one compiled step for every bucket
-                step(slots)
+                decode(slots)
+            return program
+        draft = self._step("draft")
+        if kind == "draft":
+            def program(slots: torch.Tensor) -> None:
+                if dynamic:
+                    torch._dynamo.mark_dynamic(slots, 0)
+                self.drafts.cursor.zero_()
+                draft(slots)
+            return program
+        verify = self._step("verify")
 
-            return run_eager
-        if bucket not in self._graphs:
-            step = self._compiled_step()
+        def program(slots: torch.Tensor) -> None:
+            dt, dp = self.drafts.tokens[:, :k], self.drafts.probs[:, :k]
+            if dynamic:
+                torch._dynamo.mark_dynamic(slots, 0)  # one compiled graph for every bucket ...
+                if k > 1:  # ... and every draft length
+                    torch._dynamo.mark_dynamic(dt, 1)
+                    torch._dynamo.mark_dynamic(dp, 1)
+            self.drafts.cursor.zero_()  # verify leaves it at 0, but a draft-only run leaves it at 1
+            for _ in range(k):
+                draft(slots)
+            verify(slots, dt, dp)
+        return program
+
+    def _runner(self, kind: StepKind, bucket: int, k: int = 0) -> Callable[[torch.Tensor], None]:
+        """A callable running one ``kind`` program (:meth:`_program`) for a ``[bucket]`` slot tensor: a CUDA graph
+        per ``(kind, bucket, k)`` when enabled (captured on first use), the program itself otherwise."""
+        program = self._program(kind, k)
+        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+            return program
+        graphs = self._mode.graphs
+        key = (kind, bucket, k)
+        if key not in graphs:
             static = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
-            if self.config.compile:
-                torch._dynamo.mark_dynamic(static, 0)  # one compiled step for every bucket
             # warm up (compilation, autotuning) on a side stream, on the scratch row only
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):
                 for _ in range(2):
-                    step(static)
+                    program(static)
             torch.cuda.current_stream(self.device).wait_stream(s)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(static)
-            self._graphs[bucket] = (graph, static)
-        graph, static = self._graphs[bucket]
+            with torch.cuda.graph(graph, pool=self._pool):  # one pool: the graphs never run concurrently
+                program(static)
+            graphs[key] = (graph, static)
+        graph, static = graphs[key]
 
-        def run(slots: torch.Tensor) -> None:
+        def replay(slots: torch.Tensor) -> None:
             static.copy_(slots)
             graph.replay()
 
-        return run
-
-    def _decode_block(self, active: list[int], stats: GenerationStats) -> list[int]:
-        """Run ``sync_every`` decode steps on ``active`` rows; return the rows that finished."""
-        A = len(active)
-        bucket = self._bucket(A)
-        slots = torch.tensor(active + [self.scratch] * (bucket - A), dtype=torch.int64).to(self.device)
-        # scratch row: always done, so padding rows never change state that is read back
-        self.done[self.scratch] = True
-        run = self._runner(bucket)
-        for _ in range(self.config.sync_every):
-            run(slots)
-        stats.decode_steps += self.config.sync_every
-        stats.row_steps += self.config.sync_every * bucket
-        stats.active_hist[bucket] = stats.active_hist.get(bucket, 0) + self.config.sync_every
-        done = self.done[slots[:A]].cpu()  # deliberate host sync: which rows finished in this block
-        return [r for r, d in zip(active, done.tolist()) if d]
-
-    def _collect(self, rows: list[int], row_owner, results: dict[int, Sample]) -> None:
-        idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        n_gen = self.n_gen[idx].cpu()
-        toks = self.out_tokens[idx].cpu()
-        lps = self.out_logprobs[idx].cpu()
-        stop_set = set(self._params.stop_token_ids)
-        for k, r in enumerate(rows):
-            pi, j, _ = row_owner[r]
-            L = int(n_gen[k])
-            t = toks[k, :L].clone()
-            reason: FinishReason = "stop" if stop_set and int(t[-1]) in stop_set else "length"
-            results[pi * self._n_samples + j] = Sample(pi, j, t, lps[k, :L].clone(), reason)
+        return replay

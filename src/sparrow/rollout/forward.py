@@ -34,9 +34,13 @@ def prefill_hidden(
 def decode_hidden(
     model: TransformerDecoder, tokens: torch.Tensor, caches: Sequence[Any], meta: DecodeMeta
 ) -> torch.Tensor:
-    """tokens: [A, T] new tokens per row -> final hidden states [A, T, E] (before the final norm)."""
+    """tokens: [A, T] new tokens per row -> final hidden states [A, T, E] (before the final norm).
+
+    Positions are clamped to the RoPE table: only a verify pass's last scratch positions, for a row near the
+    end of the model's context, reach past it, and those are never emitted."""
     T = tokens.shape[1]
     pos = (meta.prefix_len + meta.cached_len)[:, None] + torch.arange(T, device=tokens.device)[None, :]
+    pos = pos.clamp(max=model.max_seq_len - 1)
     h = model.tok_embeddings(tokens)
     return _layers(model, h, lambda attn, x, i: attn.decode(x, pos, caches[i], meta))
 

@@ -3,28 +3,21 @@
 Use it through the engine::
 
     drafter = QuantizedSelfDrafter(model, DrafterConfig(weight="int8"))
-    engine = RolloutEngine(model, EngineConfig(max_draft=8, ...), drafter=drafter,
-                           toggle=CostModelToggle(CostModel.calibrate(...)))
+    engine = RolloutEngine(model, EngineConfig(max_draft=8, ...), drafter=drafter)
+    engine.toggle = cost_model(engine, params, draft_lengths=(2, 4, 8))  # measures the engine
     ...
     drafter.refresh()  # after every weight sync
 """
 
-from sparrow.speculative.base import (
-    AlwaysOff,
-    DraftContext,
-    Drafter,
-    DraftProposal,
-    SpecDecision,
-    StepStats,
-    ToggleController,
-)
-from sparrow.speculative.costs import CostModel
+from sparrow.speculative.base import AlwaysOff, Drafter, SpecDecision, StepStats, ToggleController
+from sparrow.speculative.costs import CostModel, expected_tokens_per_cycle
 from sparrow.speculative.drafter import DrafterConfig, QuantizedSelfDrafter
 from sparrow.speculative.rejection import rejection_sample
-from sparrow.speculative.runtime import expected_tokens_per_cycle
-from sparrow.speculative.toggle import AdaptiveDraft, AlwaysOn, CostModelToggle, ThresholdToggle
+from sparrow.speculative.toggle import (AdaptiveDraft, AlwaysOn, CostModelToggle, ThresholdToggle, always_on,
+                                       cost_model, threshold)
 from sparrow.speculative.window import WindowedDraftAttention
 
-__all__ = ["AdaptiveDraft", "AlwaysOff", "AlwaysOn", "CostModel", "CostModelToggle", "DraftContext", "Drafter",
-           "DrafterConfig", "DraftProposal", "QuantizedSelfDrafter", "SpecDecision", "StepStats", "ThresholdToggle",
-           "ToggleController", "WindowedDraftAttention", "expected_tokens_per_cycle", "rejection_sample"]
+__all__ = ["AdaptiveDraft", "AlwaysOff", "AlwaysOn", "CostModel", "CostModelToggle", "Drafter",
+           "DrafterConfig", "QuantizedSelfDrafter", "SpecDecision", "StepStats", "ThresholdToggle",
+           "ToggleController", "WindowedDraftAttention", "always_on", "cost_model", "expected_tokens_per_cycle",
+           "rejection_sample", "threshold"]

@@ -2,60 +2,22 @@
 
 The engine asks the toggle, at each host synchronisation point (every ``sync_every`` decode steps), whether
 to speculate over the next block of steps and with how many draft tokens; it reports back what was
-proposed and accepted. A drafter proposes ``k`` tokens per active row and the *processed* probabilities
-it drew them from; the target verifies all ``k + 1`` positions in one pass and
-:func:`sparrow.speculative.rejection_sample` keeps a prefix, so the emitted tokens follow the target's
-distribution exactly.
+proposed and accepted. In a cycle the engine feeds the drafter one position at a time (its logits, processed
+as the target's, give each draft token and the probability it was drawn with); the target verifies all
+``k + 1`` positions in one pass and exact rejection sampling
+(:func:`~sparrow.speculative.rejection.accept_counter_based`) keeps a prefix, so the emitted tokens follow the
+target's distribution exactly.
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 import torch
 
 from sparrow.attention.base import DecodeMeta
-
-
-class DraftContext(NamedTuple):
-    """What a drafter sees for one proposal over ``A`` rows.
-
-    last_tokens: [A] int64 — each row's last emitted token (its KV is not cached yet).
-    caches:      the target's per-layer caches; a drafter that shares them writes its KV at the draft
-                 positions, which the verify pass overwrites.
-    meta:        DecodeMeta of the first draft position (``cached_len`` = tokens already cached).
-    process:     maps logits [..., V] to the processed log-probabilities the target also uses
-                 (temperature / top-k / top-p), so draft and target distributions are comparable.
-    keys:        [A, k] int64 noise keys (see :func:`sparrow.rollout.sampling.row_keys`), one per draft
-                 position, so drafts are reproducible and batch-invariant.
-    greedy:      temperature 0: drafts are the draft model's argmax.
-    """
-
-    last_tokens: torch.Tensor
-    caches: Any
-    meta: DecodeMeta
-    process: Callable[[torch.Tensor], torch.Tensor]
-    keys: torch.Tensor
-    greedy: bool = False
-
-    def sample(self, logprobs: torch.Tensor, i: int) -> torch.Tensor:
-        """Draw draft position ``i`` from processed log-probabilities [A, V] -> [A] int64 (Gumbel-max on the
-        counter-based noise, with the draft stream's salt)."""
-        from sparrow.rollout.sampling import gumbel_noise
-        from sparrow.speculative.rejection import DRAFT_SALT
-
-        if self.greedy:
-            return torch.argmax(logprobs, dim=-1)
-        return torch.argmax(logprobs + gumbel_noise(self.keys[:, i], logprobs.shape[-1], DRAFT_SALT), dim=-1)
-
-
-class DraftProposal(NamedTuple):
-    """tokens: [A, k] int64; probs: [A, k, V] float32 processed probabilities the tokens were drawn from."""
-
-    tokens: torch.Tensor
-    probs: torch.Tensor
 
 
 class Drafter(abc.ABC):
@@ -63,7 +25,8 @@ class Drafter(abc.ABC):
 
     The engine drives a drafter one position at a time through :meth:`forward_logits` (each draft step is
     its own compiled, graph-captured step, so compile time does not grow with the draft length) and does the
-    sampling itself; :meth:`propose` is the same loop for standalone use.
+    processing (the target's temperature / top-k / top-p / vocabulary limit) and the sampling itself, with a
+    draft noise stream of its own; :meth:`refresh` follows the target's weights after a sync.
     """
 
     @abc.abstractmethod
@@ -77,19 +40,6 @@ class Drafter(abc.ABC):
         Writes the tokens' KV into ``caches`` at the draft positions (the verify pass overwrites them).
         Runs inside compiled steps: no host sync, no data-dependent Python branching.
         """
-
-    def propose(self, ctx: DraftContext, num_tokens: int) -> DraftProposal:
-        """Propose ``num_tokens`` tokens per row (autoregressively through :meth:`forward_logits`)."""
-        tok = ctx.last_tokens
-        meta = ctx.meta
-        tokens, probs = [], []
-        for i in range(num_tokens):
-            logprobs = ctx.process(self.forward_logits(tok[:, None], ctx.caches, meta)[:, 0])
-            tok = ctx.sample(logprobs, i)
-            tokens.append(tok)
-            probs.append(logprobs.exp())
-            meta = meta._replace(cached_len=meta.cached_len + 1)
-        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1))
 
 
 @dataclass(frozen=True)

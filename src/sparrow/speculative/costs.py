@@ -37,6 +37,15 @@ if TYPE_CHECKING:  # pragma: no cover
 DEFAULT_CACHE_DIR = Path(os.environ.get("SPARROW_CACHE_DIR", Path.home() / ".cache" / "sparrow")) / "spec_costs"
 
 
+def expected_tokens_per_cycle(alpha: float, k: int) -> float:
+    """Expected tokens a row emits per cycle of ``k`` drafts with per-token acceptance ``alpha``:
+    ``(1 - alpha^(k+1)) / (1 - alpha)`` (``k + 1`` when ``alpha == 1``)."""
+    alpha = min(max(float(alpha), 0.0), 1.0)
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
 def _lin(fit: tuple[float, float], ctx: float) -> float:
     return fit[0] + fit[1] * ctx
 
@@ -111,8 +120,6 @@ class CostModel:
 
     def speedup(self, bucket: float, ctx: float, k: int, alpha: float) -> float:
         """Predicted tokens-per-second ratio of speculative over plain decoding."""
-        from sparrow.speculative.runtime import expected_tokens_per_cycle
-
         return expected_tokens_per_cycle(alpha, k) * self.target_step(bucket, ctx) / self.cycle(bucket, ctx, k)
 
     # -------------------------------------------------------------------------- persistence
@@ -164,11 +171,11 @@ class CostModel:
         cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
         refresh: bool = False,
     ) -> "CostModel":
-        """Measure (or load from ``cache_dir``) the step costs of ``engine`` with its drafter.
+        """Measure (or load from ``cache_dir``) the step costs of ``engine`` with its drafter, through
+        :meth:`RolloutEngine.time_step` (the engine's own compiled steps and CUDA graphs).
 
         Args:
-            engine: a :class:`RolloutEngine` built with a drafter; not generating (its row state is used as
-                scratch; the next :meth:`~RolloutEngine.generate` resets it).
+            engine: a :class:`RolloutEngine` built with a drafter; not generating.
             params: sampling parameters whose processing the steps use (default ``SamplingParams()``).
             contexts: two mean context lengths to measure at (default: about 1/16 and 3/4 of the engine's
                 ``max_prompt_len + max_new_tokens``).
@@ -184,8 +191,7 @@ class CostModel:
         """
         from sparrow.rollout.sampling import SamplingParams
 
-        spec = engine._spec
-        if spec is None:
+        if engine.drafter is None:
             raise ValueError("calibrate needs an engine built with a drafter")
         params = params or SamplingParams(max_new_tokens=1)
         c = engine.config
@@ -211,9 +217,6 @@ class CostModel:
                     pass
 
         t_start = time.perf_counter()
-        if engine.caches is None:
-            engine._allocate()
-        engine._set_params(params)
         ks = sorted(set(draft_lengths))
         raw: dict[str, Any] = {}
         target, draft, verify = {}, {}, {}
@@ -222,11 +225,11 @@ class CostModel:
                 pts: dict[str, list[float]] = {"target": [], "draft": []}
                 pts.update({f"cycle{k}": [] for k in ks})
                 for L in contexts:
-                    _setup_rows(engine, b, L)
-                    pts["target"].append(spec.time_block(b, 0, steps))
-                    pts["draft"].append(spec.time_block(b, -1, steps))
+                    at = dict(context=L, steps=steps, params=params)
+                    pts["target"].append(engine.time_step("decode", b, **at))
+                    pts["draft"].append(engine.time_step("draft", b, **at))
                     for k in ks:
-                        pts[f"cycle{k}"].append(spec.time_block(b, k, steps))
+                        pts[f"cycle{k}"].append(engine.time_step("cycle", b, k=k, **at))
                 raw[str(b)] = pts
                 target[b] = _fit(contexts, pts["target"])
                 draft[b] = _fit(contexts, pts["draft"])
@@ -236,7 +239,6 @@ class CostModel:
                     verify[b][k] = _fit(contexts, ver)
                 if len(ks) == 1:  # one draft length: assume the verify cost does not depend on k
                     verify[b][ks[0] + 1] = verify[b][ks[0]]
-            _reset_rows(engine)
         meta = {"contexts": list(contexts), "draft_lengths": ks, "steps": steps, "timings_s": raw,
                 "seconds": time.perf_counter() - t_start}
         m = cls(key=key, target=target, draft=draft, verify=verify, meta=meta)
@@ -249,27 +251,6 @@ def _fit(xs: tuple[int, int], ys: list[float]) -> tuple[float, float]:
     (x0, x1), (y0, y1) = xs, ys
     slope = max(0.0, (y1 - y0) / (x1 - x0))  # timing noise must not make cost fall with context
     return (y0 - slope * x0, slope)
-
-
-def _setup_rows(engine: "RolloutEngine", bucket: int, ctx: int) -> None:
-    """Rows ``0..bucket-1`` at context ``ctx`` (prompt part in distinct prefix slots), all done so the
-    measured steps leave their lengths unchanged."""
-    c, spec = engine.config, engine.cache_spec
-    plen = max(1, min(ctx - 1, c.max_prompt_len))
-    gen = max(1, min(ctx - plen, c.max_new_tokens))
-    rows = torch.arange(bucket, device=engine.device)
-    engine.row_prefix_slot[rows] = rows % spec.num_prefixes
-    engine.row_prefix_len[rows] = plen
-    engine.n_gen[rows] = gen
-    engine.row_sample_id[rows] = rows
-    engine.last_token[rows] = 0
-    engine.done[rows] = True
-
-
-def _reset_rows(engine: "RolloutEngine") -> None:
-    engine.n_gen.fill_(1)
-    engine.row_prefix_len.fill_(1)
-    engine.done.fill_(True)
 
 
 def cost_key(engine: "RolloutEngine", params: "SamplingParams") -> str:

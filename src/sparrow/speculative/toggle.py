@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 from sparrow.speculative.base import SpecDecision, StepStats, ToggleController
-from sparrow.speculative.costs import CostModel
-from sparrow.speculative.runtime import expected_tokens_per_cycle
+from sparrow.speculative.costs import CostModel, expected_tokens_per_cycle
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparrow.rollout.engine import RolloutEngine
+    from sparrow.rollout.sampling import SamplingParams
 
 
 class AlwaysOn(ToggleController):
@@ -291,3 +295,33 @@ class CostModelToggle(ToggleController):
 def _bucket(stats: StepStats) -> int:
     """The padded batch a block runs at (its active rows when the engine did not say)."""
     return stats.bucket or stats.active_rows
+
+
+# --------------------------------------------------------------------------------------------- builders
+# A recipe's ``speculative.toggle`` is one of these, as a component: ``{_component_: sparrow.speculative.threshold,
+# max_active: 32}``. Each takes the engine it will steer and the sampling parameters it will run with (the cost
+# model measures that engine in that sampling mode), then its own settings.
+
+def always_on(engine: "RolloutEngine", params: "SamplingParams", *, num_draft: int = 4) -> AlwaysOn:
+    """Speculate at every block with ``num_draft`` draft tokens (:class:`AlwaysOn`)."""
+    return AlwaysOn(num_draft)
+
+
+def threshold(engine: "RolloutEngine", params: "SamplingParams", *, max_active: int, num_draft: int = 4,
+              draft_lengths: Sequence[int] = ()) -> ThresholdToggle:
+    """Speculate while at most ``max_active`` rows are active (:class:`ThresholdToggle`); with several
+    ``draft_lengths`` the length follows the measured acceptance (:class:`AdaptiveDraft`), else ``num_draft``."""
+    lengths = tuple(draft_lengths)
+    return ThresholdToggle(max_active, num_draft, adaptive=AdaptiveDraft(lengths=lengths) if len(lengths) > 1 else None)
+
+
+def cost_model(engine: "RolloutEngine", params: "SamplingParams", *, draft_lengths: Sequence[int] = (),
+               margin: float = 0.05, hysteresis: float = 0.03, probe_every: int = 8,
+               correct_costs: bool = True) -> "CostModelToggle":
+    """Speculate where the cost model, measured now on ``engine`` (or loaded from its cache), predicts a speedup
+    (:class:`CostModelToggle`), at the draft length of :class:`AdaptiveDraft` over ``draft_lengths`` (default:
+    its own ladder, clamped to the engine's ``max_draft``)."""
+    lengths = tuple(draft_lengths)
+    adaptive = AdaptiveDraft(lengths=lengths) if lengths else AdaptiveDraft()
+    return CostModelToggle(CostModel.calibrate(engine, params), margin=margin, hysteresis=hysteresis,
+                           adaptive=adaptive, probe_every=probe_every, correct_costs=correct_costs)

@@ -1,0 +1,86 @@
+"""The engine's device state: one :class:`RowState` for the generation slots, one :class:`DraftState` for the
+speculative cycle's scratch. Every compiled step reads and writes them in place, so CUDA graphs captured once
+keep working across generations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparrow.attention.base import DecodeMeta
+
+
+@dataclass
+class RowState:
+    """Per generation slot (``R`` = the engine's rows + one scratch row that padding rows point at; every
+    generation ``L = max_new_tokens + max_draft + 1`` long, the verify pass's scratch columns included).
+
+    Attributes:
+        tokens: [R, L] int64 emitted tokens.
+        logprobs: [R, L] float32 their log-probs under the processed distribution they were sampled from.
+        n_gen: [R] int64 tokens emitted; the last one's KV is not cached yet.
+        done: [R] bool the row stopped (stop token or ``max_new``); the scratch row always is.
+        last_token: [R] int64 the token the next step feeds.
+        prefix_slot: [R] int64 the prefix slot (prompt) the row reads.
+        prefix_len: [R] int64 that prompt's length.
+        sample_id: [R] int64 the row's noise stream (``prompt * n_samples + sample``).
+        seed: [] int64 base of the counter-based noise of the current generation.
+        max_new: [] int64 tokens a row may emit in the current generation.
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    n_gen: torch.Tensor
+    done: torch.Tensor
+    last_token: torch.Tensor
+    prefix_slot: torch.Tensor
+    prefix_len: torch.Tensor
+    sample_id: torch.Tensor
+    seed: torch.Tensor
+    max_new: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, length: int, device: torch.device) -> "RowState":
+        def i64(*shape: int, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
+
+        return cls(tokens=i64(rows, length), logprobs=torch.zeros((rows, length), dtype=torch.float32, device=device),
+                   n_gen=i64(rows, fill=1), done=torch.ones(rows, dtype=torch.bool, device=device),
+                   last_token=i64(rows), prefix_slot=i64(rows), prefix_len=i64(rows, fill=1), sample_id=i64(rows),
+                   seed=i64(), max_new=i64(fill=1))
+
+    def meta(self, row_slot: torch.Tensor, cached_len: torch.Tensor) -> DecodeMeta:
+        """Attention metadata of rows ``row_slot`` [A] whose new tokens start after ``cached_len`` [A] cached ones."""
+        return DecodeMeta(row_slot, self.prefix_slot[row_slot], self.prefix_len[row_slot], cached_len)
+
+    def idle(self, rows: torch.Tensor | slice = slice(None)) -> None:
+        """Rows back to the state of a fresh allocation: nothing cached, done."""
+        self.n_gen[rows] = 1
+        self.prefix_len[rows] = 1
+        self.done[rows] = True
+
+
+@dataclass
+class DraftState:
+    """Scratch of the speculative cycle (``R`` rows as :class:`RowState`, ``K`` = the engine's ``max_draft``).
+
+    Attributes:
+        tokens: [R, K] int64 draft tokens of the current cycle, by batch position.
+        probs: [R, K, V] float32 processed draft probabilities they were drawn from (unused when greedy).
+        cursor: [] int64 the draft index the next draft step writes (a tensor, so every draft step is one graph).
+        counters: [3] int64 since the last block's host read: draft tokens proposed to live rows, accepted,
+            live row-cycles.
+    """
+
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    cursor: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def allocate(cls, rows: int, max_draft: int, vocab: int, device: torch.device) -> "DraftState":
+        return cls(tokens=torch.zeros((rows, max_draft), dtype=torch.int64, device=device),
+                   probs=torch.zeros((rows, max_draft, vocab), dtype=torch.float32, device=device),
+                   cursor=torch.zeros((), dtype=torch.int64, device=device),
+                   counters=torch.zeros(3, dtype=torch.int64, device=device))

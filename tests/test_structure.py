@@ -1,0 +1,90 @@
+"""The package's import graph has no circles: every module of ``src/sparrow`` reaches others only downwards
+(imports inside functions count too; only ``if TYPE_CHECKING:`` blocks, which never run, do not)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The sparrow modules ``path`` imports, resolved to modules that exist (``from pkg import mod`` names
+    the submodule when there is one)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:  # an attribute of a module: the module itself
+                t = t.rpartition(".")[0]
+            if t and t != name and t.startswith("sparrow"):
+                out.add(t)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+    names = set(files)
+    graph = {n: _imports(p, n, names) for n, p in files.items()}
+    # importing a.b.c runs a/__init__ and a/b/__init__: a package's __init__ is not an edge *into* its own
+    # submodules' imports of it, so drop edges from a module to the packages that contain it
+    return {n: {t for t in deps if not n.startswith(t + ".")} for n, deps in graph.items()}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_circles():
+    circle = find_circle(import_graph())
+    assert circle is None, " -> ".join(circle)
+
+
+def test_the_check_finds_a_circle():
+    """Negative control: the rollout and speculative packages, circle-free, get one back edge (sampling imports
+    the engine): the check finds the circle through it."""
+    graph = {n: {m for m in deps if m.startswith(("sparrow.rollout", "sparrow.speculative"))}
+             for n, deps in import_graph().items() if n.startswith(("sparrow.rollout", "sparrow.speculative"))}
+    assert find_circle(graph) is None and "sparrow.rollout.sampling" in graph["sparrow.rollout.engine"]
+    graph["sparrow.rollout.sampling"] = graph["sparrow.rollout.sampling"] | {"sparrow.rollout.engine"}
+    circle = find_circle(graph)
+    assert circle is not None and circle[0] == circle[-1] and "sparrow.rollout.engine" in circle
