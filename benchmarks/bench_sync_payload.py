@@ -16,7 +16,6 @@ Writes ``docs/benchmarks/sync_payload.json``; ``plot()`` draws ``sync_payload.pn
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path

@@ -5,6 +5,10 @@ Rank 0 trains a tiny model with AdamW and sends its bf16 weights with ``SyncSend
 (test-only) and each receiver records whether it matches bit for bit. After 30 clean steps rank 2 flips
 one bit of its copy: the next sync must fail its hash check there, be undone, and the one after must be
 a dense anchor that brings rank 2 back.
+
+Then three more steps go through a user codec (``_user_codec.XorDeltaCodec``) over the same transport:
+rank 1 has it, rank 2 does not and refuses every delta (asking for a resync, which makes the next sync a
+dense anchor that rank 2 can apply).
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from sparrow.sync import DistributedTransport, HashMismatchError, SyncReceiver, SyncSender
+from _user_codec import XorDeltaCodec  # this script's folder is on sys.path
+
+from sparrow.sync import DistributedTransport, HashMismatchError, SyncError, SyncReceiver, SyncSender
 
 STEPS = 33
 DIVERGE_STEP = 30
+USER_STEPS = 3
 
 
 def _model() -> torch.nn.Module:
@@ -73,6 +80,30 @@ def main(rank: int, world: int, port: int, out: Path) -> None:
         if rank != 0:
             res["equal"].append(bool(torch.equal(_flat_bits(receiver.tensors), ref)))
             res["version"] = receiver.version
+    res.update(user_equal=[], user_errors=[], user_anchors=[])
+    if rank == 0:
+        usender = SyncSender({n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()},
+                             codec=XorDeltaCodec(), bucket_bytes=2048, run_id="gloo-user")
+    else:
+        urx = SyncReceiver(receiver.tensors, codecs=[XorDeltaCodec()] if rank == 1 else [])
+    for step in range(USER_STEPS):
+        if rank == 0:
+            x = torch.randn(64, 32, generator=gen)
+            loss = (model(x) - x[:, :16]).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            res["user_anchors"].append(usender.send(dict(model.named_parameters()), transport).anchor)
+            ref = _flat_bits(dict(model.named_parameters()))
+        else:
+            try:
+                urx.receive(transport)
+            except SyncError as exc:
+                res["user_errors"].append([step, type(exc).__name__])
+            ref = torch.empty(n_total, dtype=torch.int32)
+        dist.broadcast(ref, 0)
+        if rank != 0:
+            res["user_equal"].append(bool(torch.equal(_flat_bits(urx.tensors), ref)))
     (out / f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     # no destroy_process_group: rank 0 hosts the TCP store, and tearing the group down while another rank is

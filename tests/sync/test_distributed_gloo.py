@@ -1,4 +1,5 @@
-"""Three processes over gloo: one sender, two receivers; bitwise equal after every sync."""
+"""Three processes over gloo: one sender, two receivers; bitwise equal after every sync (built-in codec, then
+a user codec that only one receiver knows)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,8 @@ def test_three_process_gloo_sync(tmp_path):
     anchors = [k for k, a in enumerate(sender["anchors"]) if a]
     assert anchors == [9, 19, 29, 31]
     assert all(b < d for b, d, a in zip(sender["bytes"], sender["dense"], sender["anchors"]) if not a)
+    # then a user codec over the same transport: rank 1 has it, rank 2 refuses each delta and is resynced
+    assert r1["user_equal"] == [True] * 3 and r1["user_errors"] == []
+    assert r2["user_errors"] == [[0, "UnknownCodecError"], [2, "UnknownCodecError"]]
+    assert r2["user_equal"] == [False, True, False]
+    assert sender["user_anchors"] == [False, True, False]

@@ -79,7 +79,7 @@ def test_triton_decode_rejects_corruption(dtype):
 
 def test_dispatch_and_validation():
     x = torch.zeros(10, dtype=torch.int16)
-    assert api.resolve_impl(None, x) == "reference"
+    assert api.resolve_impl("auto", x) == "reference"
     with pytest.raises(ValueError):
         api.resolve_impl("cuda", x)
     with pytest.raises(TypeError):

@@ -16,6 +16,10 @@ State dicts (one process or across ``torch.distributed`` ranks)::
     stats = sender.send(dict(trainer.named_parameters()), transport)   # on the trainer
     receiver.receive(transport)                                        # on the rollout side
 
+Your own codec: any :class:`WeightCodec` (``encode`` / ``apply_`` of one flat tensor slice) plugs in as
+``SyncSender(named, codec=MyCodec())`` and ``SyncReceiver(named, codecs=[MyCodec()])``; it travels in the
+same buckets with the same versions, hashes and all-or-nothing apply.
+
 See ``docs/sync.md`` for the formats, the entropy bound and the kernel scheme.
 """
 
@@ -41,6 +45,7 @@ from .errors import (
     ShapeMismatchError,
     SyncError,
     TruncatedPayloadError,
+    UnknownCodecError,
     VersionMismatchError,
 )
 from .receiver import SyncReceiver
@@ -53,7 +58,7 @@ __all__ = [
     "AutoCodec", "BucketInfo", "CompactCodec", "CooCodec", "CorruptPayloadError", "DenseCodec",
     "DistributedTransport", "EntryMeta", "FileTransport", "HashMismatchError", "InProcessTransport",
     "OutOfOrderError", "Payload", "ReplayError", "ResyncRequiredError", "ShapeMismatchError", "SyncError",
-    "SyncReceiver", "SyncSender", "SyncStats", "Transport", "TruncatedPayloadError", "VersionMismatchError",
-    "WeightCodec", "apply_", "build_bucket", "empirical_entropy_bits", "encode", "get_codec", "parse_bucket",
-    "position_entropy_bits", "warmup",
+    "SyncReceiver", "SyncSender", "SyncStats", "Transport", "TruncatedPayloadError", "UnknownCodecError",
+    "VersionMismatchError", "WeightCodec", "apply_", "build_bucket", "empirical_entropy_bits", "encode",
+    "get_codec", "parse_bucket", "position_entropy_bits", "warmup",
 ]

@@ -1,15 +1,35 @@
-"""Small shared helpers: dtype names, byte hashing, alignment."""
+"""Small shared helpers: dtype names, byte hashing, alignment, the ``impl`` argument of the public API."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from ..kernels.common.impl import IMPLS, Impl
 from ..kernels.sync import api as _k
 from ..kernels.sync.common import combine_hash
+from .errors import CorruptPayloadError
 
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
                                        torch.float32: "float32"}
 DTYPES_BY_NAME = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def public_impl(impl: Impl | None) -> Impl:
+    """The ``impl`` argument of a public entry point (``SyncSender``, ``SyncReceiver``, ``encode``,
+    ``apply_``, ``warmup``, the codec classes), validated. ``None`` is a deprecated spelling of ``"auto"``.
+
+    Raises:
+        ValueError: ``impl`` is not one of ``"auto"``, ``"reference"``, ``"triton"`` (or ``None``).
+    """
+    if impl is None:
+        warnings.warn("impl=None is deprecated: pass impl='auto' (Triton on CUDA tensors, the reference "
+                      "elsewhere)", DeprecationWarning, stacklevel=3)
+        return "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
+    return impl
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -20,8 +40,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: object) -> torch.dtype:
-    from .errors import CorruptPayloadError
-
     if not isinstance(name, str) or name not in DTYPES_BY_NAME:
         raise CorruptPayloadError(f"unknown dtype {name!r} in payload header")
     return DTYPES_BY_NAME[name]
@@ -31,7 +49,7 @@ def align(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
 
 
-def hash_bytes_lanes(data: torch.Tensor, impl: str | None = None) -> torch.Tensor:
+def hash_bytes_lanes(data: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
     """Hash lanes (int64 [2], on ``data.device``, no sync) of a uint8 tensor, zero-padded to 4 bytes."""
     n = data.numel()
     pad = (-n) % 4
@@ -41,14 +59,14 @@ def hash_bytes_lanes(data: torch.Tensor, impl: str | None = None) -> torch.Tenso
     return _k.hash_bits(words, 0, impl=impl)
 
 
-def hash_bytes(data: torch.Tensor | bytes, impl: str | None = None) -> int:
+def hash_bytes(data: torch.Tensor | bytes, impl: Impl = "auto") -> int:
     """64-bit hash of a byte string (uint8 tensor or ``bytes``) as a Python int."""
     if not isinstance(data, torch.Tensor):
         data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.zeros(0, dtype=torch.uint8)
     return combine_hash(hash_bytes_lanes(data, impl))
 
 
-def hash_views(views: list[torch.Tensor], starts: list[int], impl: str | None = None) -> torch.Tensor:
+def hash_views(views: list[torch.Tensor], starts: list[int], impl: Impl = "auto") -> torch.Tensor:
     """Hash lanes (int64 ``[N, 2]`` on the views' device, no host sync) of flat bit views of any widths,
     view ``i`` hashed at positions ``starts[i] + j``: one :func:`group_hash_bits` launch per bit width."""
     by_bits: dict[int, list[int]] = {}

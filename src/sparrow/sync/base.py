@@ -22,7 +22,10 @@ from .errors import CorruptPayloadError, TruncatedPayloadError
 PAYLOAD_MAGIC = b"SPWPAY\x00\x01"
 PAYLOAD_FORMAT = 1
 _PREFIX = struct.Struct("<8sIIQQQ")  # magic, header_len, format, body_len, header_hash, body_hash
+#: Payload codecs of the built-in codecs (what a built-in payload's ``codec`` field holds).
 CODEC_NAMES = ("dense", "coo", "compact")
+#: Names a user codec may not take: the built-in codecs' (``"auto"`` picks one of the three per slice).
+RESERVED_NAMES = ("auto", *CODEC_NAMES)
 
 
 @dataclass
@@ -30,15 +33,17 @@ class Payload:
     """One encoded tensor (or tensor slice) change.
 
     Attributes:
-        codec: ``"dense"`` (all new bit patterns), ``"coo"`` (int32 positions + new bit patterns) or
-            ``"compact"`` (Elias-Fano positions + zig-zag bit-pattern deltas; see ``docs/sync.md``).
+        codec: ``"dense"`` (all new bit patterns), ``"coo"`` (int32 positions + new bit patterns),
+            ``"compact"`` (Elias-Fano positions + zig-zag bit-pattern deltas; see ``docs/sync.md``), or any
+            other non-empty name a user :class:`WeightCodec` gives its payloads (its body is its own business).
         dtype: element dtype of the tensor (``torch.bfloat16``, ``torch.float16`` or ``torch.float32``).
         shape: tensor shape.
         nchanged: number of elements whose bit pattern differs between base and new.
         data: the codec body, a 1-D ``uint8`` tensor on the encoding device.
         target_hash: 64-bit hash of the new bit patterns (``None``: not checked on apply).
         run_id, base_version, target_version: versioning fields; :func:`apply_` ignores them, the
-            :class:`~sparrow.sync.SyncReceiver` checks them.
+            :class:`~sparrow.sync.SyncReceiver` checks them (in the bucket manifest).
+        extra: JSON-serialisable codec details (the built-in codecs record the body sizes they considered).
     """
 
     codec: str
@@ -125,8 +130,8 @@ class Payload:
         if not isinstance(h, dict):
             raise CorruptPayloadError("payload header must be a JSON object")
         codec = h.get("codec")
-        if codec not in CODEC_NAMES:
-            raise CorruptPayloadError(f"unknown codec {codec!r}")
+        if not isinstance(codec, str) or not codec:
+            raise CorruptPayloadError(f"bad codec {codec!r} in payload header")
         dtype = dtype_from_name(h.get("dtype"))
         shape = h.get("shape")
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
@@ -146,7 +151,8 @@ class Payload:
         p = cls(codec=codec, dtype=dtype, shape=tuple(shape), nchanged=nchanged, data=body,
                 target_hash=target_hash, run_id=h["run_id"], base_version=ints["base_version"],
                 target_version=ints["target_version"], extra=h.get("extra") or {})
-        check_body_length(p.codec, p.dtype, p.numel, p.nchanged, p.nbytes)
+        if p.codec in CODEC_NAMES:  # a user codec's body is checked by its own apply_
+            check_body_length(p.codec, p.dtype, p.numel, p.nchanged, p.nbytes)
         return p
 
 
@@ -178,6 +184,16 @@ class WeightCodec(abc.ABC):
     :class:`~sparrow.sync.CorruptPayloadError` (invalid body, indices out of range) or
     :class:`~sparrow.sync.HashMismatchError` (result does not hash to ``payload.target_hash``; the write
     is undone first). ``base`` is unchanged whenever an error is raised.
+
+    Used by :class:`~sparrow.sync.SyncSender` (``codec=``) and :class:`~sparrow.sync.SyncReceiver`
+    (``codecs=``), a user codec sees flat 1-D slices ``tensor.view(-1)[start:start + n]`` and must return
+    payloads of that dtype and shape ``(n,)`` with a 1-D ``uint8`` ``data`` tensor and a JSON-serialisable
+    ``extra``; ``apply_`` gets the same slice of the receiver's tensor. It must be deterministic. The bucket
+    around it brings the rest: versions, checksums, the target hash of every slice, all-or-nothing apply.
+
+    Attributes:
+        name: recorded in the bucket manifest; the receiver looks the codec up by it. A user codec's name is
+            any non-empty string except :data:`RESERVED_NAMES`.
     """
 
     name: str
@@ -192,4 +208,23 @@ class WeightCodec(abc.ABC):
         return f"{type(self).__name__}()"
 
 
-__all__ = ["CODEC_NAMES", "Payload", "WeightCodec", "align", "check_body_length"]
+def user_codec_name(codec: object) -> str:
+    """The name of a user :class:`WeightCodec` (not a built-in one), validated.
+
+    Raises:
+        TypeError: ``codec`` is not a :class:`WeightCodec`.
+        ValueError: its ``name`` is not a non-empty string, or is one of :data:`RESERVED_NAMES`.
+    """
+    if not isinstance(codec, WeightCodec):
+        raise TypeError(f"expected a WeightCodec instance, got {type(codec).__name__}: {codec!r}")
+    name = getattr(codec, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{type(codec).__name__}.name must be a non-empty string, got {name!r}")
+    if name in RESERVED_NAMES:
+        raise ValueError(f"{type(codec).__name__}.name {name!r} is reserved for the built-in codecs "
+                         f"({', '.join(RESERVED_NAMES)}): give the codec another name")
+    return name
+
+
+__all__ = ["CODEC_NAMES", "Payload", "RESERVED_NAMES", "WeightCodec", "align", "check_body_length",
+           "user_codec_name"]

@@ -11,8 +11,11 @@ Layout (little-endian)::
 The manifest holds the run id, base / target version, bucket index, ``last`` and ``anchor`` flags, and
 per entry: tensor name, dtype, shape, element range (start, length), codec, body offset / length,
 changed-element count and the 64-bit hashes of the range's bits before (``base_hash``) and after
-(``hash``) the sync (format 2; format 1 had only the target hash). The body hash is computed
-on the bucket's device (no host copy of the body).
+(``hash``) the sync (format 2; format 1 had only the target hash). An entry made by a user
+:class:`~sparrow.sync.WeightCodec` names that codec in ``codec`` and carries one more field, ``payload``:
+``{"codec", "target_hash", "extra"}`` of the payload its ``encode`` returned (built-in entries have no
+``payload`` field, so their buckets are what they were). The body hash is computed on the bucket's device
+(no host copy of the body).
 """
 
 from __future__ import annotations
@@ -66,13 +69,23 @@ class EntryMeta:
     nchanged: int
     target_hash: int | None
     base_hash: int | None = None  # sender's hash of the range's bits before this sync
+    #: user codecs only: ``{"codec": str, "target_hash": "<16 hex>" | None, "extra": dict}`` of the payload
+    payload: dict[str, Any] | None = None
+
+    @property
+    def is_user(self) -> bool:
+        """Made by a user codec (applied through its ``apply_``), not by a built-in one."""
+        return self.codec not in CODEC_NAMES
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape), "start": self.start,
-                "length": self.length, "codec": self.codec, "offset": self.offset, "nbytes": self.nbytes,
-                "nchanged": self.nchanged,
-                "hash": None if self.target_hash is None else f"{self.target_hash:016x}",
-                "base_hash": None if self.base_hash is None else f"{self.base_hash:016x}"}
+        d = {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape), "start": self.start,
+             "length": self.length, "codec": self.codec, "offset": self.offset, "nbytes": self.nbytes,
+             "nchanged": self.nchanged,
+             "hash": None if self.target_hash is None else f"{self.target_hash:016x}",
+             "base_hash": None if self.base_hash is None else f"{self.base_hash:016x}"}
+        if self.payload is not None:
+            d["payload"] = self.payload
+        return d
 
 
 def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -204,29 +217,50 @@ def _check_manifest(man: Any, blen: int) -> tuple[BucketInfo, list[EntryMeta]]:
     _need(isinstance(ents, list), "entries")
     out, end = [], 0
     for k, e in enumerate(ents):
-        _need(isinstance(e, dict), f"entry {k}")
-        _need(isinstance(e.get("name"), str), f"entry {k} name")
-        dtype = dtype_from_name(e.get("dtype"))
-        shape = e.get("shape")
-        _need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape), f"entry {k} shape")
-        for f in ("start", "length", "offset", "nbytes", "nchanged"):
-            _need(_is_int(e.get(f)) and e[f] >= 0, f"entry {k} {f}")
-        _need(e["start"] + e["length"] <= math.prod(shape), f"entry {k} range beyond its tensor")
-        _need(e["nchanged"] <= e["length"], f"entry {k} nchanged > length")
-        _need(e.get("codec") in CODEC_NAMES, f"entry {k} codec {e.get('codec')!r}")
-        _need(e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen,
-              f"entry {k} body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
-        end = e["offset"] + e["nbytes"]
-        hashes = []
-        for key in ("hash", "base_hash"):
-            h = e.get(key)
-            try:
-                hashes.append(None if h is None else int(h, 16))
-            except (TypeError, ValueError):
-                raise CorruptPayloadError(f"bad bucket manifest: entry {k} {key} {h!r}") from None
-            _need(hashes[-1] is None or 0 <= hashes[-1] < 1 << 64, f"entry {k} {key} out of range")
-        th, bh = hashes
-        check_body_length(e["codec"], dtype, e["length"], e["nchanged"], e["nbytes"])
-        out.append(EntryMeta(e["name"], dtype, tuple(shape), e["start"], e["length"], e["codec"], e["offset"],
-                             e["nbytes"], e["nchanged"], th, bh))
+        out.append(_check_entry(k, e, end, blen))
+        end = out[-1].offset + out[-1].nbytes
     return info, out
+
+
+def _hex64(k: int, key: str, h: Any) -> int | None:
+    try:
+        v = None if h is None else int(h, 16)
+    except (TypeError, ValueError):
+        raise CorruptPayloadError(f"bad bucket manifest: entry {k} {key} {h!r}") from None
+    _need(v is None or 0 <= v < 1 << 64, f"entry {k} {key} out of range")
+    return v
+
+
+def _check_entry(k: int, e: Any, end: int, blen: int) -> EntryMeta:
+    """Entry ``k`` of a manifest, checked field by field (``end``: where the previous body ended)."""
+    _need(isinstance(e, dict), f"entry {k}")
+    _need(isinstance(e.get("name"), str), f"entry {k} name")
+    dtype = dtype_from_name(e.get("dtype"))
+    shape = e.get("shape")
+    _need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape), f"entry {k} shape")
+    for f in ("start", "length", "offset", "nbytes", "nchanged"):
+        _need(_is_int(e.get(f)) and e[f] >= 0, f"entry {k} {f}")
+    _need(e["start"] + e["length"] <= math.prod(shape), f"entry {k} range beyond its tensor")
+    _need(e["nchanged"] <= e["length"], f"entry {k} nchanged > length")
+    codec = e.get("codec")
+    _need(isinstance(codec, str) and bool(codec) and codec != "auto", f"entry {k} codec {codec!r}")
+    _need(e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen,
+          f"entry {k} body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
+    th, bh = _hex64(k, "hash", e.get("hash")), _hex64(k, "base_hash", e.get("base_hash"))
+    if codec in CODEC_NAMES:
+        _need("payload" not in e, f"entry {k}: a built-in {codec} entry has no payload field")
+        check_body_length(codec, dtype, e["length"], e["nchanged"], e["nbytes"])
+        payload = None
+    else:  # a user codec: its body is checked by its own apply_
+        payload = _check_user_payload(k, e.get("payload"))
+    return EntryMeta(e["name"], dtype, tuple(shape), e["start"], e["length"], codec, e["offset"], e["nbytes"],
+                     e["nchanged"], th, bh, payload)
+
+
+def _check_user_payload(k: int, p: Any) -> dict[str, Any]:
+    _need(isinstance(p, dict) and set(p) == {"codec", "target_hash", "extra"},
+          f"entry {k} payload {p!r} (a user codec entry needs codec, target_hash, extra)")
+    _need(isinstance(p["codec"], str) and bool(p["codec"]), f"entry {k} payload codec {p['codec']!r}")
+    _hex64(k, "payload target_hash", p["target_hash"])
+    _need(isinstance(p["extra"], dict), f"entry {k} payload extra")
+    return p

@@ -14,15 +14,18 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
 from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, combine_hash, element_bits,
                                    fold_lanes)
-from ._util import as_u8
+from ._util import as_u8, public_impl
 from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length
 from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
 
 #: ``auto``: above this fraction of changed elements the slice goes dense without trying compact.
 AUTO_DENSE_FRACTION = 0.75
+#: Names of the built-in codecs, which take the fused, bucketed fast path of ``SyncSender``.
+BUILTIN_CODECS = ("auto", "compact", "coo", "dense")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -41,11 +44,14 @@ class SliceJob:
 
 @dataclass
 class EncodedSlice:
-    codec: str
+    """One encoded slice as it goes into a bucket entry."""
+
+    codec: str  # built-in payload codec, or the user WeightCodec's name
     nchanged: int
     body: torch.Tensor  # uint8
-    target_hash: int | None
+    target_hash: int | None  # hash of the slice's new bits at its tensor positions
     sizes: dict[str, int] = field(default_factory=dict)  # body bytes of the codecs considered
+    payload: dict | None = None  # user codecs: the payload's own fields (see EntryMeta.payload)
 
 
 def dense_nbytes(bits: torch.Tensor) -> int:
@@ -67,7 +73,7 @@ def _mark(timer, name: str) -> None:
 
 
 def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = True, update_old: bool = False,
-                  copy_dense: bool = True, impl: str | None = None, base_hashes: Sequence[int | None] | None = None,
+                  copy_dense: bool = True, impl: Impl = "auto", base_hashes: Sequence[int | None] | None = None,
                   max_group_changes: int | None = None, timer=None) -> list[EncodedSlice]:
     """Encode a batch of slices with the built-in codec ``codec`` ("dense" | "coo" | "compact" | "auto").
 
@@ -86,143 +92,211 @@ def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = Tru
     their new bits (O(elements)). ``update_old`` leaves every ``old`` equal to its ``new`` (only changed
     elements are written). ``copy_dense=False`` lets dense bodies alias ``new``. ``timer`` (a
     :class:`~sparrow.sync.stats.StageTimer`) gets a mark after each stage.
+
+    Raises:
+        ValueError: ``codec`` is not a built-in codec name, or ``base_hashes`` has the wrong length.
     """
     if codec not in (*CODEC_NAMES, "auto"):
         raise ValueError(f"unknown codec {codec!r}; expected one of dense, coo, compact, auto")
     if not jobs:
         return []
     if base_hashes is not None and len(base_hashes) != len(jobs):
-        raise ValueError("base_hashes must have one entry per job")
-    dev = jobs[0].old.device
-    parts: dict[int, list[int]] = {}
-    for k, j in enumerate(jobs):
-        parts.setdefault(j.old.element_size(), []).append(k)
-    incremental = [with_hash and base_hashes is not None and base_hashes[k] is not None for k in range(len(jobs))]
-    # full hash in the scan only for slices that cannot be updated incrementally (e.g. a first sync / anchor)
-    scan_hash = {eb: with_hash and not all(incremental[k] for k in idx) for eb, idx in parts.items()}
-    scans = {eb: K.group_diff_scan([jobs[k].old for k in idx], [jobs[k].new for k in idx],
-                                   hash_starts=[jobs[k].start for k in idx] if scan_hash[eb] else None, impl=impl)
-             for eb, idx in parts.items()}
-    _mark(timer, "scan")
-    stat = [scans[eb].counts.to(torch.int64) for eb in parts]
-    stat += [scans[eb].hashes.reshape(-1) for eb in parts if scan_hash[eb]]
-    host = torch.cat(stat).tolist()  # host sync 1: change counts (and full hash lanes where computed)
-    counts = [0] * len(jobs)
-    hashes: list[int | None] = [None] * len(jobs)
-    at = 0
-    for eb, idx in parts.items():
-        for k in idx:
-            counts[k] = int(host[at])
-            at += 1
-    for eb, idx in parts.items():
-        if scan_hash[eb]:
-            for k in idx:
-                hashes[k] = fold_lanes(host[at], host[at + 1])
-                at += 2
-    _mark(timer, "sync_counts")
-    plan = []
-    for j, m in zip(jobs, counts):
-        want = codec
-        if codec == "auto":
-            want = "dense" if m > AUTO_DENSE_FRACTION * j.old.numel() else "compact"
-        plan.append(want)
-    # dense slices whose target hash is still unknown: full hash of the new bits (they cost O(n) anyway)
-    full_idx = [k for k in range(len(jobs)) if with_hash and hashes[k] is None and plan[k] == "dense"]
-    full_lanes = []
-    for eb in parts:
-        idx = [k for k in full_idx if jobs[k].old.element_size() == eb]
-        if idx:
-            full_lanes.append((idx, K.group_hash_bits([jobs[k].new for k in idx], [jobs[k].start for k in idx],
-                                                      impl=scans[eb].impl)))
+        raise ValueError(f"base_hashes must have one entry per job: {len(base_hashes)} for {len(jobs)} jobs")
+    enc = _Encoding(jobs, codec, with_hash, base_hashes, timer)
+    _scan(enc, impl)
+    _read_counts(enc)  # host sync 1
+    _plan(enc)
+    _hash_dense_slices(enc)
     cap = max_group_changes if max_group_changes is not None else 1 << 62
-    records: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    packed: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    deltas: list[tuple[list[int], torch.Tensor]] = []
-    values = "new" if codec == "coo" else "delta"
-    for eb, idx in parts.items():
-        olds = [jobs[k].old for k in idx]
-        news = [jobs[k].new for k in idx]
-        cnts = [counts[k] for k in idx]
-        starts = [jobs[k].start for k in idx]
-        # hash changes only where the scan did not hash the new bits in full (all slices incremental)
-        dacc = K.hash_zeros(len(idx), dev) if with_hash and not scan_hash[eb] else None
-        # runs of consecutive non-dense slices, cut so that a run holds at most `cap` changes
-        runs, a = [], 0
-        while a < len(idx):
-            if plan[idx[a]] == "dense":
-                a += 1
-                continue
-            b, tot = a, 0
-            while b < len(idx) and plan[idx[b]] != "dense" and (b == a or tot + cnts[b] <= cap):
-                tot += cnts[b]
-                b += 1
-            runs.append((a, b))
-            a = b
-        for a, b in runs:
-            pos, val, rec_off = K.group_diff_collect(olds, news, scans[eb], cnts, values=values,
-                                                     update_old=update_old, hash_starts=starts, hash_out=dacc,
-                                                     sub=(a, b))
-            sub_idx = idx[a:b]
-            for k, off in zip(sub_idx, rec_off):
-                records[k] = (pos[off:off + counts[k]], val[off:off + counts[k]])
-            _mark(timer, "collect")
-            cidx = [k for k in sub_idx if plan[k] == "compact"]
-            if cidx:
-                if len(cidx) == len(sub_idx):
-                    cpos, cval = pos, val
-                else:
-                    cpos = torch.cat([records[k][0] for k in cidx])
-                    cval = torch.cat([records[k][1] for k in cidx])
-                out, wbase, nwords = K.group_pack_compact(cpos, cval, [counts[k] for k in cidx], 8 * eb,
-                                                          impl=scans[eb].impl)
-                packed.append((cidx, out, wbase, nwords))
-            _mark(timer, "pack")
-        if dacc is not None:
-            deltas.append((idx, dacc))
-    # host sync 2: packed sizes, hash changes and full hashes of dense slices, all at once
-    tail = [torch.stack([b, n], 1).reshape(-1) for _, _, b, n in packed]
-    tail += [d.to(torch.int64).reshape(-1) for _, d in deltas]
-    tail += [ln.reshape(-1) for _, ln in full_lanes]
-    host2 = torch.cat(tail).tolist() if tail else []
-    _mark(timer, "sync_sizes")
-    at = 0
-    words_of: dict[int, torch.Tensor] = {}
-    for cidx, out, _, _ in packed:
-        for k in cidx:
-            words_of[k] = out[host2[at]: host2[at] + host2[at + 1]]
-            at += 2
-    for idx, _ in deltas:
-        for k in idx:
-            if plan[k] != "dense":  # dense slices: full hash (full_lanes)
-                hashes[k] = add_lanes(int(base_hashes[k]), host2[at], host2[at + 1])  # type: ignore[index]
-            at += 2
-    for idx, _ in full_lanes:
-        for k in idx:
-            hashes[k] = fold_lanes(host2[at], host2[at + 1])
-            at += 2
-    result: list[EncodedSlice] = []
-    for k, (j, m) in enumerate(zip(jobs, counts)):
-        ebits = 8 * j.old.element_size()
-        sizes = {"dense": dense_nbytes(j.new), "coo": coo_nbytes(m, ebits)}
-        kind = plan[k]
-        if kind == "compact":
-            sizes["compact"] = 4 * words_of[k].numel()
-            if codec == "auto":
-                kind = min(("compact", "coo", "dense"), key=lambda c: sizes[c])  # ties: compact first
-        if kind == "compact":
-            body = as_u8(words_of[k])
-        elif kind == "coo":
-            pos, val = records[k]
-            if codec != "coo":  # auto chose COO after packing: new values at the changed positions
-                val = j.new[pos.to(torch.int64)].to(torch.int32) & ((1 << ebits) - 1)
-            body = _coo_body(pos, val, j.new.dtype)
-        else:
-            body = as_u8(j.new).clone() if copy_dense else as_u8(j.new)
-            if update_old:
-                j.old.copy_(j.new)
-        result.append(EncodedSlice(kind, int(m), body, hashes[k], sizes))
+    for eb, idx in enc.parts.items():
+        _collect_and_pack(enc, eb, idx, cap, update_old)
+    _read_sizes_and_hashes(enc)  # host sync 2
+    result = [_finish_slice(enc, k, copy_dense, update_old) for k in range(len(jobs))]
     _mark(timer, "finish")
     return result
+
+
+@dataclass
+class _Encoding:
+    """What the steps of one :func:`encode_slices` call hand on to each other (per job index ``k``)."""
+
+    jobs: Sequence[SliceJob]
+    codec: str
+    with_hash: bool
+    base_hashes: Sequence[int | None] | None
+    timer: object
+    parts: dict[int, list[int]] = field(default_factory=dict)  # element size -> job indices
+    scan_hash: dict[int, bool] = field(default_factory=dict)  # element size -> the scan hashes new bits
+    scans: dict[int, K.GroupScan] = field(default_factory=dict)
+    counts: list[int] = field(default_factory=list)
+    hashes: list[int | None] = field(default_factory=list)  # target hashes, as they become known
+    plan: list[str] = field(default_factory=list)  # codec per job before auto's final choice
+    full_lanes: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # dense: full hash lanes
+    records: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    packed: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    deltas: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # hash-change accumulators
+    words_of: dict[int, torch.Tensor] = field(default_factory=dict)  # compact bodies (int32 words)
+
+
+def _scan(enc: _Encoding, impl: Impl) -> None:
+    """Step 1: group the jobs by bit width and launch the diff scans (no host sync)."""
+    jobs = enc.jobs
+    for k, j in enumerate(jobs):
+        enc.parts.setdefault(j.old.element_size(), []).append(k)
+    incremental = [enc.with_hash and enc.base_hashes is not None and enc.base_hashes[k] is not None
+                   for k in range(len(jobs))]
+    # full hash in the scan only for slices that cannot be updated incrementally (e.g. a first sync / anchor)
+    enc.scan_hash = {eb: enc.with_hash and not all(incremental[k] for k in idx) for eb, idx in enc.parts.items()}
+    enc.scans = {eb: K.group_diff_scan([jobs[k].old for k in idx], [jobs[k].new for k in idx],
+                                       hash_starts=[jobs[k].start for k in idx] if enc.scan_hash[eb] else None,
+                                       impl=impl)
+                 for eb, idx in enc.parts.items()}
+    _mark(enc.timer, "scan")
+
+
+def _read_counts(enc: _Encoding) -> None:
+    """Host sync 1: the change count of every slice (and the full hash lanes where the scan made them)."""
+    stat = [enc.scans[eb].counts.to(torch.int64) for eb in enc.parts]
+    stat += [enc.scans[eb].hashes.reshape(-1) for eb in enc.parts if enc.scan_hash[eb]]
+    host = torch.cat(stat).tolist()  # host sync 1: change counts (and full hash lanes where computed)
+    enc.counts = [0] * len(enc.jobs)
+    enc.hashes = [None] * len(enc.jobs)
+    at = 0
+    for idx in enc.parts.values():
+        for k in idx:
+            enc.counts[k] = int(host[at])
+            at += 1
+    for eb, idx in enc.parts.items():
+        if enc.scan_hash[eb]:
+            for k in idx:
+                enc.hashes[k] = fold_lanes(host[at], host[at + 1])
+                at += 2
+    _mark(enc.timer, "sync_counts")
+
+
+def _plan(enc: _Encoding) -> None:
+    """Step 2a: each slice's codec; ``auto`` sends a slice dense above ``AUTO_DENSE_FRACTION`` changed."""
+    enc.plan = []
+    for j, m in zip(enc.jobs, enc.counts):
+        want = enc.codec
+        if enc.codec == "auto":
+            want = "dense" if m > AUTO_DENSE_FRACTION * j.old.numel() else "compact"
+        enc.plan.append(want)
+
+
+def _hash_dense_slices(enc: _Encoding) -> None:
+    """Step 2b: dense slices whose target hash is still unknown get the full hash of their new bits (they
+    cost O(n) anyway); lanes stay on the device until host sync 2."""
+    jobs = enc.jobs
+    full_idx = [k for k in range(len(jobs)) if enc.with_hash and enc.hashes[k] is None and enc.plan[k] == "dense"]
+    for eb in enc.parts:
+        idx = [k for k in full_idx if jobs[k].old.element_size() == eb]
+        if idx:
+            enc.full_lanes.append((idx, K.group_hash_bits([jobs[k].new for k in idx], [jobs[k].start for k in idx],
+                                                          impl=enc.scans[eb].impl)))
+
+
+def _runs(idx: list[int], plan: list[str], cnts: list[int], cap: int) -> list[tuple[int, int]]:
+    """Runs ``[a, b)`` of consecutive non-dense slices of ``idx``, cut so that a run holds at most ``cap``
+    changes (a run holds at least one slice)."""
+    runs, a = [], 0
+    while a < len(idx):
+        if plan[idx[a]] == "dense":
+            a += 1
+            continue
+        b, tot = a, 0
+        while b < len(idx) and plan[idx[b]] != "dense" and (b == a or tot + cnts[b] <= cap):
+            tot += cnts[b]
+            b += 1
+        runs.append((a, b))
+        a = b
+    return runs
+
+
+def _collect_and_pack(enc: _Encoding, eb: int, idx: list[int], cap: int, update_old: bool) -> None:
+    """Step 2c, for the slices ``idx`` of element size ``eb``: per run, collect the records (+ snapshot
+    update, + hash change), then pack the compact ones."""
+    jobs = enc.jobs
+    olds = [jobs[k].old for k in idx]
+    news = [jobs[k].new for k in idx]
+    cnts = [enc.counts[k] for k in idx]
+    starts = [jobs[k].start for k in idx]
+    # hash changes only where the scan did not hash the new bits in full (all slices incremental)
+    dacc = K.hash_zeros(len(idx), olds[0].device) if enc.with_hash and not enc.scan_hash[eb] else None
+    values = "new" if enc.codec == "coo" else "delta"
+    for a, b in _runs(idx, enc.plan, cnts, cap):
+        pos, val, rec_off = K.group_diff_collect(olds, news, enc.scans[eb], cnts, values=values,
+                                                 update_old=update_old, hash_starts=starts, hash_out=dacc,
+                                                 sub=(a, b))
+        for k, off in zip(idx[a:b], rec_off):
+            enc.records[k] = (pos[off:off + enc.counts[k]], val[off:off + enc.counts[k]])
+        _mark(enc.timer, "collect")
+        _pack_run(enc, eb, idx[a:b], pos, val)
+        _mark(enc.timer, "pack")
+    if dacc is not None:
+        enc.deltas.append((idx, dacc))
+
+
+def _pack_run(enc: _Encoding, eb: int, sub_idx: list[int], pos: torch.Tensor, val: torch.Tensor) -> None:
+    """Compact bodies of the compact slices of one collected run (one launch; sizes read at host sync 2)."""
+    cidx = [k for k in sub_idx if enc.plan[k] == "compact"]
+    if not cidx:
+        return
+    if len(cidx) == len(sub_idx):
+        cpos, cval = pos, val
+    else:
+        cpos = torch.cat([enc.records[k][0] for k in cidx])
+        cval = torch.cat([enc.records[k][1] for k in cidx])
+    out, wbase, nwords = K.group_pack_compact(cpos, cval, [enc.counts[k] for k in cidx], 8 * eb,
+                                              impl=enc.scans[eb].impl)
+    enc.packed.append((cidx, out, wbase, nwords))
+
+
+def _read_sizes_and_hashes(enc: _Encoding) -> None:
+    """Host sync 2: packed sizes, hash changes and full hashes of dense slices, all at once."""
+    tail = [torch.stack([b, n], 1).reshape(-1) for _, _, b, n in enc.packed]
+    tail += [d.to(torch.int64).reshape(-1) for _, d in enc.deltas]
+    tail += [ln.reshape(-1) for _, ln in enc.full_lanes]
+    host = torch.cat(tail).tolist() if tail else []  # host sync 2
+    _mark(enc.timer, "sync_sizes")
+    at = 0
+    for cidx, out, _, _ in enc.packed:
+        for k in cidx:
+            enc.words_of[k] = out[host[at]: host[at] + host[at + 1]]
+            at += 2
+    for idx, _ in enc.deltas:
+        for k in idx:
+            if enc.plan[k] != "dense":  # dense slices: full hash (full_lanes)
+                enc.hashes[k] = add_lanes(int(enc.base_hashes[k]), host[at], host[at + 1])  # type: ignore[index]
+            at += 2
+    for idx, _ in enc.full_lanes:
+        for k in idx:
+            enc.hashes[k] = fold_lanes(host[at], host[at + 1])
+            at += 2
+
+
+def _finish_slice(enc: _Encoding, k: int, copy_dense: bool, update_old: bool) -> EncodedSlice:
+    """Step 3: slice ``k``'s codec (``auto``: the smallest body, ties to compact) and body."""
+    j, m = enc.jobs[k], enc.counts[k]
+    ebits = 8 * j.old.element_size()
+    sizes = {"dense": dense_nbytes(j.new), "coo": coo_nbytes(m, ebits)}
+    kind = enc.plan[k]
+    if kind == "compact":
+        sizes["compact"] = 4 * enc.words_of[k].numel()
+        if enc.codec == "auto":
+            kind = min(("compact", "coo", "dense"), key=lambda c: sizes[c])  # ties: compact first
+    if kind == "compact":
+        body = as_u8(enc.words_of[k])
+    elif kind == "coo":
+        pos, val = enc.records[k]
+        if enc.codec != "coo":  # auto chose COO after packing: new values at the changed positions
+            val = j.new[pos.to(torch.int64)].to(torch.int32) & ((1 << ebits) - 1)
+        body = _coo_body(pos, val, j.new.dtype)
+    else:
+        body = as_u8(j.new).clone() if copy_dense else as_u8(j.new)
+        if update_old:
+            j.old.copy_(j.new)
+    return EncodedSlice(kind, int(m), body, enc.hashes[k], sizes)
 
 
 @dataclass
@@ -237,7 +311,7 @@ class Decoded:
 
 
 def decode_slice(codec: str, body: torch.Tensor, n: int, dtype: torch.dtype, nchanged: int, *,
-                 defer_check: bool = False, impl: str | None = None) -> Decoded:
+                 defer_check: bool = False, impl: Impl = "auto") -> Decoded:
     """Decode one slice body. Raises :class:`CorruptPayloadError` for any invalid body (length, indices
     out of range or unordered, bad compact fields). With ``defer_check`` device-side checks are returned
     in ``Decoded.bad`` instead (no host sync); the records must not be used until it is checked."""
@@ -268,7 +342,7 @@ def decode_slice(codec: str, body: torch.Tensor, n: int, dtype: torch.dtype, nch
     raise CorruptPayloadError(f"unknown codec {codec!r}")
 
 
-def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, impl: str | None = None,
+def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, impl: Impl = "auto",
                   hash_start: int | None = None, hash_out: torch.Tensor | None = None):
     """Write a validated decode into the flat bit view ``bits``; returns what :func:`undo_decoded` needs.
     ``hash_out`` (int32 ``[1, 2]``, sparse codecs only) receives the hash change of the written elements
@@ -289,7 +363,7 @@ def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, i
     return None
 
 
-def undo_decoded(bits: torch.Tensor, dec: Decoded, undo, *, impl: str | None = None) -> None:
+def undo_decoded(bits: torch.Tensor, dec: Decoded, undo, *, impl: Impl = "auto") -> None:
     """Restore the bits :func:`apply_decoded` overwrote (bit-exact)."""
     if dec.codec == "dense":
         bits.copy_(undo)
@@ -313,7 +387,7 @@ def _check_pair(base: torch.Tensor, new: torch.Tensor) -> None:
         raise ValueError(f"device mismatch: base {base.device}, new {new.device}")
 
 
-def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, impl: str | None) -> Payload:
+def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, impl: Impl) -> Payload:
     _check_pair(base, new)
     b = bits_view(base.detach().contiguous())
     x = bits_view(new.detach().contiguous())
@@ -322,10 +396,13 @@ def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, 
                    target_hash=s.target_hash, extra={"sizes": s.sizes})
 
 
-def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: str | None = None) -> None:
-    """Apply ``payload`` to ``base`` in place (see :func:`apply_`)."""
+def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: Impl = "auto") -> None:
+    """Apply a built-in ``payload`` to ``base`` in place (see :func:`apply_`)."""
     if not isinstance(payload, Payload):
         raise TypeError(f"expected a Payload, got {type(payload).__name__}")
+    if payload.codec not in CODEC_NAMES:
+        raise CorruptPayloadError(f"payload codec {payload.codec!r} is not built in ({', '.join(CODEC_NAMES)}): "
+                                  "apply it with the apply_ of the WeightCodec that made it")
     if base.dtype != payload.dtype or tuple(base.shape) != tuple(payload.shape):
         raise ShapeMismatchError(f"payload is for {payload.dtype}{list(payload.shape)}, target is "
                                  f"{base.dtype}{list(base.shape)}")
@@ -347,12 +424,17 @@ def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, 
 
 
 class _BuiltinCodec(WeightCodec):
+    """A built-in codec as a :class:`WeightCodec`. ``with_hash``: store the target hash in each payload;
+    ``verify``: check it on apply; ``impl``: kernel implementation (``None``: deprecated ``"auto"``).
+    Given to :class:`~sparrow.sync.SyncSender`, only its name counts (the sender has its own
+    ``with_hash`` / ``impl``)."""
+
     name = "auto"
 
-    def __init__(self, *, with_hash: bool = True, verify: bool = True, impl: str | None = None) -> None:
+    def __init__(self, *, with_hash: bool = True, verify: bool = True, impl: Impl = "auto") -> None:
         self.with_hash = with_hash
         self.verify = verify
-        self.impl = impl
+        self.impl = public_impl(impl)
 
     def encode(self, base: torch.Tensor, new: torch.Tensor) -> Payload:
         return _encode(self.name, base, new, self.with_hash, self.impl)
@@ -375,7 +457,7 @@ class CooCodec(_BuiltinCodec):
 
 class CompactCodec(_BuiltinCodec):
     """Elias-Fano positions (per block of 1024 changes) + zig-zag bit-pattern deltas packed at a per-block
-    width with escapes; ~10.5 bits per changed element at 1% density (see ``docs/sync.md``)."""
+    width with escapes (format and measured sizes: ``docs/sync.md``)."""
 
     name = "compact"
 
@@ -389,6 +471,16 @@ class AutoCodec(_BuiltinCodec):
 _REGISTRY: dict[str, type[_BuiltinCodec]] = {c.name: c for c in (DenseCodec, CooCodec, CompactCodec, AutoCodec)}
 
 
+def builtin_codec_name(codec: object) -> str | None:
+    """``codec``'s name if it is a built-in codec (a name in :data:`BUILTIN_CODECS`, or an instance of one of
+    the built-in classes under its own name), else ``None`` (a user codec, or not a codec at all)."""
+    if isinstance(codec, str):
+        return codec if codec in _REGISTRY else None
+    if isinstance(codec, _BuiltinCodec) and codec.name in _REGISTRY:
+        return codec.name
+    return None
+
+
 def get_codec(codec: str | WeightCodec, **kwargs) -> WeightCodec:
     """A codec instance from a name (``"dense"``, ``"coo"``, ``"compact"``, ``"auto"``) or an instance."""
     if isinstance(codec, WeightCodec):
@@ -400,14 +492,16 @@ def get_codec(codec: str | WeightCodec, **kwargs) -> WeightCodec:
 
 
 def encode(base: torch.Tensor, new: torch.Tensor, codec: str | WeightCodec = "auto", *,
-           with_hash: bool = True, impl: str | None = None) -> Payload:
+           with_hash: bool = True, impl: Impl = "auto") -> Payload:
     """Encode the change from ``base`` to ``new`` (same shape, dtype in {bf16, fp16, fp32}, device).
 
     Neither tensor is modified. ``codec``: ``"auto"`` (default: smallest of compact / COO / dense),
     ``"compact"``, ``"coo"``, ``"dense"`` or a :class:`WeightCodec` instance. ``with_hash`` stores the
-    hash of ``new``'s bits so :func:`apply_` can verify the result. Raises ``TypeError`` (dtype) or
-    ``ValueError`` (shape / device mismatch, unknown codec).
+    hash of ``new``'s bits so :func:`apply_` can verify the result; ``impl``: kernel implementation
+    (``None``: deprecated spelling of ``"auto"``). Raises ``TypeError`` (dtype) or ``ValueError`` (shape /
+    device mismatch, unknown codec, bad ``impl``).
     """
+    impl = public_impl(impl)
     if isinstance(codec, WeightCodec):
         return codec.encode(base, new)
     if codec not in _REGISTRY:
@@ -415,15 +509,18 @@ def encode(base: torch.Tensor, new: torch.Tensor, codec: str | WeightCodec = "au
     return _encode(codec, base, new, with_hash, impl)
 
 
-def apply_(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: str | None = None) -> None:
-    """Apply ``payload`` to ``base`` in place, bit-exactly.
+def apply_(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: Impl = "auto") -> None:
+    """Apply a built-in codec's ``payload`` to ``base`` in place, bit-exactly (a user codec's payload goes
+    through that codec's own ``apply_``).
 
-    ``base``: contiguous tensor of the payload's dtype and shape holding the encoder's base bits.
-    Raises :class:`ShapeMismatchError`, :class:`CorruptPayloadError` (invalid body / indices; checked
-    before any write) or :class:`HashMismatchError` (``verify`` and the result's hash differs from the
-    payload's target hash; the write is undone first). ``base`` is unchanged when an error is raised.
+    ``base``: contiguous tensor of the payload's dtype and shape holding the encoder's base bits. ``impl``:
+    kernel implementation (``None``: deprecated spelling of ``"auto"``).
+    Raises :class:`ShapeMismatchError`, :class:`CorruptPayloadError` (invalid body / indices, or not a
+    built-in payload; checked before any write) or :class:`HashMismatchError` (``verify`` and the result's
+    hash differs from the payload's target hash; the write is undone first); ``ValueError`` (bad ``impl``).
+    ``base`` is unchanged when an error is raised.
     """
-    apply_payload(base, payload, verify=verify, impl=impl)
+    apply_payload(base, payload, verify=verify, impl=public_impl(impl))
 
 
 def position_entropy_bits(n: int, m: int) -> float:
@@ -442,5 +539,5 @@ def empirical_entropy_bits(values: torch.Tensor) -> float:
     return float(-(counts.double() * torch.log2(p)).sum())
 
 
-__all__ = ["AUTO_DENSE_FRACTION", "AutoCodec", "CompactCodec", "CooCodec", "DenseCodec", "apply_", "encode",
-           "empirical_entropy_bits", "get_codec", "position_entropy_bits"]
+__all__ = ["AUTO_DENSE_FRACTION", "BUILTIN_CODECS", "AutoCodec", "CompactCodec", "CooCodec", "DenseCodec", "apply_",
+           "builtin_codec_name", "encode", "empirical_entropy_bits", "get_codec", "position_entropy_bits"]

@@ -44,3 +44,8 @@ class HashMismatchError(SyncError):
 
 class ResyncRequiredError(SyncError):
     """The receiver refuses delta payloads until it gets a dense anchor (after an earlier failure)."""
+
+
+class UnknownCodecError(SyncError):
+    """A bucket entry names a user codec (:class:`~sparrow.sync.WeightCodec`) that the receiver was not given
+    (``SyncReceiver(..., codecs=[...])``); the bucket is refused before anything is written."""

@@ -8,13 +8,16 @@ from typing import Iterator, Mapping
 
 import torch
 
+from ..kernels.common.impl import Impl
 from ..kernels.sync.common import MAX_SLICE_ELEMS, bits_view, element_bits, fold_lanes
-from ._util import hash_views
+from ._util import hash_views, public_impl
+from .base import WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, build_bucket
-from .codecs import SliceJob, encode_slices
+from .codecs import BUILTIN_CODECS, EncodedSlice, SliceJob, builtin_codec_name, encode_slices
 from .errors import ShapeMismatchError
 from .stats import SyncStats
 from .transport import Transport
+from .user_codecs import encode_user_slice, encoded_slice
 
 
 class SyncSender:
@@ -25,8 +28,11 @@ class SyncSender:
             casts of the trainer's fp32 master weights. Copied into the snapshot (same device and dtype,
             bf16 / fp16 / fp32). The receivers must start from the same bits (the target hashes catch it
             when they do not, and they then ask for a dense resync).
-        codec: ``"auto"`` (default: per slice the smallest of compact / COO / dense), ``"compact"``,
-            ``"coo"`` or ``"dense"``.
+        codec: a built-in codec, by name or instance: ``"auto"`` (default: per slice the smallest of
+            compact / COO / dense), ``"compact"``, ``"coo"``, ``"dense"`` (fused, bucketed kernels); or a
+            user :class:`~sparrow.sync.WeightCodec`, whose ``encode`` runs per tensor slice (1-D views of
+            the snapshot and of the new state) inside the same buckets; receivers need it in their
+            ``codecs``. Anchors are always built-in dense, so a receiver can resync without the codec.
         bucket_bytes: upper bound on one transfer (a bucket holds at least one slice; slices are at most
             ``bucket_bytes`` of dense data, so only a COO slice at high density can exceed it).
         run_id: identifies this sender's version sequence (default: random).
@@ -36,30 +42,36 @@ class SyncSender:
             changed elements only (fused into the diff), so hashing costs O(changes) per sync.
         max_slice_elems: tensors larger than this are split into slices (bounds scratch memory).
         initial_anchor: make the first sync dense.
-        impl: kernel implementation (None: Triton on CUDA, reference on CPU).
+        impl: kernel implementation: ``"auto"`` (Triton on CUDA tensors, the reference elsewhere),
+            ``"reference"`` or ``"triton"``; ``None`` is a deprecated spelling of ``"auto"``.
+
+    Raises:
+        ValueError: unknown codec name, a user codec with a reserved or empty name, ``bucket_bytes`` below
+            1024, negative ``anchor_every``, bad ``impl``.
+        TypeError: ``codec`` is neither a name nor a :class:`~sparrow.sync.WeightCodec`; a tensor of an
+            unsupported dtype.
 
     Memory: the snapshot (one copy of the state in its dtype) plus per bucket of input the records and
-    packed bodies of its changed elements.
+    packed bodies of its changed elements (user codecs: their payloads).
     """
 
-    CODECS = ("auto", "compact", "coo", "dense")
+    #: Names of the built-in codecs (``codec=`` also takes a user :class:`~sparrow.sync.WeightCodec`).
+    CODECS = BUILTIN_CODECS
 
-    def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, codec: str = "auto",
+    def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, codec: str | WeightCodec = "auto",
                  bucket_bytes: int = 256 << 20, run_id: str | None = None, anchor_every: int = 0,
                  with_hash: bool = True, max_slice_elems: int = 1 << 25, initial_anchor: bool = False,
-                 impl: str | None = None) -> None:
-        if codec not in self.CODECS:
-            raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(self.CODECS)}")
+                 impl: Impl = "auto") -> None:
+        self.codec: str | WeightCodec = self._resolve_codec(codec)
         if bucket_bytes < 1024:
-            raise ValueError("bucket_bytes must be at least 1024")
+            raise ValueError(f"bucket_bytes must be at least 1024, got {bucket_bytes}")
         if anchor_every < 0:
-            raise ValueError("anchor_every must be >= 0")
-        self.codec = codec
+            raise ValueError(f"anchor_every must be >= 0, got {anchor_every}")
+        self.impl = public_impl(impl)
         self.bucket_bytes = int(bucket_bytes)
         self.run_id = run_id if run_id is not None else uuid.uuid4().hex[:16]
         self.anchor_every = int(anchor_every)
         self.with_hash = with_hash
-        self.impl = impl
         self.version = 0
         self._force_anchor = initial_anchor
         self.snapshot: dict[str, torch.Tensor] = {}
@@ -84,6 +96,17 @@ class SyncSender:
         self._hash: list[int | None] = [None] * len(self._slices)
         if with_hash:
             self.rehash()
+
+    @classmethod
+    def _resolve_codec(cls, codec: object) -> str | WeightCodec:
+        """A built-in codec's name, or the user codec itself (its name checked)."""
+        name = builtin_codec_name(codec)
+        if name is not None:
+            return name
+        if isinstance(codec, str):
+            raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(cls.CODECS)} or a WeightCodec")
+        user_codec_name(codec)
+        return codec  # type: ignore[return-value]
 
     def rehash(self) -> None:
         """Recompute the running hash of every snapshot slice from its bits (one pass over the snapshot).
@@ -135,7 +158,9 @@ class SyncSender:
 
         The snapshot is updated as slices are encoded; consume the iterator fully (``send`` does).
         Tensors of another float dtype are cast to the snapshot's dtype first. Raises
-        :class:`ShapeMismatchError` for missing / extra names or shape mismatches.
+        :class:`ShapeMismatchError` for missing / extra names or shape mismatches; an error raised by a user
+        codec's ``encode`` or found in its payloads (``TypeError`` / ``ValueError`` naming the slice) comes
+        before anything is written: the snapshot and the version stay as they were.
         """
         stats = stats if stats is not None else SyncStats()
         is_anchor = self._next_is_anchor(anchor)
@@ -143,31 +168,75 @@ class SyncSender:
         stats.run_id, stats.base_version, stats.target_version, stats.anchor = self.run_id, base, target, is_anchor
         new_bits = self._new_bits(new_named)
         codec = "dense" if is_anchor else self.codec
-        index = 0
-        pending: list[tuple[EntryMeta, torch.Tensor]] = []
-        pending_bytes = 0
-        timer = self.timer
-        if timer is not None:
-            timer.start()
+        if self.timer is not None:
+            self.timer.start()
+        t0 = time.perf_counter()
+        if isinstance(codec, str):
+            enc = self._encode_builtin(codec, new_bits, target, is_anchor)
+        else:
+            enc = self._encode_user(codec, new_bits, target)
+        stats.encode_s += time.perf_counter() - t0
+        yield from self._buckets(enc, base, target, is_anchor, stats)
+        self._force_anchor = False
+
+    def _reserve(self, target: int) -> None:
         # From here on the snapshot moves to `target`: reserve the version and make the next sync an
         # anchor unless this one completes (a failed sync must never be followed by a delta).
         self.version = target
         self._force_anchor = True
-        t0 = time.perf_counter()
+
+    def _jobs(self, new_bits: dict[str, torch.Tensor]) -> list[SliceJob]:
         jobs = []
         for name, s, n in self._slices:
             snap_bits = bits_view(self.snapshot[name])
             jobs.append(SliceJob(snap_bits[s:s + n], new_bits[name][s:s + n], s))
+        return jobs
+
+    def _encode_builtin(self, codec: str, new_bits: dict[str, torch.Tensor], target: int,
+                        is_anchor: bool) -> list[EncodedSlice]:
+        """The fused path: every slice in one :func:`encode_slices` call (which updates the snapshot)."""
+        self._reserve(target)
         base_hashes = list(self._hash) if (self.with_hash and not is_anchor) else None
         with torch.no_grad():
-            enc = encode_slices(jobs, codec, with_hash=self.with_hash, update_old=True, copy_dense=False,
-                                impl=self.impl, base_hashes=base_hashes, max_group_changes=self.max_group_changes,
-                                timer=timer)
-        stats.encode_s += time.perf_counter() - t0
+            return encode_slices(self._jobs(new_bits), codec, with_hash=self.with_hash, update_old=True,
+                                 copy_dense=False, impl=self.impl, base_hashes=base_hashes,
+                                 max_group_changes=self.max_group_changes, timer=self.timer)
+
+    def _encode_user(self, codec: WeightCodec, new_bits: dict[str, torch.Tensor],
+                     target: int) -> list[EncodedSlice]:
+        """A user codec: ``encode`` per slice (nothing is written until every slice is encoded), the full
+        hash of every new slice (one host sync), then the snapshot takes the new bits."""
+        name = codec.name
+        jobs = self._jobs(new_bits)
+        with torch.no_grad():
+            payloads = []
+            for (tname, s, n), j in zip(self._slices, jobs):
+                dtype = self.snapshot[tname].dtype
+                payloads.append(encode_user_slice(codec, name, j.old.view(dtype), j.new.view(dtype),
+                                                  f"{tname}[{s}:{s + n}]"))
+            if self.timer is not None:
+                self.timer.mark("user_encode")
+            hashes: list[int | None] = [None] * len(jobs)
+            if self.with_hash and jobs:
+                host = hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl).tolist()
+                hashes = [fold_lanes(a, b) for a, b in host]  # one host sync for every slice
+            self._reserve(target)
+            for j in jobs:
+                j.old.copy_(j.new)
+        if self.timer is not None:
+            self.timer.mark("user_hash_update")
+        return [encoded_slice(name, p, h) for p, h in zip(payloads, hashes)]
+
+    def _buckets(self, enc: list[EncodedSlice], base: int, target: int, is_anchor: bool,
+                 stats: SyncStats) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
+        """Manifest entries of the encoded slices, cut into buckets of at most ``bucket_bytes`` of bodies."""
+        index = 0
+        pending: list[tuple[EntryMeta, torch.Tensor]] = []
+        pending_bytes = 0
         for i, ((name, s, n), e) in enumerate(zip(self._slices, enc)):
             snap = self.snapshot[name]
             meta = EntryMeta(name, snap.dtype, tuple(snap.shape), s, n, e.codec, 0, e.body.numel(),
-                             e.nchanged, e.target_hash, self._hash[i] if self.with_hash else None)
+                             e.nchanged, e.target_hash, self._hash[i] if self.with_hash else None, e.payload)
             self._hash[i] = e.target_hash
             stats.entries += 1
             stats.numel += n
@@ -182,7 +251,6 @@ class SyncSender:
             pending.append((meta, e.body))
             pending_bytes += e.body.numel()
         yield self._finish(pending, base, target, index, True, is_anchor, stats)
-        self._force_anchor = False
 
     def _finish(self, entries, base, target, index, last, anchor, stats) -> tuple[torch.Tensor, BucketInfo]:
         t0 = time.perf_counter()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 
 @dataclass
@@ -48,12 +51,6 @@ class SyncStats:
         self.codec_entries[codec] = self.codec_entries.get(codec, 0) + 1
         self.codec_bytes[codec] = self.codec_bytes.get(codec, 0) + nbytes
 
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ratio"] = self.ratio
-        d["density"] = self.density
-        return d
-
 
 class StageTimer:
     """Per-stage timing of one encode / apply (used by ``benchmarks/bench_sync_throughput.py``).
@@ -65,10 +62,7 @@ class StageTimer:
     the same name accumulate. Attach one as ``SyncSender.timer`` / ``SyncReceiver.timer``.
     """
 
-    def __init__(self, device: "torch.device | str | None" = None) -> None:
-        import torch
-
-        self._torch = torch
+    def __init__(self, device: torch.device | str | None = None) -> None:
         dev = torch.device(device) if device is not None else None
         self.cuda = dev is not None and dev.type == "cuda"
         self._marks: list[tuple[str, Any, float]] = []
@@ -76,18 +70,14 @@ class StageTimer:
     def _event(self):
         if not self.cuda:
             return None
-        ev = self._torch.cuda.Event(enable_timing=True)
+        ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         return ev
 
     def start(self) -> None:
-        import time
-
         self._marks = [("", self._event(), time.perf_counter())]
 
     def mark(self, name: str) -> None:
-        import time
-
         if not self._marks:
             self.start()
         self._marks.append((name, self._event(), time.perf_counter()))
@@ -95,7 +85,7 @@ class StageTimer:
     def result(self) -> dict[str, dict[str, float]]:
         """``{stage: {"gpu_ms", "cpu_ms"}}`` (synchronises the device)."""
         if self.cuda:
-            self._torch.cuda.synchronize()
+            torch.cuda.synchronize()
         out: dict[str, dict[str, float]] = {}
         for (_, e0, t0), (name, e1, t1) in zip(self._marks, self._marks[1:]):
             d = out.setdefault(name, {"gpu_ms": 0.0, "cpu_ms": 0.0})

@@ -7,33 +7,41 @@ from typing import Mapping, Sequence
 
 import torch
 
+from ..kernels.common.impl import Impl
 from ..kernels.sync.common import bits_view
+from ._util import public_impl
+from .base import WeightCodec
+from .codecs import builtin_codec_name
 from .receiver import SyncReceiver
 from .sender import SyncSender
 from .transport import InProcessTransport
 
 
-def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str = "auto", bucket_bytes: int = 256 << 20,
-           densities: Sequence[float] = (1e-3, 0.1, 0.9), max_bytes: int | None = 1 << 30, seed: int = 0,
-           impl: str | None = None) -> float:
+def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str | WeightCodec = "auto",
+           bucket_bytes: int = 256 << 20, densities: Sequence[float] = (1e-3, 0.1, 0.9),
+           max_bytes: int | None = 1 << 30, seed: int = 0, impl: Impl = "auto") -> float:
     """Send and apply a few syncs of made-up changes between private copies of ``named_tensors``, so that the
     sender's and receiver's kernels compile (Triton, on a GPU) now rather than inside the first sync that
-    carries changed elements: on an H200 that first sync of a GRPO run spent 6.7 s encoding and 1.7 s
-    applying, once. Each sync flips the lowest bit of a ``density`` fraction of every tensor's elements (one
-    sync per entry of ``densities``: sparse, dense-ish and nearly all-changed slices take different code paths
-    of ``"auto"``) and the result is checked bit for bit.
+    carries changed elements (a cost paid once per process). Each sync flips the lowest bit of a ``density``
+    fraction of every tensor's elements (one sync per entry of ``densities``: sparse, dense-ish and nearly
+    all-changed slices take different code paths of ``"auto"``) and the result is checked bit for bit.
 
     Args:
         named_tensors: the tensors a real sync will carry (read only; bf16 / fp16 / fp32).
-        codec, bucket_bytes, impl: as the real :class:`SyncSender` / :class:`SyncReceiver` will use.
+        codec, bucket_bytes, impl: as the real :class:`SyncSender` / :class:`SyncReceiver` will use (a user
+            :class:`~sparrow.sync.WeightCodec` is given to the private receiver too; ``impl=None``:
+            deprecated spelling of ``"auto"``).
         max_bytes: take tensors in order until this many bytes (None: all); memory is three copies of them.
 
     Returns: the seconds it took.
 
     Raises:
         RuntimeError: the receiver's copy does not hold the sender's bits afterwards (a broken codec).
+        ValueError / TypeError: as :class:`SyncSender` for a bad ``codec``, ``bucket_bytes`` or ``impl``.
     """
     t0 = time.perf_counter()
+    impl = public_impl(impl)
+    user = [] if isinstance(codec, str) or builtin_codec_name(codec) is not None else [codec]
     chosen: dict[str, torch.Tensor] = {}
     total = 0
     for name, t in named_tensors.items():
@@ -43,7 +51,7 @@ def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str = "auto", bu
         total += t.numel() * t.element_size()
     sender = SyncSender(chosen, codec=codec, bucket_bytes=bucket_bytes, impl=impl)
     held = {n: t.clone(memory_format=torch.contiguous_format) for n, t in chosen.items()}
-    receiver = SyncReceiver(held, impl=impl)
+    receiver = SyncReceiver(held, codecs=user, impl=impl)
     new = {n: t.clone(memory_format=torch.contiguous_format) for n, t in chosen.items()}
     transport = InProcessTransport()
     g = torch.Generator().manual_seed(seed)

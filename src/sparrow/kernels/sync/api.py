@@ -1,7 +1,7 @@
 """Validated entry points of the sync kernels, dispatching to Triton or to the PyTorch reference.
 
-``impl=None`` picks Triton for CUDA tensors (when Triton is importable) and the reference otherwise;
-``impl="triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` (used by the tests).
+``impl`` is a :data:`~sparrow.kernels.common.impl.Impl`: ``"auto"`` (default) runs Triton for CUDA tensors
+and the reference elsewhere; ``impl="triton"`` on CPU tensors needs ``TRITON_INTERPRET=1`` (the tests).
 
 All functions take flat bit views (``int16`` for bf16 / fp16, ``int32`` for fp32; see
 :func:`~sparrow.kernels.sync.common.bits_view`). Records are ``(pos: int32[m], val: int32[m])`` with
@@ -23,6 +23,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from ..common.impl import Impl, resolve_impl
 from .common import (
     DIFF_TILE,
     MAX_SLICE_ELEMS,
@@ -33,8 +34,9 @@ from .common import (
     slot_words,
 )
 
-Impl = Literal["reference", "triton"]
 Values = Literal["delta", "new"]
+#: What :func:`~sparrow.kernels.common.impl.resolve_impl` turns an ``Impl`` into.
+Resolved = Literal["reference", "triton"]
 
 _BLOCK = 1024  # records per program of the apply kernel
 #: Tiles (of ``DIFF_TILE`` elements) per program of the full-data kernels (scan, collect, hash).
@@ -44,20 +46,12 @@ _LAYOUT_CACHE = 64
 
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
+    """Whether Triton can be imported (the tests skip the Triton paths without it)."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
-
-
-def resolve_impl(impl: str | None, t: torch.Tensor) -> Impl:
-    """``"triton"`` for CUDA tensors (if Triton is importable), else ``"reference"``; validates ``impl``."""
-    if impl is None:
-        return "triton" if (t.is_cuda and triton_available()) else "reference"
-    if impl not in ("reference", "triton"):
-        raise ValueError(f"impl must be 'reference', 'triton' or None, got {impl!r}")
-    return impl  # type: ignore[return-value]
 
 
 def _tk():
@@ -197,7 +191,7 @@ def _add_lanes(out: torch.Tensor, row: int, lanes: torch.Tensor) -> None:
 # hashing
 # ---------------------------------------------------------------------------------------------------
 
-def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl: str | None = None) -> torch.Tensor:
+def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl: Impl = "auto") -> torch.Tensor:
     """Hash lanes of each slice (int64 ``[S, 2]`` on the device, no host sync); slice ``s`` is hashed
     at positions ``starts[s] + i``. Fold a row with :func:`~sparrow.kernels.sync.common.combine_hash`.
 
@@ -221,7 +215,7 @@ def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl
     return _lanes64(out)
 
 
-def hash_bits(bits: torch.Tensor, start: int = 0, *, impl: str | None = None) -> torch.Tensor:
+def hash_bits(bits: torch.Tensor, start: int = 0, *, impl: Impl = "auto") -> torch.Tensor:
     """Two 32-bit hash lanes (int64 tensor ``[2]`` on ``bits.device``) of the bit patterns at positions
     ``start + i``; fold with :func:`~sparrow.kernels.sync.common.combine_hash`. No host sync."""
     return group_hash_bits([bits], [start], impl=impl)[0]
@@ -239,7 +233,7 @@ class GroupScan:
 
     counts: torch.Tensor
     hashes: torch.Tensor | None
-    impl: Impl
+    impl: Resolved
     tile_counts: torch.Tensor | None = None
     mask_words: torch.Tensor | None = None
     layout: _Layout | None = None
@@ -259,12 +253,12 @@ class DiffScan:
 
     count: torch.Tensor
     hash: torch.Tensor | None
-    impl: Impl
+    impl: Resolved
     group: GroupScan | None = None
 
 
 def group_diff_scan(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], *,
-                    hash_starts: Sequence[int] | None = None, impl: str | None = None) -> GroupScan:
+                    hash_starts: Sequence[int] | None = None, impl: Impl = "auto") -> GroupScan:
     """Count the positions whose bit patterns differ, per slice (device-side; no host sync).
 
     Triton: one launch for the whole group (``TPP`` tiles per program); per tile a change count and a
@@ -359,7 +353,7 @@ def group_diff_collect(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor
 
 
 def diff_scan(old: torch.Tensor, new: torch.Tensor, *, hash_start: int | None = None,
-              impl: str | None = None) -> DiffScan:
+              impl: Impl = "auto") -> DiffScan:
     """Count the positions whose bit patterns differ (device-side; no host sync)."""
     g = group_diff_scan([old], [new], hash_starts=None if hash_start is None else [hash_start], impl=impl)
     return DiffScan(g.counts[0], None if g.hashes is None else g.hashes[0], g.impl, g)
@@ -373,7 +367,7 @@ def diff_collect(old: torch.Tensor, new: torch.Tensor, scan: DiffScan, nchanged:
 
 
 def diff_records(old: torch.Tensor, new: torch.Tensor, *, values: Values = "delta", update_old: bool = False,
-                 impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Both passes with one host sync (the change count)."""
     scan = diff_scan(old, new, impl=impl)
     return diff_collect(old, new, scan, int(scan.count), values=values, update_old=update_old)
@@ -384,7 +378,7 @@ def diff_records(old: torch.Tensor, new: torch.Tensor, *, values: Values = "delt
 # ---------------------------------------------------------------------------------------------------
 
 def group_pack_compact(pos: torch.Tensor, codes: torch.Tensor, counts: Sequence[int], ebits: int, *,
-                       impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compact bodies of the concatenated records of a group (slice ``s`` has ``counts[s]`` records).
 
     Returns ``(out, base, nwords)``: slice ``s``'s body is ``out[base[s] : base[s] + nwords[s]]``;
@@ -427,7 +421,7 @@ def group_pack_compact(pos: torch.Tensor, codes: torch.Tensor, counts: Sequence[
 
 
 def pack_compact(pos: torch.Tensor, codes: torch.Tensor, ebits: int, *,
-                 impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Compact body of the records: ``(words, nwords)``; the first ``nwords`` (0-d int64 device tensor)
     entries of ``words`` are the body. No host sync on the Triton path."""
     out, base, nwords = group_pack_compact(pos, codes, [pos.numel()], ebits, impl=impl)
@@ -439,7 +433,7 @@ def pack_compact(pos: torch.Tensor, codes: torch.Tensor, ebits: int, *,
 # ---------------------------------------------------------------------------------------------------
 
 def group_unpack_compact(words: torch.Tensor, entries: Sequence[tuple[int, int, int, int]], ebits: int, *,
-                         impl: str | None = None
+                         impl: Impl = "auto"
                          ) -> tuple[torch.Tensor, torch.Tensor, list[int], torch.Tensor | None]:
     """Decode several compact bodies stored in one int32 buffer: ``entries[s] = (word_offset, nwords, n,
     nchanged)``. Returns ``(pos, val, rec_off, bad)``: concatenated records, where each body's records
@@ -487,14 +481,14 @@ def group_unpack_compact(words: torch.Tensor, entries: Sequence[tuple[int, int, 
 
 
 def unpack_compact_deferred(words: torch.Tensor, n: int, ebits: int, nchanged: int, *,
-                            impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                            impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Single-body :func:`group_unpack_compact`: ``(pos, val, bad)``."""
     pos, val, _, bad = group_unpack_compact(words, [(0, words.numel(), n, int(nchanged))], ebits, impl=impl)
     return pos, val, bad
 
 
 def unpack_compact(words: torch.Tensor, n: int, ebits: int, nchanged: int, *,
-                   impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Decode and validate a compact body (exactly its words) into records.
 
     Raises :class:`SyncFormatError` (after one host sync on the Triton path) when the body is not a
@@ -516,19 +510,13 @@ def positions_bad(pos: torch.Tensor, n: int) -> torch.Tensor:
     return bad
 
 
-def check_positions(pos: torch.Tensor, n: int) -> None:
-    """Raise :class:`SyncFormatError` unless ``pos`` is strictly increasing within ``[0, n)`` (one sync)."""
-    if bool(positions_bad(pos, n)):
-        raise SyncFormatError(f"indices out of range [0, {n}) or not strictly increasing")
-
-
 # ---------------------------------------------------------------------------------------------------
 # apply
 # ---------------------------------------------------------------------------------------------------
 
 def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val: torch.Tensor,
                         counts: Sequence[int], *, values: Values = "delta", negate: bool = False,
-                        impl: str | None = None, hash_starts: Sequence[int] | None = None,
+                        impl: Impl = "auto", hash_starts: Sequence[int] | None = None,
                         hash_out: torch.Tensor | None = None) -> None:
     """Write concatenated records into several bit views in place (slice ``s`` takes the next
     ``counts[s]`` records). Positions must already be validated. ``negate`` undoes a delta application.
@@ -576,10 +564,10 @@ def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val:
 
 
 def apply_records(bits: torch.Tensor, pos: torch.Tensor, val: torch.Tensor, *, values: Values = "delta",
-                  negate: bool = False, impl: str | None = None, hash_start: int | None = None,
+                  negate: bool = False, impl: Impl = "auto", hash_start: int | None = None,
                   hash_out: torch.Tensor | None = None) -> None:
     """Write records into ``bits`` in place. Positions must already be validated (see
-    :func:`check_positions` / :func:`unpack_compact`). ``negate`` undoes a delta application.
+    :func:`positions_bad` / :func:`unpack_compact`). ``negate`` undoes a delta application.
     ``hash_out`` (int32 ``[1, 2]``) receives the hash change of the written elements (positions
     ``hash_start + pos``)."""
     group_apply_records([bits], pos, val, [pos.numel()], values=values, negate=negate, impl=impl,

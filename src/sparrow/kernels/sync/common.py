@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-#: Compact-format revision written into every compact body (checked on decode).
-COMPACT_FORMAT = 1
 #: Changed elements per compact block (every block but the last holds exactly this many).
 RANK_BLOCK = 1024
 #: ``uint32`` words of per-block metadata at the start of a compact body.

@@ -99,10 +99,6 @@ def hash_delta(old_bits: torch.Tensor, new_bits: torch.Tensor, pos: torch.Tensor
     return torch.stack([(na - oa).sum() & M32, (nb - ob).sum() & M32])
 
 
-def count_changes(base_bits: torch.Tensor, new_bits: torch.Tensor) -> int:
-    return int((base_bits != new_bits).sum())
-
-
 def delta_codes(old_u: torch.Tensor, new_u: torch.Tensor, ebits: int) -> torch.Tensor:
     """c = zigzag((new - old) mod 2^E) - 1 for unsigned int64 inputs; in [0, 2^E - 2] when new != old."""
     m = _mask(ebits)
@@ -257,11 +253,6 @@ def pack_compact(pos: torch.Tensor, codes: torch.Tensor, ebits: int) -> torch.Te
     meta = torch.stack([p_first, body_off, L | (W << 8) | (e << 16), high_len], 1).reshape(-1)
     words[: META_WORDS * nb] = meta
     return _to_signed(words[:total], 32, torch.int32)
-
-
-def compact_size_words(cnt_L_W_e_high: tuple[torch.Tensor, ...], ebits: int) -> int:
-    cnt, L, W, e, high_len = cnt_L_W_e_high
-    return META_WORDS * cnt.numel() + int(_block_layout(cnt, L, W, e, high_len, ebits)[-1].sum())
 
 
 def unpack_compact(words: torch.Tensor, n: int, ebits: int, nchanged: int) -> tuple[torch.Tensor, torch.Tensor]:
