@@ -64,7 +64,6 @@ from sparrow.rl import (
     stop_ids,
 )
 from sparrow.rl.recipe_config import check_config, check_values, parse
-from sparrow.rl.recipe_utils import state_fingerprint
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.speculative import QuantizedSelfDrafter
 
@@ -435,7 +434,7 @@ class GRPORecipe:
             ok = all(torch.equal(t.view(torch.int16), mine[n].view(torch.int16)) for n, t in sent.items())
         else:
             named = sent if self.is_trainer else policy_parameters(self.rollout_model)
-            fp = torch.tensor([state_fingerprint(named)], dtype=torch.int64, device=self.device)
+            fp = torch.tensor([ssync.state_fingerprint(named)], dtype=torch.int64, device=self.device)
             allfp = [torch.zeros_like(fp) for _ in range(self.world)]
             dist.all_gather(allfp, fp)
             ok = all(int(f) == int(allfp[0]) for f in allfp[1:])

@@ -48,6 +48,7 @@ from .errors import (
     UnknownCodecError,
     VersionMismatchError,
 )
+from .fingerprint import state_fingerprint
 from .receiver import SyncReceiver
 from .sender import SyncSender
 from .stats import SyncStats
@@ -60,5 +61,5 @@ __all__ = [
     "OutOfOrderError", "Payload", "ReplayError", "ResyncRequiredError", "ShapeMismatchError", "SyncError",
     "SyncReceiver", "SyncSender", "SyncStats", "Transport", "TruncatedPayloadError", "UnknownCodecError",
     "VersionMismatchError", "WeightCodec", "apply_", "build_bucket", "empirical_entropy_bits", "encode",
-    "get_codec", "parse_bucket", "position_entropy_bits", "warmup",
+    "get_codec", "parse_bucket", "position_entropy_bits", "state_fingerprint", "warmup",
 ]
