@@ -156,11 +156,8 @@ def plot(result: dict, png_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--min-prompt", type=int, default=2048)
-    p.add_argument("--max-prompt", type=int, default=28672)
-    p.add_argument("--generated", type=int, default=2048)
+    p = base_parser(__doc__.splitlines()[0], [("--iters", int, 30, None), ("--min-prompt", int, 2048, None),
+                                              ("--max-prompt", int, 28672, None), ("--generated", int, 2048, None)])
     p.add_argument("--sweep", action="store_true", help="also time every power-of-two split count at a few shapes")
     run(p.parse_args(argv))
 

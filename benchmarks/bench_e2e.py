@@ -1,63 +1,18 @@
 """End to end: GRPO with and without Sparrow's techniques, same model, data, seeds and steps, in one process.
 
-Question: how much faster does a GRPO step run with RTPurbo sparse rollout attention, self-speculative
-decoding and sparse weight sync switched on, what does each technique contribute on its own, and does the
-training signal (reward, held-out accuracy, the rollout/trainer mismatch) stay the same?
+Question: how much faster does a GRPO step run with RTPurbo sparse rollout attention, self-speculative decoding
+and sparse weight sync switched on, what does each technique contribute on its own, and does the training signal
+(reward, held-out accuracy, the rollout/trainer mismatch) stay the same? The model: ``--model DIR``, a task model
+(``tune run sparrow_sft --config recipes/configs/task_model_8k_sft.yaml``; its ``model.safetensors`` is the
+recipe's ``checkpoint``). The GRPO recipe (setup, train, cleanup) runs once per configuration (:data:`CONFIGS`)
+and seed, all in this process, from the same checkpoint, data order and sampling seeds; compiled code is dropped
+between runs and the first ``--warmup-steps`` steps (which compile) are left out of the timed figures. RTPurbo is
+calibrated once, before the runs, on task sequences at ``--context`` (heads by ablation). The JSON is rewritten
+after every finished run; ``--merge`` joins runs of other seeds; ``--deadline-minutes`` skips what would not
+finish. See docs/benchmarks.md for the workload, the reported figures and the commands.
 
-Model and workload. The task model of ``train_task_model.py`` (``--model DIR``, or ``--train-minutes M``
-trains one first in this process), a Qwen2 model over the character vocabulary of
-:class:`~sparrow.rl.CharTokenizer`. Its bf16 shards are merged into one safetensors file, the recipe's
-``checkpoint``. Task: :class:`~sparrow.rl.KVRetrieval` (or ``--task variable_tracking``, or ``--task kv_list``:
-:class:`~sparrow.rl.KVListRetrieval`, up to 32 keys asked at once, response lengths with a long tail up to
-128 tokens, where decoding and speculation matter; train the model with the ``kvl`` family in its mix for it,
-e.g. ``--train-args "--mix kv_mq=0.3,kv_vary_mq=0.1,vt_mq=0.2,kv=0.1,vt=0.1,kvl=0.2"``; ``--max-asked 256``
-with the ``kvl_long`` family: responses up to 1K tokens, so that decoding weighs more in a step) with prompts of
-``--context`` characters (= tokens, plus ``<bos>``), exact-match reward (``--reward``), ``--prompts-per-step`` x
-``--group`` samples per step at temperature 1, at most ``--max-new`` new tokens.
-
-Runs. The GRPO recipe (``recipes/sparrow_grpo.py``, :class:`GRPORecipe`: setup, train, cleanup) once per
-configuration and seed, all in this process, each from the same checkpoint, data order and sampling seeds:
-
-* ``all_off``: dense attention, autoregressive decoding, dense sync codec;
-* ``all_on``: RTPurbo attention (calibrated once, before the runs), speculative decoding (int8 self-drafter,
-  ``--spec-toggle``, ``--draft-lengths``), sparse sync (``sync.codec: auto``);
-* ``rtpurbo_only``, ``spec_only``, ``sparse_sync_only``: one technique on.
-
-Every run uses the same engine settings (``compile`` + CUDA graphs on a GPU) and the same trainer (by default
-``shared_prefix``: each prompt computed once per group, the same log-probs and gradients as one row per sample,
-so the long prompts do not make the trainer G times the work; ``--no-shared-prefix`` for one row per sample).
-Compiled code is dropped between runs (``torch.compiler.reset()``), so each run compiles its own steps, in its
-first ``--warmup-steps`` steps, which the timed figures leave out. Held-out greedy accuracy is measured at the
-start and at the end only (``eval.every = steps``): the recipe evaluates through the rollout engine, so it
-uses the run's attention. RTPurbo calibration: retrieval heads chosen by ablation
-(``sparrow.calibrate.ablation_scores``) and indexer distillation on task sequences at ``--context``, with the
-calibration data of ``bench_rtpurbo_accuracy.py``.
-
-Reported, per step (``steps`` in the JSON) and per run (``rows``): seconds per phase (``time/prefill_s``,
-``time/decode_s``, ``time/logprob_s``, ``time/train_s``, ``time/sync_s``, ``time/rollout_s``,
-``time/step_s``, drafter refresh, sync apply), rollout tokens/s, reward, ``mismatch_kl`` and
-``is_clip_frac`` of the GRPO loss, speculative acceptance, sync bytes on the wire and dense, attention
-density, the run's wall clock over the timed steps (``wall_s``) and over all steps (``wall_s_all``), and
-whether a step compiled or captured graphs (``compiled`` per step, ``compiled_timed_steps`` per run: the recipe
-compiles at setup, so a timed step that compiles is flagged, and logged as a warning).
-Attention density is recorded by the recipe only when the decode step is not compiled; for compiled runs,
-``--density-probe`` runs one uncompiled ``all_on`` step after the timed runs (toggle ``always``) to measure
-it. Summary (``summary``), per configuration over seeds: median step time, the speedup all_off / config
-(step and rollout), mean reward over the last half of the steps, final held-out accuracy. Single process:
-sync travels through an in-process queue, so ``time/sync_s`` is encode + verify work and the bytes saved
-by the sparse codec are reported, not timed on a link.
-
-The JSON (``docs/benchmarks/e2e.json`` or ``--out``) is rewritten after every finished run; past
-``--deadline-minutes`` (counted from the start, model training included) a run that would not finish in
-time, judged by the longest finished run, is skipped and listed in ``skipped``. ``plot()`` draws reward
-against step and against cumulative timed wall-clock seconds, one line per configuration and seed.
-
-Usage (H200): ``python benchmarks/train_task_model.py --minutes 6 --out task_model`` once, then, for a
-9-minute slot, ``python benchmarks/bench_e2e.py --model task_model --steps 6 --deadline-minutes 8.5
---density-probe`` (the deadline skips what would not fit; ``--context auto`` runs at the longest context the
-model handles, from its accuracy table). CPU smoke run (a tiny model trained for seconds,
-context 256, 2 steps, compile off, character-accuracy reward; figures mean nothing):
-``python benchmarks/bench_e2e.py --quick``.
+Usage (H200): ``python benchmarks/bench_e2e.py --model DIR --steps 6 --deadline-minutes 8.5 --density-probe``;
+CPU smoke run (a tiny model trained for seconds; figures mean nothing): ``python benchmarks/bench_e2e.py --quick``.
 """
 
 from __future__ import annotations
@@ -66,9 +21,6 @@ import argparse
 import copy
 import gc
 import json
-import math
-import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -78,18 +30,21 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import (  # noqa: E402
-    REPO, base_parser, batch_buckets, print_table, save_figure, triton_interpreter_without_cuda, write_json,
+    REPO, base_parser, batch_buckets, log, mean, median, print_table, save_figure, task_model,
+    triton_interpreter_without_cuda, write_json,
 )
 
 triton_interpreter_without_cuda()  # before anything imports triton
-import bench_rtpurbo_accuracy as acc  # noqa: E402
-import train_task_model as ttm  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig  # noqa: E402
+from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo  # noqa: E402
+from sparrow.calibrate.data import calibration_sequences, fit_sequences  # noqa: E402
+from sparrow.rl import KVListRetrieval  # noqa: E402
 from sparrow.rl.recipe_config import RECIPE_KEYS, check_config  # noqa: E402
+from sparrow.training import MODEL_FILE, load_trained_model, longest_handled, read_report  # noqa: E402
 
 NAME = "e2e"
 # configuration -> which techniques are on
@@ -106,59 +61,24 @@ REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.
 PHASES = ("prefill", "decode", "logprob", "train", "sync", "sync_apply", "drafter_refresh", "rollout", "step")
 
 
-def log(msg: str, t0: float) -> None:
-    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
-
-
-# -- setup: model, merged checkpoint, RTPurbo calibration, recipe configs ---------------------------------
-
-def prepare_model(args, work: Path) -> tuple[str, dict, float]:
-    """The task-model folder (trained now with ``--train-minutes``), its report and the training seconds."""
-    if args.model is not None:
-        return args.model, ttm.read_report(args.model), 0.0
-    minutes = args.train_minutes if args.train_minutes is not None else (0.05 if args.quick else None)
-    if minutes is None:
-        raise SystemExit("give --model DIR (from train_task_model.py) or --train-minutes M")
-    model_dir = args.model_out or str(work / "task_model")
-    t = time.perf_counter()
-    ttm.main(shlex.split(args.train_args) + ["--minutes", str(minutes), "--out", model_dir]
-             + (["--quick"] if args.quick else []))
-    return model_dir, ttm.read_report(model_dir), time.perf_counter() - t
-
-
-def merge_shards(model_dir: str, report: dict, path: Path) -> Path:
-    """The model's safetensors shards as one file (the recipe's ``checkpoint``)."""
-    from safetensors.torch import save_file
-
-    save_file(ttm.load_shards(model_dir, report), str(path))
-    return path
-
-
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
-    """Profile retrieval heads and fit the indexer on task sequences at ``--context``; save to ``out``."""
-    from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig
-    from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo
-
+    """Retrieval heads by ablation and the indexer fitted on task sequences at ``--context``, saved to ``out``."""
     t = time.perf_counter()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = ttm.load_task_model(model_dir, device, dtype)
+    model = load_trained_model(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     blocks = dict(decode_block=16, prefill_block=16, ret_window=16) if args.quick else {}
     cfg = RTPurboConfig.for_context(args.context, retrieval_ratio=args.ratio, top_p=args.top_p,
                                     dense_prefill_below=args.dense_prefill_below,
                                     impl=args.decode_impl, prefill_impl=args.prefill_impl, **blocks)
-    # heads chosen by what making them local changes in the answers (see bench_rtpurbo_accuracy.py)
-    scores = ablation_scores(model, acc.calibration_sequences(args.context, args.profile_seqs), window=cfg.window,
+    scores = ablation_scores(model, calibration_sequences(args.context, args.profile_seqs), window=cfg.window,
                              sinks=cfg.num_sinks)
     profile = HeadProfile.from_scores(scores, cfg.retrieval_ratio, meta={"method": "ablation"})
-    indexer, report = fit_indexer(model, profile, acc.fit_sequences(args.context, args.fit_seqs), steps=args.fit_steps,
+    indexer, report = fit_indexer(model, profile, fit_sequences(args.context, args.fit_seqs), steps=args.fit_steps,
                                   dim=cfg.indexer_dim, block=cfg.decode_block, top_p=cfg.top_p,
                                   queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
-    summary = report.summary()
-    save_rtpurbo(out, profile, indexer, config=cfg, report=summary)
-    del model
+    save_rtpurbo(out, profile, indexer, config=cfg, report=report.summary())
     heads = sorted([layer, h] for layer in range(profile.num_layers) for h in profile.retrieval_heads(layer))
     return {"seconds": round(time.perf_counter() - t, 1), "context": args.context, "retrieval_heads": heads,
-            "rtpurbo_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "indexer": summary}
+            "rtpurbo_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "indexer": report.summary()}
 
 
 def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> dict:
@@ -172,7 +92,7 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "task": {"_component_": TASKS[args.task], "context_len": args.context,
                  **({"max_asked": args.max_asked} if args.max_asked else {})},
         "reward": {"_component_": REWARDS[args.reward]},
-        "model": {"_component_": "sparrow.models.qwen2", **report["model"]},
+        "model": report["model"],
         "checkpoint": str(checkpoint),
         "attention": {"_component_": "sparrow.attention.dense"},
         "engine": {"max_rows": rows, "max_prompts": max(args.prompts_per_step, min(args.eval_prompts, rows)),
@@ -220,24 +140,16 @@ def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: 
     return cfg
 
 
-# -- run --------------------------------------------------------------------------------------------------
-
-def recipe_class():
-    try:
-        from sparrow_grpo import GRPORecipe
-    except ImportError:  # not installed: the recipe file itself
-        sys.path.insert(0, str(REPO / "recipes"))
-        from sparrow_grpo import GRPORecipe
-    return GRPORecipe
-
-
 def run_recipe(cfg_dict: dict) -> dict:
     """setup -> train -> cleanup of one recipe config; every logged metrics dict and the phase times."""
     cfg = OmegaConf.create(cfg_dict)
     _free_memory()  # what an earlier (failed) run left behind
     torch.compiler.reset()  # each run compiles its own steps (and never meets the recompile limit)
     t0 = time.perf_counter()
-    recipe = recipe_class()(cfg)
+    sys.path.insert(0, str(REPO / "recipes"))  # the recipe file itself when it is not installed
+    from sparrow_grpo import GRPORecipe
+
+    recipe = GRPORecipe(cfg)
     try:
         recipe.setup(cfg)
         setup_s = time.perf_counter() - t0
@@ -260,17 +172,7 @@ def _free_memory() -> None:
 
 # -- summarise --------------------------------------------------------------------------------------------
 
-def _median(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(xs) if xs else None
-
-
-def _mean(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else None
-
-
-def _ratio(a, b):
+def ratio(a, b):
     return a / b if a is not None and b else None
 
 
@@ -308,30 +210,30 @@ def run_row(name: str, seed: int, steps: list[dict], records: list[dict], timing
                            "sparse_sync": on["sparse_sync"], "steps": len(steps), "timed_steps": len(timed),
                            "compiled_timed_steps": sum(bool(s.get("compiled")) for s in timed)}
     for ph in PHASES:
-        row[f"{ph}_s"] = _median(col(f"time/{ph}_s"))
+        row[f"{ph}_s"] = median(col(f"time/{ph}_s"))
     row["median_step_s"] = row.pop("step_s")
     row.update(
-        mean_step_s=_mean(col("time/step_s")),
+        mean_step_s=mean(col("time/step_s")),
         wall_s=sum(col("time/step_s")), wall_s_all=sum(col("time/step_s", steps)),
         setup_s=timing["setup_s"], run_s=timing["run_s"],
-        rollout_tokens_per_s=_median(col("rollout/tokens_per_s")),
-        response_len=_mean(col("response/len_mean", steps)),
-        reward_mean=_mean(col("reward/mean", steps)),
-        reward_last_half=_mean(col("reward/mean", steps[len(steps) // 2:])),
+        rollout_tokens_per_s=median(col("rollout/tokens_per_s")),
+        response_len=mean(col("response/len_mean", steps)),
+        reward_mean=mean(col("reward/mean", steps)),
+        reward_last_half=mean(col("reward/mean", steps[len(steps) // 2:])),
         eval_start=evals[0] if len(evals) > 1 else None, eval_final=evals[-1] if evals else None,
-        mismatch_kl=_mean(col("mismatch_kl", steps)), is_clip_frac=_mean(col("is_clip_frac", steps)),
-        policy_clip_frac=_mean(col("policy_clip_frac", steps)),
+        mismatch_kl=mean(col("mismatch_kl", steps)), is_clip_frac=mean(col("is_clip_frac", steps)),
+        policy_clip_frac=mean(col("policy_clip_frac", steps)),
         # steps that ran no speculative cycle measured no acceptance (the toggle kept SD off): left out
-        spec_acceptance=_mean([r.get("spec/acceptance") for r in steps if r.get("spec/cycles")]),
-        spec_tokens_per_cycle=_mean([r.get("spec/tokens_per_cycle") for r in steps if r.get("spec/cycles")]),
+        spec_acceptance=mean([r.get("spec/acceptance") for r in steps if r.get("spec/cycles")]),
+        spec_tokens_per_cycle=mean([r.get("spec/tokens_per_cycle") for r in steps if r.get("spec/cycles")]),
         spec_cycles=sum(r.get("spec/cycles") or 0 for r in steps) if any("spec/cycles" in r for r in steps) else None,
-        decode_density=_mean(col("attention/decode_density", steps)),
-        decode_ret_density=_mean(col("attention/decode_ret_density", steps)),
-        prefill_ret_density=_mean(col("attention/prefill_ret_density", steps)),
-        sync_wire_mb=_mean([x / 1e6 for x in col("sync/wire_bytes", steps) if x is not None]),
-        sync_dense_mb=_mean([x / 1e6 for x in col("sync/dense_bytes", steps) if x is not None]),
+        decode_density=mean(col("attention/decode_density", steps)),
+        decode_ret_density=mean(col("attention/decode_ret_density", steps)),
+        prefill_ret_density=mean(col("attention/prefill_ret_density", steps)),
+        sync_wire_mb=mean([x / 1e6 for x in col("sync/wire_bytes", steps) if x is not None]),
+        sync_dense_mb=mean([x / 1e6 for x in col("sync/dense_bytes", steps) if x is not None]),
     )
-    row["sync_ratio"] = _ratio(row["sync_dense_mb"], row["sync_wire_mb"])
+    row["sync_ratio"] = ratio(row["sync_dense_mb"], row["sync_wire_mb"])
     return row
 
 
@@ -340,8 +242,8 @@ def add_speedups(rows: list[dict]) -> None:
     base = {r["seed"]: r for r in rows if r["config"] == "all_off"}
     for r in rows:
         b = base.get(r["seed"])
-        r["speedup"] = _ratio(b["median_step_s"], r["median_step_s"]) if b else None
-        r["rollout_speedup"] = _ratio(b["rollout_s"], r["rollout_s"]) if b else None
+        r["speedup"] = ratio(b["median_step_s"], r["median_step_s"]) if b else None
+        r["rollout_speedup"] = ratio(b["rollout_s"], r["rollout_s"]) if b else None
 
 
 def summarise(rows: list[dict], steps: list[dict]) -> list[dict]:
@@ -354,15 +256,14 @@ def summarise(rows: list[dict], steps: list[dict]) -> list[dict]:
         if not rs:
             continue
         ts = [s for s in steps if s["config"] == name and s["timed"]]
-        med[name] = (_median([s["time/step_s"] for s in ts]), _median([s.get("time/rollout_s") for s in ts]))
-        mean = lambda key: _mean([r[key] for r in rs])  # noqa: E731
+        med[name] = (median([s["time/step_s"] for s in ts]), median([s.get("time/rollout_s") for s in ts]))
         out.append({"config": name, "seeds": len(rs), "median_step_s": med[name][0], "median_rollout_s": med[name][1],
-                    **{k: mean(k) for k in ("wall_s", "reward_last_half", "eval_start", "eval_final", "mismatch_kl",
+                    **{k: mean([r[k] for r in rs]) for k in ("wall_s", "reward_last_half", "eval_start", "eval_final", "mismatch_kl",
                                             "is_clip_frac", "spec_acceptance", "decode_density", "sync_wire_mb")}})
     if "all_off" in med:
         for s in out:
-            s["speedup"] = _ratio(med["all_off"][0], s["median_step_s"])
-            s["rollout_speedup"] = _ratio(med["all_off"][1], s["median_rollout_s"])
+            s["speedup"] = ratio(med["all_off"][0], s["median_step_s"])
+            s["rollout_speedup"] = ratio(med["all_off"][1], s["median_rollout_s"])
     return out
 
 
@@ -394,67 +295,47 @@ def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) ->
 
 
 def build_parser():
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="trained model folder (train_task_model.py --out)")
+    p = base_parser(__doc__.splitlines()[0], [
+        ("--model", str, None, "a trained model's folder (tune run sparrow_sft ... output_dir=DIR)"),
+        ("--work-dir", str, None, "calibration, metric logs, the quick model (default: a temp dir)"),
+        ("--device", str, "auto", None), ("--configs", str, ",".join(CONFIGS), "comma list of " + ", ".join(CONFIGS)),
+        ("--seeds", str, "0", "comma list, e.g. 0,1"), ("--steps", int, None, "GRPO steps per run (default 8; quick 2)"),
+        ("--warmup-steps", int, 1, "first steps left out of the timed figures"), ("--task", list(TASKS), "kv_retrieval", None),
+        ("--context", _context, None, "prompt characters = tokens (default 8192; quick 256), or 'auto': the longest "
+         "context at which the model's held-out accuracy on the task (kv_retrieval for kv_list) reaches 0.5"),
+        ("--group", int, 8, None), ("--prompts-per-step", int, None, "default 8; quick 2"),
+        ("--max-new", int, None, "sampling max_new_tokens (default 8, quick 4; kv_list: its longest answer and <eos>)"),
+        ("--max-asked", int, None, "kv_list: most keys asked at once (default 32; 256: responses up to 1K tokens)"),
+        ("--minibatches", int, 2, "policy updates per step (>1: a separate pi_old pass)"),
+        ("--micro-batch", int, 32, "trainer rows per forward / backward"),
+        ("--reward", list(REWARDS), None, "also the held-out score (default exact_match; quick char_accuracy)"),
+        ("--lr", float, None, "AdamW learning rate (default 1e-5; quick 1e-3)"),
+        ("--eval-prompts", int, None, "held-out prompts (default 64; quick 8; 0: no eval)"),
+        ("--sync-every", int, 16, "engine decode steps between host checks"),
+        ("--bucket-growth", int, 4, "engine batch buckets are powers of this (4: about half the CUDA graphs of 2)"),
+        ("--spec-toggle", ["always", "threshold", "cost_model"], None, "default cost_model; quick always"),
+        ("--draft-lengths", str, None, "comma list (default 2,4; quick 2)"),
+        ("--draft-weight", ["int8", "int4", "fp8", "none"], "int8", None),
+        ("--draft-window", int, 0, "windowed draft in spec_only (dense caches only)"),
+        ("--max-active", int, 32, "threshold toggle: speculate at or below this many rows"),
+        ("--ratio", float, None, "RTPurbo retrieval-head ratio (default 0.25; quick 0.5)"),
+        ("--dense-prefill-below", int, 0, "RTPurbo prefills shorter prompts densely (0: always sparse)"),
+        ("--top-p", float, 0.9, None), ("--decode-impl", ["auto", "reference", "triton"], "auto", None),
+        ("--prefill-impl", ["auto", "reference", "flex"], "auto", None),
+        ("--profile-seqs", int, None, "calibration examples per task (default 8; quick 2)"),
+        ("--fit-seqs", int, None, "indexer fit sequences (default 8; quick 2)"),
+        ("--fit-steps", int, None, "indexer fit steps (default 200; quick 20)"), ("--fit-lr", float, 3e-3, None),
+        ("--queries-per-seq", int, None, "default 256; quick 64"),
+        ("--indexer-refresh-every", int, 0, "RTPurbo indexer refresh every N steps (0: off)"),
+        ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start")])
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="join finished results of this script (same settings, other seeds) into one, then stop")
-    p.add_argument("--train-minutes", type=float, default=None, help="train a model first, for this long")
-    p.add_argument("--model-out", default=None, help="where --train-minutes saves the model (default WORK/task_model)")
-    p.add_argument("--train-args", default="", help="more train_task_model.py options for --train-minutes")
-    p.add_argument("--work-dir", default=None, help="merged checkpoint, calibration, metric logs (default: a temp dir)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of " + ", ".join(CONFIGS))
-    p.add_argument("--seeds", default="0", help="comma list, e.g. 0,1")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 8; quick 2)")
-    p.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the timed figures")
-    p.add_argument("--task", default="kv_retrieval", choices=list(TASKS))
-    p.add_argument("--context", type=_context, default=None,
-                   help="prompt characters = tokens (default 8192; quick 256), or 'auto': the longest context at "
-                        "which the model's held-out accuracy on the task (kv_retrieval for kv_list) reaches 0.5")
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=None, help="default 8; quick 2")
-    p.add_argument("--max-new", type=int, default=None,
-                   help="sampling max_new_tokens (default 8, quick 4; kv_list: its longest answer and <eos>)")
-    p.add_argument("--max-asked", type=int, default=None,
-                   help="kv_list: most keys asked at once (default the task's 32; 256 for responses up to 1K tokens, "
-                        "with a model trained on the kvl_long family)")
-    p.add_argument("--minibatches", type=int, default=2, help="policy updates per step (>1: a separate π_old pass)")
-    p.add_argument("--micro-batch", type=int, default=32,
-                   help="trainer rows per forward / backward (at 8, log-probs and training were 87%% of an H200 step)")
     p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="trainer computes each prompt once per group (recipe's shared_prefix; in every configuration)")
-    p.add_argument("--reward", default=None, choices=list(REWARDS),
-                   help="also the held-out score (default exact_match; quick char_accuracy: a signal for a tiny model)")
-    p.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-5; quick 1e-3)")
-    p.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts (default 64; quick 8; 0: no eval)")
-    p.add_argument("--sync-every", type=int, default=16, help="engine decode steps between host checks")
-    p.add_argument("--bucket-growth", type=int, default=4, choices=[2, 4],
-                   help="engine batch buckets are powers of this (4: about half the CUDA graphs of 2)")
+                   help="trainer computes each prompt once per group (in every configuration)")
     p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                    help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)")
-    p.add_argument("--spec-toggle", default=None, choices=["always", "threshold", "cost_model"],
-                   help="speculative toggle (default cost_model; quick always)")
-    p.add_argument("--draft-lengths", default=None, help="comma list (default 2,4; quick 2)")
-    p.add_argument("--draft-weight", default="int8", choices=["int8", "int4", "fp8", "none"])
-    p.add_argument("--draft-window", type=int, default=0, help="windowed draft in spec_only (dense caches only)")
-    p.add_argument("--max-active", type=int, default=32, help="threshold toggle: speculate at or below this many rows")
-    p.add_argument("--ratio", type=float, default=None, help="RTPurbo retrieval-head ratio (default 0.25; quick 0.5)")
-    p.add_argument("--dense-prefill-below", type=int, default=0,
-                   help="RTPurbo prefills shorter prompts densely (decode stays sparse; 0: always sparse)")
-    p.add_argument("--top-p", type=float, default=0.9)
-    p.add_argument("--decode-impl", default="auto", choices=["auto", "reference", "triton"])
-    p.add_argument("--prefill-impl", default="auto", choices=["auto", "reference", "flex"])
-    p.add_argument("--profile-seqs", type=int, default=None, help="calibration examples per task (default 8; quick 2)")
-    p.add_argument("--fit-seqs", type=int, default=None, help="indexer fit sequences (default 8; quick 2)")
-    p.add_argument("--fit-steps", type=int, default=None, help="indexer fit steps (default 200; quick 20)")
-    p.add_argument("--fit-lr", type=float, default=3e-3)
-    p.add_argument("--queries-per-seq", type=int, default=None, help="default 256; quick 64")
-    p.add_argument("--indexer-refresh-every", type=int, default=0,
-                   help="RTPurbo indexer refresh every N steps (0: off)")
-    p.add_argument("--density-probe", action="store_true",
-                   help="after the runs, one uncompiled all_on step to measure attention density (for compiled runs)")
-    p.add_argument("--deadline-minutes", type=float, default=None,
-                   help="skip runs that would end past this many minutes after the start")
+    p.add_argument("--density-probe", action="store_true", help="after the runs, one uncompiled all_on step "
+                   "to measure attention density (for compiled runs)")
     return p
 
 
@@ -474,7 +355,7 @@ def handled_context(report: dict, task: str, bar: float = 0.5) -> int:
     contexts = [r["context"] for r in report["accuracy"] if r["task"] == name]
     if not contexts:
         raise SystemExit(f"the model's report has no {name} accuracy: give --context explicitly")
-    return ttm.longest_handled(report, bar, [name]) or min(contexts)
+    return longest_handled(report, bar, [name]) or min(contexts)
 
 
 def main(argv=None) -> dict:
@@ -518,13 +399,12 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     deadline = t_start + args.deadline_minutes * 60 if args.deadline_minutes else None
 
     # -- setup
-    model_dir, report, train_s = prepare_model(args, work)
+    model_dir = task_model(args.model, work, args.quick)
+    report, train_s = read_report(model_dir), time.perf_counter() - t_start
     if args.context == "auto":
         args.context = handled_context(report, args.task)
-        log(f"--context auto: {args.context} tokens (the longest the model handles)", t_start)
+        log(f"--context auto: {args.context} tokens (the longest the model handles)")
     if args.max_new is None:  # kv_list: room for the longest answer the task can ask for, and <eos>
-        from sparrow.rl import KVListRetrieval
-
         kvl = KVListRetrieval(args.context, **({"max_asked": args.max_asked} if args.max_asked else {}))
         args.max_new = kvl.most_asked * (kvl.value_len + 1) + 1
     need = args.context + 1 + args.max_new
@@ -532,15 +412,14 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         raise SystemExit(f"context {args.context} + <bos> + {args.max_new} new tokens does not fit the model's "
                          f"max_seq_len {report['model']['max_seq_len']}")
     log(f"model {model_dir}: {report['params'] / 1e6:.1f}M parameters, trained to "
-        f"{report['train'].get('final_max_context')} tokens", t_start)
-    checkpoint = merge_shards(model_dir, report, work / "model.safetensors")
+        f"{report['train']['final_max_context']} tokens")
+    checkpoint = Path(model_dir).resolve() / MODEL_FILE
     calibration = None
     rtpurbo_dir = work / "rtpurbo"
     if any(CONFIGS[n]["rtpurbo"] for n in names):
         calibration = calibrate_rtpurbo(model_dir, args, device, rtpurbo_dir)
         log(f"RTPurbo calibrated in {calibration['seconds']} s: retrieval kv heads {calibration['retrieval_heads']}, "
-            f"indexer recall {calibration['indexer']['recall']:.3f}, density {calibration['indexer']['density']:.3f}",
-            t_start)
+            f"indexer recall {calibration['indexer']['recall']:.3f}, density {calibration['indexer']['density']:.3f}")
     base = base_config(args, report, checkpoint, device)
     for seed in seeds:  # every run's config is valid before any run starts
         for name in names:
@@ -578,16 +457,16 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             tag = f"{name}:seed{seed}"
             if deadline is not None and time.perf_counter() + max(durations, default=0.0) > deadline:
                 skipped.append(tag)
-                log(f"{tag}: skipped (deadline)", t_start)
+                log(f"{tag}: skipped (deadline)")
                 continue
-            log(f"{tag}: start", t_start)
+            log(f"{tag}: start")
             t = time.perf_counter()
             try:
                 out = run_recipe(run_config(base, name, seed, args, rtpurbo_dir, work))
             except Exception as e:  # one failing configuration must not lose the others
                 failed.append({"run": tag, "error": f"{type(e).__name__}: {str(e)[:1000]}",
                                "traceback": traceback.format_exc()[-4000:]})
-                log(f"{tag}: FAILED {type(e).__name__}: {str(e)[:300]}", t_start)
+                log(f"{tag}: FAILED {type(e).__name__}: {str(e)[:300]}")
                 save(final=False)
                 continue
             durations.append(time.perf_counter() - t)
@@ -598,10 +477,10 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             log(f"{tag}: median step {r['median_step_s']:.3f} s (prefill {r['prefill_s']:.3f}, decode "
                 f"{r['decode_s']:.3f}, train {r['train_s']:.3f}, sync {r['sync_s']:.3f}), reward "
                 f"{r['reward_mean']:.3f}, eval {r['eval_start']} -> {r['eval_final']}, run {r['run_s']:.1f} s "
-                f"(setup {r['setup_s']:.1f})", t_start)
+                f"(setup {r['setup_s']:.1f})")
             if r["compiled_timed_steps"]:
                 log(f"{tag}: WARNING {r['compiled_timed_steps']} timed step(s) compiled or captured graphs "
-                    "(see 'compiled' in the steps)", t_start)
+                    "(see 'compiled' in the steps)")
             save(final=False)
     if args.density_probe and calibration is not None:
         if deadline is not None and time.perf_counter() + max(durations, default=0.0) / 2 > deadline:
@@ -609,7 +488,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         else:
             try:
                 probe = density_probe(base, seeds[0], args, rtpurbo_dir, work)
-                log(f"density probe: {probe}", t_start)
+                log(f"density probe: {probe}")
             except Exception as e:
                 failed.append({"run": "density_probe", "error": f"{type(e).__name__}: {str(e)[:1000]}",
                                "traceback": traceback.format_exc()[-4000:]})
@@ -736,7 +615,6 @@ STACKED = ("prefill", "decode", "logprob", "train", "sync")  # disjoint phases o
 def _plot_phases(ax, steps: list[dict], names: list[str]) -> None:
     """Stacked mean time per phase over the timed steps (every seed) of each configuration; ``other`` is the
     rest of the step (rewards, batching, the drafter's refresh). Means, not medians: they add up to the step."""
-    mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
     timed = {n: [s for s in steps if s["config"] == n and s.get("timed")] for n in names}
     bottoms = [0.0] * len(names)
     for i, phase in enumerate(STACKED + ("other",)):
@@ -746,7 +624,7 @@ def _plot_phases(ax, steps: list[dict], names: list[str]) -> None:
                 v = mean([s["time/step_s"] - sum(s.get(f"time/{p}_s") or 0.0 for p in STACKED) for s in timed[n]])
             else:
                 v = mean([s.get(f"time/{phase}_s") or 0.0 for s in timed[n]])
-            vals.append(max(0.0, v))
+            vals.append(max(0.0, v or 0.0))
         ax.bar(range(len(names)), vals, bottom=bottoms, color=f"C{i}", label=phase)
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=8)

@@ -24,7 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
+from runner import base_parser, median, print_table, save_figure, write_json  # noqa: E402
+
+import sparrow.models as sm  # noqa: E402
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from sparrow.training import init_weights  # noqa: E402
 
 NAME = "engine"
 
@@ -32,8 +36,6 @@ NAME = "engine"
 def build_models(max_len: int, device: str, quick: bool):
     from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    import sparrow.models as sm
 
     torch.manual_seed(0)
     if quick:
@@ -43,8 +45,7 @@ def build_models(max_len: int, device: str, quick: bool):
         dims = dict(vocab_size=151936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
                     intermediate_dim=4864)
         model = sm.qwen2_5_0_5b(max_seq_len=max_len)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    init_weights(model, 0.02)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = model.to(device=device, dtype=dtype).eval()
     cfg = Qwen2Config(
@@ -77,33 +78,22 @@ def hf_generate(hf, input_ids, new_tokens):
     return time.perf_counter() - t0
 
 
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
 def main() -> None:
-    ap = base_parser(__doc__.split("\n\n")[0])
+    ap = base_parser(__doc__.split("\n\n")[0], [
+        ("--group", int, 8, None), ("--new-tokens", int, 128, None), ("--repeats", int, 3, None),
+        ("--hf-max-tokens", int, 2_200_000, "skip transformers above B*(L+N)")])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--hf-max-tokens", type=int, default=2_200_000, help="skip transformers above B*(L+N)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.prompt_lens, args.batches, args.new_tokens, args.repeats = [64, 256], [1, 8], 16, 1
-
-    from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
-
     max_len = max(args.prompt_lens) + args.new_tokens + 8
     model, hf, vocab = build_models(max_len, device, args.quick)
     max_b = max(args.batches)
-    engine = RolloutEngine(model, EngineConfig(
-        max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
-        max_new_tokens=args.new_tokens, sync_every=16, compile=device == "cuda", prefill_tokens=65536,
-    ))
+    cfg = EngineConfig(max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
+                       max_new_tokens=args.new_tokens, sync_every=16, compile=device == "cuda", prefill_tokens=65536)
+    engine = RolloutEngine(model, cfg)
     gen = torch.Generator().manual_seed(0)
 
     # -- correctness in the same run: greedy tokens and first-step logits on one prompt
@@ -140,7 +130,7 @@ def main() -> None:
             row["sparrow_decode_s"] = median(dec)
             row["sparrow_decode_tok_s"] = B * (args.new_tokens - 1) / row["sparrow_decode_s"]
             # prefix sharing on its own: the same rows prefilled once per sample (G identical prompts)
-            if P * G <= engine.config.num_prefixes and G > 1:
+            if P * G <= cfg.num_prefixes and G > 1:
                 out = engine.generate([p for p in prompts for _ in range(G)], 1,
                                       SamplingParams(temperature=1.0, max_new_tokens=1, seed=9))
                 row["sparrow_prefill_unshared_s"] = out.stats.prefill_s

@@ -35,12 +35,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
+from runner import REPO, base_parser, print_table, save_figure, write_json  # noqa: E402
 
 from sparrow.rl import read_metrics  # noqa: E402
 
 NAME = "multi_gpu"
-REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "recipes" / "configs" / "tiny_kv_retrieval.yaml"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -174,17 +173,11 @@ def plot(result: dict, png_path: Path) -> None:
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--gpus", type=int, default=2)
-    p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--max-new", type=int, default=16)
-    p.add_argument("--prompts", type=int, default=8, help="prompts per step (x 8 samples)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the medians")
-    p.add_argument("--timeout", type=int, default=900, help="seconds per run")
-    p.add_argument("--work-dir", default="multi_gpu_runs")
-    run(p.parse_args())
-
+    run(base_parser(__doc__.splitlines()[0], [
+        ("--gpus", int, 2, None), ("--context", int, 2048, None), ("--max-new", int, 16, None),
+        ("--prompts", int, 8, "prompts per step (x 8 samples)"), ("--steps", int, 6, None),
+        ("--warmup-steps", int, 2, "first steps left out of the medians"), ("--timeout", int, 900, "seconds per run"),
+        ("--work-dir", str, "multi_gpu_runs", None)]).parse_args())
 
 if __name__ == "__main__":
     main()

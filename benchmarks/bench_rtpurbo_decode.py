@@ -35,9 +35,8 @@ from runner import (  # noqa: E402
 triton_interpreter_without_cuda()  # before anything imports triton
 from sparrow.attention.base import DecodeMeta, LayerShape  # noqa: E402
 from sparrow.attention.dense import DenseAttention, DenseKVCache  # noqa: E402
-from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig  # noqa: E402
+from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig  # noqa: E402
 from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton  # noqa: E402
-from sparrow.kernels.sparse_decode import RTPurboCache  # noqa: E402
 from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton  # noqa: E402
 
 NAME = "rtpurbo_decode"

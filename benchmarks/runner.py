@@ -1,17 +1,13 @@
-"""Shared benchmark runner: timing, environment record, JSON output.
+"""Shared benchmark runner: timing, environment record, JSON output, the task model of a run.
 
-Every ``bench_<question>.py`` in this folder uses it:
+* :func:`measure` times a callable with CUDA events (warm-up excluded, median with p20/p80 over many runs);
+  without CUDA it falls back to ``time.perf_counter`` (CPU figures are smoke runs, never speed claims).
+* :func:`environment` records GPU, library versions, git revision and time; :func:`write_json` writes
+  ``{"benchmark", "environment", "config", "rows"}`` under ``docs/benchmarks/`` (or ``--out``) with no path of
+  the machine in it, :func:`load_json` reads it back for plotting.
+* :func:`task_model` gives the trained model a benchmark runs on (``--model DIR``, or a tiny one for ``--quick``).
 
-* :func:`measure` times a callable with CUDA events (warm-up excluded, median with p20/p80 over many
-  runs); on a machine without CUDA it falls back to ``time.perf_counter`` (CPU figures are smoke runs,
-  never speed claims).
-* :func:`environment` records GPU, library versions, git revision and time, so every JSON row says
-  where it came from.
-* :func:`write_json` writes ``{"benchmark", "environment", "config", "rows"}`` under
-  ``docs/benchmarks/`` (or ``--out``), and :func:`load_json` reads it back for plotting.
-
-Each benchmark module may define ``plot(result: dict, png_path: Path) -> None``;
-``benchmarks/make_plots.py`` calls it for every JSON file it finds.
+Each benchmark module may define ``plot(result: dict, png_path: Path) -> None``; ``make_plots.py`` calls it.
 """
 
 from __future__ import annotations
@@ -19,11 +15,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +30,39 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "docs" / "benchmarks"
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A progress line stamped with the seconds since the benchmark started."""
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def median(xs) -> float | None:
+    """The median of the finite numbers of ``xs`` (None values skipped); None if there are none."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return statistics.median(xs) if xs else None
+
+
+def mean(xs) -> float | None:
+    """The mean of the finite numbers of ``xs`` (None values skipped); None if there are none."""
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
+    """``model_dir`` (a trained model: ``tune run sparrow_sft --config ... output_dir=DIR``), or for a ``--quick``
+    run a tiny one trained now, for seconds, into ``work/task_model``."""
+    if model_dir is not None:
+        return model_dir
+    if not quick:
+        raise SystemExit("give --model DIR (tune run sparrow_sft --config recipes/configs/task_model_8k_sft.yaml "
+                         "output_dir=DIR)")
+    out = Path(work) / "task_model"
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "sparrow_sft", "--config",
+           str(REPO / "recipes" / "configs" / "tiny_task_model_sft.yaml"), f"output_dir={out}", "minutes=0.05"]
+    subprocess.run(cmd, check=True)
+    return str(out)
 
 
 def triton_interpreter_without_cuda() -> None:
@@ -212,10 +243,15 @@ def load_json(path: Path | str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
+def base_parser(description: str, options: list[tuple] = ()) -> argparse.ArgumentParser:
+    """``--out``, ``--quick`` and ``options``: rows ``(flag, type, default, help)``; a list as ``type`` is the
+    choices (strings)."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=None, help="folder for the JSON (default docs/benchmarks/)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run that checks the script works")
+    for flag, kind, default, text in options:
+        kw = {"choices": kind} if isinstance(kind, list) else {"type": kind}
+        p.add_argument(flag, default=default, help=text, **kw)
     return p
 
 

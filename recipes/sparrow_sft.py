@@ -1,129 +1,174 @@
-"""Supervised warm start on a synthetic task: the checkpoint the GRPO recipes begin from.
+"""Supervised training from scratch on the synthetic tasks: the GRPO warm start and the benchmarks' task models.
 
     tune run sparrow_sft --config recipes/configs/tiny_kv_retrieval_sft.yaml [key=value ...]
 
-Teacher forcing on ``prompt + answer + <eos>``: the loss is the mean cross-entropy over the answer tokens
-plus ``prompt_loss_weight`` times the mean over the whole sequence (prompt, answer and ``<eos>``; separate
-means, so a long prompt does not drown the answer). ``seed`` sets the initialisation and the held-out set,
-``data_seed`` the training examples. Writes ``model.safetensors`` (the model's weights) and
-``report.json`` (greedy and sampled accuracy on held-out prompts) to ``output_dir``. Deterministic by seed.
+A thin recipe over :mod:`sparrow.training`: the data is one ``task`` (a component) or a ``mix`` of the named
+training families (:data:`sparrow.training.FAMILIES`), the model a ``model`` component initialised by
+:func:`~sparrow.training.init_weights` (``init``), and the :class:`~sparrow.training.Trainer` runs the
+``curriculum``, ``loss``, ``optimizer`` and ``eval`` sections (each a config dataclass of the library). Writes
+``output_dir/model.safetensors`` (the GRPO recipe's ``checkpoint``) and ``output_dir/report.json`` (the builder,
+the run, the held-out accuracy table measured on the saved weights). ``seeds: [a, b, ...]`` trains one model per
+seed at once, in separate processes, and keeps the best. Deterministic by seed on one thread count.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from omegaconf import DictConfig
-from safetensors.torch import save_file
+from omegaconf import DictConfig, OmegaConf
 from torchtune import config
-from tqdm import tqdm
 
-from sparrow.rl.recipe_config import check_config, parse
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rl.recipe_config import COMPONENT, check_config, has_component, parse
+from sparrow.training import (
+    DEFAULT_MIX, EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
+    TrainConfig, Trainer, accuracy_table, best_of_seeds, init_weights, load_trained_model, pick, save_trained_model,
+    write_report,
+)
 
-KEYS = {k: None for k in ("name", "output_dir", "seed", "data_seed", "device", "steps", "batch_size", "lr", "warmup_steps",
-                          "weight_decay", "init_std", "prompt_loss_weight", "max_grad_norm", "eval_prompts",
-                          "max_new_tokens")}
-KEYS.update({"model": "component", "tokenizer": "component", "task": "component"})
+_fields = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
+KEYS = {
+    "name": None, "output_dir": None, "seed": None, "seeds": None, "device": None, "steps": None, "minutes": None,
+    "log_every_s": None, "save_dtype": None, "task": COMPONENT, "mix": None, "model": COMPONENT,
+    "init": {"std", "residual_scaling", "zero_bias"},
+    "data": {"seed", "tokens_per_step", "batch_size", "min_examples", "workers"},
+    "curriculum": _fields(CurriculumConfig), "loss": _fields(LossConfig), "optimizer": _fields(OptimizerConfig),
+    "eval": _fields(EvalConfig),
+}
+OPTIONAL = ("name", "seeds", "steps", "minutes", "log_every_s", "task", "mix", "data", "curriculum", "loss", "eval")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class SFTRecipe:
+    """setup -> train -> save_checkpoint -> evaluate -> cleanup, as in torchtune's recipes."""
+
     def __init__(self, cfg: DictConfig) -> None:
-        check_config(cfg, KEYS, optional=("name",))
-        self.cfg = cfg
-        self.device = torch.device(cfg.device)
+        check_config(cfg, KEYS, optional=OPTIONAL)
+        if has_component(cfg, "task") == (cfg.get("mix") is not None):
+            raise ValueError("the config needs a task or a mix (not both): set task=null or mix=null")
+        if cfg.save_dtype not in DTYPES:
+            raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {cfg.save_dtype!r}")
+        self.cfg, self.output_dir, self.device = cfg, Path(cfg.output_dir), torch.device(cfg.device)
+        self.t0 = time.perf_counter()
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
 
     def setup(self, cfg: DictConfig) -> None:
-        torch.manual_seed(cfg.seed)
-        self.tokenizer = config.instantiate(cfg.tokenizer)
-        self.task = config.instantiate(cfg.task)
-        self.model = config.instantiate(cfg.model).to(self.device)
-        with torch.no_grad():  # small-std init: torchtune's defaults are meant for loading checkpoints
-            for p in self.model.parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, cfg.init_std)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(0.9, 0.98),
-                                           weight_decay=cfg.weight_decay)
-        warm = cfg.warmup_steps  # linear warm-up, then constant
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / max(1, warm)))
+        self.train_cfg = self._setup_config(cfg)
+        self._setup_tasks(cfg)
+        self.source = self._setup_data(cfg)
+        self.model = self._setup_model(cfg)
+        self.trainer = Trainer(self.model, self.train_cfg, self.source, eval_tasks=self.eval_tasks, log=self.log)
 
-    def _batch(self, step: int):
-        tok, B = self.tokenizer, self.cfg.batch_size
-        seqs, plens = [], []
-        for j in range(B):
-            ex = self.task.example(self.cfg.data_seed, step * B + j)
-            p = tok.encode(ex.prompt)
-            seqs.append(p + tok.encode(ex.answer, add_bos=False, add_eos=True))
-            plens.append(len(p))
-        L = max(map(len, seqs))
-        x = torch.full((B, L), tok.pad_id, dtype=torch.int64)
-        answer = torch.zeros((B, L), dtype=torch.bool)
-        whole = torch.zeros((B, L), dtype=torch.bool)
-        for j, s in enumerate(seqs):
-            x[j, : len(s)] = torch.tensor(s)
-            whole[j, 1: len(s)] = True
-            answer[j, plens[j]: len(s) - 1] = True
-        return x.to(self.device), answer[:, 1:].to(self.device), whole[:, 1:].to(self.device)
+    def _setup_config(self, cfg: DictConfig) -> TrainConfig:
+        """The run's config dataclasses (each validates its section)."""
+        section = lambda key: OmegaConf.to_container(cfg[key], resolve=True) if cfg.get(key) else {}  # noqa: E731
+        return TrainConfig(steps=cfg.get("steps"), minutes=cfg.get("minutes"), seed=cfg.seed, device=cfg.device,
+                           log_every_s=cfg.get("log_every_s", 15.0), curriculum=CurriculumConfig(**section("curriculum")),
+                           loss=LossConfig(**section("loss")), optimizer=OptimizerConfig(**section("optimizer")),
+                           eval=EvalConfig(**section("eval")))
+
+    def _setup_tasks(self, cfg: DictConfig) -> None:
+        """The training families and the evaluation tasks: the ``task`` at each context for both, or the ``mix``'s
+        named families and :data:`~sparrow.training.EVAL_TASKS`."""
+        if has_component(cfg, "task"):
+            task = config.instantiate(cfg.task)
+            self.families = self.eval_tasks = {"task": lambda n: dataclasses.replace(task, context_len=n)}
+            self.mix = {"task": 1.0}
+        else:
+            self.mix = dict(cfg.mix) if len(cfg.mix) else dict(DEFAULT_MIX)
+            self.families, self.eval_tasks = pick(FAMILIES, self.mix, "mix"), EVAL_TASKS
+        ev = self.train_cfg.eval
+        pick(self.eval_tasks, ev.tasks, "eval.tasks")
+        self.table = pick(self.eval_tasks, ev.table or ev.tasks, "eval.table")
+
+    def _setup_data(self, cfg: DictConfig) -> TaskMixStream:
+        data = dict(cfg.get("data") or {})
+        seed = data.pop("seed", None)
+        source = TaskMixStream(self.families, self.mix, seed=cfg.seed if seed is None else seed, **data)
+        for n in (self.train_cfg.curriculum.min_context, self.train_cfg.curriculum.max_context):
+            source.tasks(n)  # the tasks' knobs are valid at both ends of the curriculum
+        return source
+
+    def _setup_model(self, cfg: DictConfig) -> torch.nn.Module:
+        """The model, built and initialised under ``seed``."""
+        torch.manual_seed(cfg.seed)
+        model = config.instantiate(cfg.model).to(self.device)
+        init_weights(model, **cfg.init)
+        return model
 
     def train(self) -> None:
-        cfg = self.cfg
-        bar = tqdm(range(cfg.steps), desc="sft", dynamic_ncols=True)
-        for step in bar:
-            x, answer, whole = self._batch(step)  # masks over the predicted positions x[:, 1:]
-            logits, target = self.model(x[:, :-1]), x[:, 1:]
-            answer_loss = F.cross_entropy(logits[answer], target[answer])
-            loss = answer_loss + cfg.prompt_loss_weight * F.cross_entropy(logits[whole], target[whole])
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            self.optimizer.step()
-            self.scheduler.step()
-            if step % 20 == 0:
-                bar.set_postfix(answer_loss=f"{answer_loss.item():.3f}", loss=f"{loss.item():.3f}")
+        self.log(f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters, device "
+                 f"{self.device}, mix {self.mix}")
+        self.stats = self.trainer.train()
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        cfg, tok = self.cfg, self.tokenizer
-        self.model.eval()
-        exs = [self.task.example(cfg.seed + 10_007, i) for i in range(cfg.eval_prompts)]  # the GRPO eval set
-        prompts = [tok.encode(e.prompt) for e in exs]
-        engine = RolloutEngine(self.model, EngineConfig(max_rows=max(8, len(prompts)), compile=False,
-                                                        max_prompt_len=max(map(len, prompts)),
-                                                        max_new_tokens=cfg.max_new_tokens))
-        report = {}
-        for name, temp in (("greedy_accuracy", 0.0), ("sampled_accuracy", 1.0)):
-            out = engine.generate(prompts, 1, SamplingParams(temperature=temp, max_new_tokens=cfg.max_new_tokens,
-                                                             stop_token_ids=(tok.eos_id,), seed=cfg.seed))
-            hits = [tok.decode([t for t in s.tokens.tolist() if t != tok.eos_id]) == e.answer for s, e in zip(out, exs)]
-            report[name] = sum(hits) / len(hits)
-        return report
+    def save_checkpoint(self) -> None:
+        cfg, top = self.cfg, self.train_cfg.curriculum.max_context
+        self.report = {
+            "model": OmegaConf.to_container(cfg.model, resolve=True), "tokenizer": "sparrow.rl.CharTokenizer",
+            "train": self.stats, "recipe_config": OmegaConf.to_container(cfg, resolve=True),
+            "tasks": {"train": {f: repr(fam(top)) for f, fam in self.families.items()},
+                      "eval": {t: repr(fam(top)) for t, fam in self.table.items()}, "eval_seed": self.train_cfg.eval.seed},
+            "environment": {"torch": torch.__version__, "device": torch.cuda.get_device_name(self.device)
+                            if self.device.type == "cuda" else "cpu"},
+        }
+        save_trained_model(self.output_dir, self.model, self.report, DTYPES[cfg.save_dtype])
+        self.log(f"wrote {self.output_dir}/model.safetensors")
 
-    def save_checkpoint(self, report: dict[str, float]) -> None:
-        out = Path(self.cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / "model.safetensors.tmp"
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.model.state_dict().items()}, str(tmp))
-        tmp.replace(out / "model.safetensors")
-        (out / "report.json").write_text(json.dumps(report, indent=1))
+    def evaluate(self) -> dict:
+        """The accuracy table, measured on the saved weights as a user of the checkpoint sees them."""
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        loaded = load_trained_model(self.output_dir, self.device, dtype)
+        saved = DTYPES[self.cfg.save_dtype]
+        self.report["reload_matches_weights"] = all(
+            torch.equal(a.detach().to(saved).cpu(), b.detach().to(saved).cpu())
+            for a, b in zip(self.model.state_dict().values(), loaded.state_dict().values()))
+        ev = self.train_cfg.eval
+        self.report["accuracy"] = accuracy_table(loaded, self.table, self.train_cfg.contexts(), ev.final_examples,
+                                                 seed=ev.seed, sampled=ev.sampled, sample_seed=self.cfg.seed,
+                                                 log=self.log)
+        self.report.update(eval_weights_dtype=str(dtype).replace("torch.", ""),
+                           total_s=round(time.perf_counter() - self.t0, 1))
+        write_report(self.output_dir, self.report)
+        return self.report
 
     def cleanup(self) -> None:
-        pass
+        self.source.close()
+
+
+def train_seeds(cfg: DictConfig) -> dict:
+    """One process of this recipe per seed of ``seeds`` (each in ``output_dir/seed_<s>``), the best kept in
+    ``output_dir``."""
+    check_config(cfg, KEYS, optional=OPTIONAL)
+    out = Path(cfg.output_dir).resolve()
+    commands, dirs = {}, {}
+    for seed in cfg.seeds:
+        dirs[seed] = out / f"seed_{seed}"
+        dirs[seed].mkdir(parents=True, exist_ok=True)
+        one = OmegaConf.merge(cfg, {"seed": seed, "seeds": None, "output_dir": str(dirs[seed])})
+        OmegaConf.save(one, dirs[seed] / "config.yaml")
+        commands[seed] = [sys.executable, str(Path(__file__).resolve()), "--config", str(dirs[seed] / "config.yaml")]
+    report = best_of_seeds(commands, dirs, out, device=cfg.device)
+    print(f"kept seed {report['chosen_seed']} of {list(cfg.seeds)}: {out}", flush=True)
+    return report
 
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
+    if len(cfg.get("seeds") or []) > 1:
+        train_seeds(cfg)
+        return
+    if cfg.get("seeds"):  # one seed listed: that seed
+        cfg.seed = cfg.seeds[0]
     recipe = SFTRecipe(cfg)
     recipe.setup(cfg)
-    t0 = time.perf_counter()
     recipe.train()
-    report = {"steps": cfg.steps, "train_s": round(time.perf_counter() - t0, 1), **recipe.evaluate()}
-    recipe.save_checkpoint(report)
-    print(json.dumps(report))
+    recipe.save_checkpoint()
+    recipe.evaluate()
     recipe.cleanup()
 
 

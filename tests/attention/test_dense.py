@@ -46,3 +46,26 @@ def test_cache_bytes_and_validation():
         DenseAttention(LayerShape(0, 4, 2, 16), impl="flash")
     with pytest.raises(ValueError, match="positive"):
         CacheSpec(0, 8, 3, 5)
+
+
+def test_auto_falls_back_where_triton_cannot_run_and_an_explicit_triton_says_why():
+    """``impl="auto"`` picks the reference for a head_dim the Triton kernel cannot take, so the backend can run
+    (no reason); an explicit ``"triton"`` cannot, and says so. RTPurbo gives the same reasons (one check)."""
+    from sparrow.attention.common import decode_impl
+    from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig
+
+    cpu = torch.device("cpu")
+    assert decode_impl("auto", 24, torch.device("cuda")) == "reference"
+    assert decode_impl("auto", 32, torch.device("cuda")) == "triton"
+    assert DenseAttention(LayerShape(0, 4, 2, 24)).validate_configuration(dtype=torch.float32, device=cpu) == []
+    reasons = DenseAttention(LayerShape(0, 4, 2, 24), impl="triton").validate_configuration(dtype=torch.float32,
+                                                                                           device=cpu)
+    assert len(reasons) == 1 and "head_dim" in reasons[0] and "24" in reasons[0]
+    for impl in ("auto", "reference", "triton"):
+        for head_dim in (16, 24):
+            for dtype in (torch.float32, torch.int8):
+                shape = LayerShape(0, 4, 2, head_dim)
+                dense = DenseAttention(shape, impl=impl).validate_configuration(dtype=dtype, device=cpu)
+                sparse = RTPurboAttention(shape, RTPurboConfig(impl=impl)).validate_configuration(dtype=dtype,
+                                                                                                  device=cpu)
+                assert sparse == dense

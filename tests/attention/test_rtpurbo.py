@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparrow.attention import CacheSpec, DecodeMeta, DenseAttention, LayerShape, PrefillMeta
+from sparrow.attention import CacheSpec, DecodeMeta, LayerShape, PrefillMeta
 from sparrow.attention.rtpurbo import (
     HeadProfile,
     RTPurboAttention,
@@ -176,6 +176,17 @@ def test_forward_train_is_dense_and_indexer_is_not_in_the_checkpoint():
     assert extra and all(".backend.indexer_" in k for k in extra)
     b = sparse.layers[0].attn.backend
     assert b.indexer_q.shape == (1, 2 * 16, 16) and b.indexer_k.shape == (1, 16, 16)
+
+
+def test_the_cache_is_the_sparse_decode_kernels_input():
+    """The backend's cache type is the kernel package's input type (the kernel never imports the backend)."""
+    from sparrow.attention.rtpurbo import RTPurboCache
+    from sparrow.kernels.sparse_decode import SparseDecodeCache
+
+    assert issubclass(RTPurboCache, SparseDecodeCache) and RTPurboCache._fields == SparseDecodeCache._fields
+    b = RTPurboAttention(LayerShape(0, 8, 4, 16), RTPurboConfig(window=64), [1])
+    c = b.init_cache(CacheSpec(2, 100, 3, 50), dtype=torch.bfloat16, device=torch.device("meta"))
+    assert type(c) is RTPurboCache and isinstance(c, SparseDecodeCache)
 
 
 def test_config_and_profile_validation():

@@ -213,3 +213,37 @@ def test_calibrated_rtpurbo_tracks_dense_on_a_retrieval_model():
     err_local, _ = _decode_error(model, HeadProfile.uniform(2, 2, False), None, cfg)
     assert density < 0.8
     assert err < 0.4 * err_local
+
+
+def test_a_directory_in_the_version_1_format_loads(tmp_path):
+    """Files written field by field as version 1 of the format (not through save_rtpurbo) load: profile,
+    indexer, config, and the attention factory built from them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from sparrow.attention import LayerShape, rtpurbo
+
+    g = torch.Generator().manual_seed(0)
+    wq, wk = torch.randn(1, 2 * 16, 16, generator=g), torch.randn(1, 16, 16, generator=g)
+    save_file({"layers.1.indexer_q": wq, "layers.1.indexer_k": wk}, str(tmp_path / "rtpurbo_indexer.safetensors"),
+              metadata={"format": "sparrow-rtpurbo", "version": "1"})
+    config = dict(retrieval_ratio=0.25, num_sinks=4, window=64, ret_window=128, indexer_dim=16, top_p=0.8,
+                  decode_block=64, prefill_block=128, ring_slack=64, impl="auto", prefill_impl="auto",
+                  dense_prefill_below=0)
+    doc = {"format": "sparrow-rtpurbo", "version": 1, "indexer_dim": 16,
+           "profile": {"num_layers": 2, "num_kv_heads": 2, "scores": [[0.1, 0.2], [0.9, 0.3]],
+                       "retrieval": [[False, False], [True, False]], "meta": {"ratio": 0.25}},
+           "config": config, "report": {"steps": 3}}
+    (tmp_path / "rtpurbo.json").write_text(json.dumps(doc, indent=1))
+    prof, w, cfg = load_rtpurbo(tmp_path, with_config=True)
+    assert prof.retrieval.tolist() == [[False, False], [True, False]] and prof.meta == {"ratio": 0.25}
+    assert torch.equal(w.q[1], wq) and torch.equal(w.k[1], wk) and sorted(w.q) == [1]
+    assert cfg == RTPurboConfig(**config)
+    b = rtpurbo(str(tmp_path), top_p=0.5)(LayerShape(1, 4, 2, 16))  # the recipe's `_component_` entry point
+    assert b.retrieval_heads == (0,) and b.config.top_p == 0.5 and b.config.window == 64
+    assert torch.equal(b.indexer_q.detach(), wq) and torch.equal(b.indexer_k.detach(), wk)
+    doc["format"] = "something-else"
+    (tmp_path / "rtpurbo.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="something-else"):
+        load_rtpurbo(tmp_path)

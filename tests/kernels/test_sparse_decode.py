@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from sparrow.kernels.sparse_decode import RTPurboCache, SparseDecodeConfig, sparse_decode_attention
+from sparrow.kernels.sparse_decode import SparseDecodeCache, SparseDecodeConfig, sparse_decode_attention
 from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
 from tests.helpers import rel_err, to_device
 
@@ -35,8 +35,8 @@ def _make(A, Hkv, ret, qpk, T, D, P, Lp, R, Lg, *, S=4, W=24, slack=4, r=16, blo
         end = int(cl[a]) + T
         for j in range(max(0, end - Wg), end):
             glk[rs[a], :, j % Wg], glv[rs[a], :, j % Wg] = gk[rs[a], loc, j], gv[rs[a], loc, j]
-    cache = RTPurboCache(pk[:, ret].contiguous(), pv[:, ret].contiguous(), gk[:, ret].contiguous(),
-                         gv[:, ret].contiguous(), pik, gik, plk, plv, glk, glv)
+    cache = SparseDecodeCache(pk[:, ret].contiguous(), pv[:, ret].contiguous(), gk[:, ret].contiguous(),
+                              gv[:, ret].contiguous(), pik, gik, plk, plv, glk, glv)
     q, qi = rn(A, Hkv * qpk, T, D), rn(A, len(ret), T, r) * 0.7
     is_ret = torch.zeros(Hkv, dtype=torch.int32)
     is_ret[ret] = 1

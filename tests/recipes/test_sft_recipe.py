@@ -1,4 +1,5 @@
-"""The real CLI (`tune run sparrow_sft`) on a tiny model: outputs, determinism, loss masks, config errors."""
+"""The real CLI (`tune run sparrow_sft`) on tiny models: outputs, determinism, the task-mix path, the checkpoint the
+GRPO recipe loads, several seeds, config errors."""
 
 import json
 import os
@@ -6,59 +7,115 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from sparrow.models import load_model_state
+from sparrow.training import build_model, load_trained_model, read_report
+
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "recipes" / "configs" / "tiny_kv_retrieval_sft.yaml"
+CONFIGS = REPO / "recipes" / "configs"
 TUNE = str(Path(sys.executable).parent / "tune")
-TINY = ["steps=3", "batch_size=4", "eval_prompts=4", "task.context_len=32", "model.num_layers=1",
-        "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_dim=64",
-        "model.max_seq_len=40"]
+TINY = ["steps=3", "data.batch_size=4", "eval.final_examples=4", "task.context_len=32", "curriculum.min_context=32",
+        "curriculum.max_context=32", "model.num_layers=1", "model.embed_dim=32", "model.num_heads=2",
+        "model.num_kv_heads=1", "model.intermediate_dim=64", "model.max_seq_len=40"]
+QUICK = ["minutes=0.02", "eval.every_s=0.5", "eval.examples=2", "eval.final_examples=4", "data.tokens_per_step=1024",
+         "model.num_layers=1", "model.embed_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
+         "model.intermediate_dim=64", "curriculum.min_context=64", "curriculum.max_context=128", "model.max_seq_len=170"]
 
 
-def run(out: Path, *overrides: str):
-    cmd = [TUNE, "run", "sparrow_sft", "--config", str(CONFIG), f"output_dir={out}", *TINY, *overrides]
+def run(out: Path, *overrides: str, config: str = "tiny_kv_retrieval_sft.yaml"):
+    cmd = [TUNE, "run", "sparrow_sft", "--config", str(CONFIGS / config), f"output_dir={out}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_writes_weights_and_report_deterministically(tmp_path):
-    a, b = run(tmp_path / "a"), run(tmp_path / "b")
+    a, b = run(tmp_path / "a", *TINY), run(tmp_path / "b", *TINY)
     assert a.returncode == 0 and b.returncode == 0, (a.stderr + b.stderr)[-3000:]
-    report = json.loads((tmp_path / "a/report.json").read_text())
-    assert report["steps"] == 3 and 0 <= report["greedy_accuracy"] <= 1 and 0 <= report["sampled_accuracy"] <= 1
+    report = read_report(tmp_path / "a")
+    assert report["train"]["steps"] == 3 and report["weights_dtype"] == "float32" and report["reload_matches_weights"]
+    [row] = report["accuracy"]
+    assert (row["task"], row["context"], row["n"]) == ("task", 32, 4)
+    assert 0 <= row["accuracy"] <= 1 and 0 <= row["sampled_accuracy"] <= 1
     wa, wb = load_file(str(tmp_path / "a/model.safetensors")), load_file(str(tmp_path / "b/model.safetensors"))
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k].view(torch.int32), wb[k].view(torch.int32)) for k in wa)
-    other = run(tmp_path / "c", "data_seed=2")  # other examples: other weights
+    other = run(tmp_path / "c", *TINY, "data.seed=2")  # other examples: other weights
     assert other.returncode == 0, other.stderr[-3000:]
     wc = load_file(str(tmp_path / "c/model.safetensors"))
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
+    # what the GRPO recipe does with `checkpoint:` and its `model:` section
+    model = build_model(report["model"])
+    load_model_state(model, wa)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in wa.items())
 
 
-def test_loss_masks_cover_answer_and_whole_sequence():
+def test_a_task_mix_model_with_its_curriculum_and_table(tmp_path):
+    r = run(tmp_path / "m", *QUICK, config="tiny_task_model_sft.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = read_report(tmp_path / "m")
+    assert doc["weights_dtype"] == "bfloat16" and doc["reload_matches_weights"] is True
+    assert doc["params"] == sum(p.numel() for p in load_trained_model(tmp_path / "m").parameters())
+    assert doc["train"]["tokens_seen"] > 0 and doc["train"]["steps"] >= 1 and doc["eval_weights_dtype"] == "float32"
+    assert {(r["task"], r["context"]) for r in doc["accuracy"]} == {
+        (t, n) for t in ("kv_retrieval", "variable_tracking") for n in (64, 128)}
+    assert set(doc["tasks"]["train"]) == {"kv_mq", "kv_vary_mq", "vt_mq", "kv", "vt"}
+    assert doc["train"]["config"]["curriculum"]["max_context"] == 128
+    saved = load_file(str(tmp_path / "m/model.safetensors"))
+    state = load_trained_model(tmp_path / "m", dtype=torch.bfloat16).state_dict()
+    assert all(v.dtype == torch.bfloat16 and torch.equal(state[k].view(torch.int16), v.view(torch.int16))
+               for k, v in saved.items())
+
+
+@pytest.mark.slow
+def test_several_seeds_keep_the_best(tmp_path):
+    r = run(tmp_path / "best", *QUICK, "seeds=[3,4]", config="tiny_task_model_sft.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = read_report(tmp_path / "best")
+    assert report["chosen_seed"] in (3, 4) and [c["seed"] for c in report["candidates"]] == [3, 4]
+    kept = load_file(str(tmp_path / "best" / f"seed_{report['chosen_seed']}" / "model.safetensors"))
+    other = load_file(str(tmp_path / "best" / f"seed_{7 - report['chosen_seed']}" / "model.safetensors"))
+    best = load_file(str(tmp_path / "best" / "model.safetensors"))
+    assert all(torch.equal(best[k], kept[k]) for k in best) and not all(torch.equal(best[k], other[k]) for k in best)
+    assert report["train"]["config"]["seed"] == report["chosen_seed"]
+
+
+def test_loss_of_the_warm_start_config():
+    """The shipped config's loss: answer tokens pooled without <eos>, plus 0.1 x the whole sequence."""
     sys.path.insert(0, str(REPO / "recipes"))
     from omegaconf import OmegaConf
     from sparrow_sft import SFTRecipe
 
-    cfg = OmegaConf.load(CONFIG)
-    cfg.batch_size = 3
+    cfg = OmegaConf.load(CONFIGS / "tiny_kv_retrieval_sft.yaml")
     recipe = SFTRecipe(cfg)
-    recipe.setup(cfg)
-    x, answer, whole = recipe._batch(0)
-    tok = recipe.tokenizer
-    for j in range(3):
-        ex = recipe.task.example(cfg.data_seed, j)
-        plen = len(tok.encode(ex.prompt))
-        # predicted positions t (target x[:, 1:][t] = x[t + 1]): the answer's digits only, not <eos>
-        assert torch.equal(x[j, 1:][answer[j]], torch.tensor(tok.encode(ex.answer, add_bos=False)))
-        assert answer[j].nonzero().flatten().tolist() == list(range(plen - 1, plen - 1 + len(ex.answer)))
-        n = plen + len(ex.answer) + 1
-        assert whole[j].sum() == n - 1 and x[j, 1:][whole[j]][-1] == tok.eos_id
+    loss = recipe._setup_config(cfg).loss
+    assert (loss.prompt_weight, loss.prompt_tokens, loss.answer_eos, loss.answer_mean) == (0.1, "sequence", False, "token")
 
 
 def test_unknown_key_fails_before_training(tmp_path):
     r = run(tmp_path / "d", "learning_rate=1e-3")
-    assert r.returncode != 0 and "unknown config keys: learning_rate" in r.stderr
+    assert r.returncode != 0 and "unknown config keys: learning_rate" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("overrides,message", [
+    pytest.param(["optimizer.rate=1e-3"], "unknown config keys: optimizer.rate", id="unknown-section-key"),
+    pytest.param(["mix={kv: 1.0}"], "a task or a mix", id="task-and-mix"),
+    pytest.param(["loss.answer_mean=row"], "answer_mean one of", id="bad-value"),
+    pytest.param(["save_dtype=float16"], "save_dtype must be one of", id="dtype"),
+    pytest.param(["model.max_seq_len=50"], "max_seq_len 50 is too short", id="short-model"),
+    pytest.param(["eval.tasks=[kv_retrieval]"], "eval.tasks: unknown or none ['kv_retrieval']", id="eval-task"),
+])
+def test_config_errors_fail_in_setup(tmp_path, overrides, message):
+    sys.path.insert(0, str(REPO / "recipes"))
+    from sparrow_sft import SFTRecipe
+
+    from sparrow.rl.recipe_config import load_config
+
+    cfg = load_config(CONFIGS / "tiny_kv_retrieval_sft.yaml", [f"output_dir={tmp_path / 'd'}", *overrides])
+    with pytest.raises(ValueError) as err:
+        SFTRecipe(cfg).setup(cfg)
+    assert message in str(err.value)
     assert not (tmp_path / "d").exists()

@@ -1,4 +1,10 @@
-"""Attention backends: the interface, dense attention, and (later) RTPurbo sparse attention."""
+"""Attention backends: the interface, dense attention, and RTPurbo sparse attention.
+
+``dense`` and ``rtpurbo`` below are the recipe configs' ``_component_`` entry points. The function
+``sparrow.attention.rtpurbo`` replaces the submodule of that name as an attribute of this package (the
+module stays importable: ``from sparrow.attention.rtpurbo import RTPurboConfig``); reach the module's
+siblings (``rtpurbo_io``, ``rtpurbo_stats``, ``common``) by their own names.
+"""
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
 from sparrow.attention.dense import DenseAttention, DenseKVCache
@@ -10,6 +16,7 @@ from sparrow.attention.rtpurbo import (
     RTPurboConfig,
     rtpurbo_attention,
 )
+from sparrow.attention.rtpurbo_io import rtpurbo_from_checkpoint
 
 
 def dense(impl: str = "auto"):
@@ -23,9 +30,8 @@ def dense(impl: str = "auto"):
 def rtpurbo(path: str, **overrides):
     """An attention factory (``LayerShape -> RTPurboAttention``) from the head profile and indexer that
     ``sparrow calibrate`` saved in ``path``; ``overrides`` replace saved config fields (e.g. ``top_p``)."""
-    from sparrow.calibrate.io import rtpurbo_from_checkpoint
-
     return rtpurbo_from_checkpoint(path, **overrides)
+
 
 __all__ = ["AttentionBackend", "CacheSpec", "DecodeMeta", "LayerShape", "PrefillMeta", "DenseAttention",
            "DenseKVCache", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache", "RTPurboConfig",

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
+from sparrow.attention.common import (
+    causal_attention, configuration_reasons, decode_impl, train_attention, write_prefix, write_rows,
+)
+from sparrow.kernels.common.impl import IMPLS, Impl
 from sparrow.kernels.decode_attention import decode_attention
+
+# write_prefix, write_rows, decode_impl and train_attention are imported from here by other packages (the
+# speculative drafter's windowed attention): they live in sparrow.attention.common
+__all__ = ["DenseAttention", "DenseKVCache", "decode_impl", "train_attention", "write_prefix", "write_rows"]
 
 
 class DenseKVCache(NamedTuple):
@@ -24,49 +31,6 @@ class DenseKVCache(NamedTuple):
     gen_v: torch.Tensor
 
 
-def write_prefix(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot: torch.Tensor) -> None:
-    """cache_[kv]: [P, H, L, D]; k, v: [B, H, S, D] written at ``cache[slot[b], :, :S]``."""
-    B, H, S, _ = k.shape
-    h = torch.arange(H, device=k.device)[None, :, None]
-    s = torch.arange(S, device=k.device)[None, None, :]
-    idx = (slot[:, None, None], h, s)
-    cache_k.index_put_(idx, k.to(cache_k.dtype))
-    cache_v.index_put_(idx, v.to(cache_v.dtype))
-
-
-def write_rows(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               slot: torch.Tensor, start: torch.Tensor) -> None:
-    """cache_[kv]: [R, H, L, D]; k, v: [A, H, T, D] written at ``cache[slot[a], :, start[a] + t]``."""
-    A, H, T, _ = k.shape
-    h = torch.arange(H, device=k.device)[None, :, None]
-    pos = start[:, None, None] + torch.arange(T, device=k.device)[None, None, :]
-    idx = (slot[:, None, None], h, pos)
-    cache_k.index_put_(idx, k.to(cache_k.dtype))
-    cache_v.index_put_(idx, v.to(cache_v.dtype))
-
-
-def decode_impl(impl: str, head_dim: int, device: torch.device) -> str:
-    """The decode kernel ``impl="auto"`` stands for: Triton on CUDA for power-of-two head dims >= 16, else the
-    eager reference."""
-    if impl != "auto":
-        return impl
-    pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
-    return "triton" if device.type == "cuda" and pow2 else "reference"
-
-
-def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Exact, differentiable attention of the trainer. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; ``mask``: None
-    (causal) or bool [B, S, S], True where a query attends to a key (packed sequences). Returns [B, Hq, S, D]."""
-    gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if gqa:  # an explicit mask: kv heads repeated per query head, so SDPA may pick its memory-efficient kernel
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
-
-
 class DenseAttention(AttentionBackend):
     """Exact attention with a full KV cache.
 
@@ -79,9 +43,9 @@ class DenseAttention(AttentionBackend):
         impl: decode kernel, ``"auto" | "reference" | "triton"``.
     """
 
-    def __init__(self, shape: LayerShape, *, impl: Literal["auto", "reference", "triton"] = "auto") -> None:
+    def __init__(self, shape: LayerShape, *, impl: Impl = "auto") -> None:
         super().__init__(shape)
-        if impl not in ("auto", "reference", "triton"):
+        if impl not in IMPLS:
             raise ValueError(f"DenseAttention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
         self.impl = impl
 
@@ -89,18 +53,7 @@ class DenseAttention(AttentionBackend):
         return f"{super().extra_repr()}, impl={self.impl}"
 
     def validate_configuration(self, *, dtype: torch.dtype, device: torch.device) -> list[str]:
-        reasons = []
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            reasons.append(f"dtype {dtype} is not one of float32, bfloat16, float16")
-        if self.impl == "triton" and torch.device(device).type != "cuda":
-            import os
-
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                reasons.append("impl='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
-        if self.shape.head_dim & (self.shape.head_dim - 1) or self.shape.head_dim < 16:
-            if self.impl != "reference":
-                reasons.append(f"the Triton decode kernel needs a power-of-two head_dim >= 16, got {self.shape.head_dim}")
-        return reasons
+        return configuration_reasons(dtype=dtype, device=device, impl=self.impl, head_dim=self.shape.head_dim)
 
     def forward_train(self, q, k, v, *, q_pre=None, k_pre=None, mask=None):
         return train_attention(q, k, v, mask)
@@ -119,8 +72,7 @@ class DenseAttention(AttentionBackend):
     def prefill(self, q, k, v, cache: DenseKVCache, meta: PrefillMeta, *, q_pre=None, k_pre=None):
         # q: [P, Hq, S, D]; right padding keeps causal attention exact for the real tokens
         write_prefix(cache.prefix_k, cache.prefix_v, k, v, meta.prefix_slot)
-        gqa = self.shape.num_heads != self.shape.num_kv_heads
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return causal_attention(q, k, v)
 
     def decode(self, q, k, v, cache: DenseKVCache, meta: DecodeMeta, *, q_pre=None, k_pre=None):
         # q: [A, Hq, T, D]; k, v: [A, Hkv, T, D]

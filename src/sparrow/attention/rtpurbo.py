@@ -11,28 +11,43 @@ ring buffers whose size does not grow with the context.
 
 Training stays dense (:meth:`RTPurboAttention.forward_train` is exact attention): rollouts are sparse,
 gradients are not. The indexer's parameters (``indexer_q``, ``indexer_k``) live in this module, not in
-the model's checkpoint; they are saved by :func:`sparrow.calibrate.save_rtpurbo`.
+the model's checkpoint; :mod:`sparrow.attention.rtpurbo_io` saves and loads them with the profile.
 
-Kernels: :mod:`sparrow.kernels.sparse_decode` (Triton indexer scores, top-p threshold, split-KV sparse and
-local attention), :mod:`sparrow.kernels.sparse_prefill` (Triton block scores, FlexAttention block-sparse
-and sliding-window masks), :mod:`sparrow.kernels.topp` (bisection top-p), each with a PyTorch reference.
+RTPurbo's home, :mod:`sparrow.attention`:
+
+* this module — :class:`RTPurboConfig`, :class:`HeadProfile`, :class:`IndexerWeights`, the cache
+  (:class:`RTPurboCache`), the backend (:class:`RTPurboAttention`) and its factories;
+* :mod:`~sparrow.attention.rtpurbo_io` — the calibration files (``rtpurbo.json``,
+  ``rtpurbo_indexer.safetensors``) and :func:`~sparrow.attention.rtpurbo_io.rtpurbo_from_checkpoint`;
+* :mod:`~sparrow.attention.rtpurbo_stats` — selection statistics (measured density);
+* :mod:`~sparrow.attention.common` — what it shares with the dense backend (cache writes, causal attention,
+  kernel choice, configuration reasons).
+
+Kernels, which take tensors and never import this package: :mod:`sparrow.kernels.sparse_decode` (Triton
+indexer scores, top-p threshold, split-KV sparse and local attention), :mod:`sparrow.kernels.sparse_prefill`
+(Triton block scores, FlexAttention block-sparse and sliding-window masks), :mod:`sparrow.kernels.topp`
+(bisection top-p), each with a PyTorch reference.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
-from sparrow.attention.dense import train_attention, write_prefix, write_rows
-from sparrow.kernels.sparse_decode import RTPurboCache, SparseDecodeConfig, sparse_decode_attention
-from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
+from sparrow.attention.common import (
+    causal_attention, configuration_reasons, decode_impl, prefix_index, put, row_index, train_attention,
+)
+from sparrow.attention.rtpurbo_stats import SelectionStats, summarize
+from sparrow.kernels.common.impl import IMPLS, Impl
+from sparrow.kernels.sparse_decode import SparseDecodeCache, SparseDecodeConfig, sparse_decode_attention
+from sparrow.kernels.sparse_prefill import PrefillImpl, SparsePrefillConfig, sparse_prefill_attention
+from sparrow.kernels.sparse_prefill.api import PREFILL_IMPLS
 
 __all__ = ["RTPurboConfig", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache",
            "rtpurbo_attention", "rtpurbo_backends", "collect_selection_stats"]
@@ -55,14 +70,13 @@ class RTPurboConfig:
         ring_slack: extra slots of the per-row window ring: decode steps may feed up to ``ring_slack + 1``
             tokens (speculative verification) without overwriting what their first token still sees.
         impl: decode kernels and prefill block scoring — ``"triton"``, ``"reference"`` or ``"auto"``
-            (Triton on CUDA).
+            (Triton on CUDA for power-of-two head dims >= 16).
         prefill_impl: ``"flex"`` (block-sparse FlexAttention), ``"reference"`` (dense masks) or ``"auto"``
             (flex on CUDA).
         dense_prefill_below: prefills whose padded prompt length is below this many tokens attend densely in
-            every head (the caches are written exactly as by the sparse prefill; decode stays sparse). Selecting
-            blocks costs more than it saves on short prompts: in the end-to-end benchmark on an H200 (6-layer
-            task model, 8 prompts of 2K tokens) the prefill phase took 28 ms sparse and 10 ms dense, while one
-            full-size layer gains 1.25x at 32K (``docs/benchmarks.md``). ``0``: always sparse.
+            every head (the caches are written exactly as by the sparse prefill; decode stays sparse): selecting
+            blocks costs more than it saves on short prompts (measured in ``docs/benchmarks.md``). ``0``: always
+            sparse.
     """
 
     retrieval_ratio: float = 0.15
@@ -74,8 +88,8 @@ class RTPurboConfig:
     decode_block: int = 64
     prefill_block: int = 128
     ring_slack: int = 64
-    impl: Literal["auto", "reference", "triton"] = "auto"
-    prefill_impl: Literal["auto", "reference", "flex"] = "auto"
+    impl: Impl = "auto"
+    prefill_impl: PrefillImpl = "auto"
     dense_prefill_below: int = 0
 
     def __post_init__(self) -> None:
@@ -86,8 +100,9 @@ class RTPurboConfig:
         for name in ("window", "ret_window", "indexer_dim", "decode_block", "prefill_block"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RTPurboConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_sinks < 0 or self.ring_slack < 0 or self.dense_prefill_below < 0:
-            raise ValueError("num_sinks, ring_slack and dense_prefill_below must be >= 0")
+        for name in ("num_sinks", "ring_slack", "dense_prefill_below"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RTPurboConfig.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("indexer_dim", "decode_block", "prefill_block"):
             v = getattr(self, name)
             if v & (v - 1):
@@ -95,10 +110,11 @@ class RTPurboConfig:
         if self.num_sinks > min(self.decode_block, self.prefill_block):
             raise ValueError(f"num_sinks ({self.num_sinks}) must fit in one block "
                              f"(decode_block {self.decode_block}, prefill_block {self.prefill_block})")
-        if self.impl not in ("auto", "reference", "triton"):
-            raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {self.impl!r}")
-        if self.prefill_impl not in ("auto", "reference", "flex"):
-            raise ValueError(f"prefill_impl must be 'auto', 'reference' or 'flex', got {self.prefill_impl!r}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {self.impl!r}")
+        if self.prefill_impl not in PREFILL_IMPLS:
+            raise ValueError(f"prefill_impl must be one of {', '.join(map(repr, PREFILL_IMPLS))}, "
+                             f"got {self.prefill_impl!r}")
 
     @classmethod
     def for_context(cls, max_seq_len: int, **overrides: Any) -> "RTPurboConfig":
@@ -190,7 +206,29 @@ class IndexerWeights:
         return None
 
 
-Impl = Literal["auto", "reference", "triton"]
+class RTPurboCache(SparseDecodeCache):
+    """One layer's RTPurbo cache: the tensors :func:`sparrow.kernels.sparse_decode.sparse_decode_attention` reads
+    (a :class:`~sparrow.kernels.sparse_decode.SparseDecodeCache`, so it goes to the kernel as it is), allocated
+    by :meth:`RTPurboAttention.init_cache` and written by its ``prefill`` / ``decode``.
+
+    Retrieval kv heads (``H_ret``) keep their full KV, in the same two-level layout as dense attention, and
+    the indexer keys beside it:
+
+    prefix_k, prefix_v: [num_prefixes, H_ret, max_prefix_len, D]   prefix_ik: [num_prefixes, H_ret, max_prefix_len, r]
+    gen_k, gen_v:       [num_rows + 1, H_ret, max_gen_len, D]      gen_ik:    [num_rows + 1, H_ret, max_gen_len, r]
+
+    Local kv heads (``H_loc``) keep sinks + a sliding window only, so their memory is O(window) per prompt
+    and per row whatever the context length:
+
+    prefix_lk, prefix_lv: [num_prefixes, H_loc, S + Wp, D] — the prompt's first ``S = num_sinks`` tokens, then a
+        ring of its last ``Wp = min(window, max_prefix_len)`` tokens (position ``j`` at ``S + j % Wp``).
+    gen_lk, gen_lv: [num_rows + 1, H_loc, Wg, D] — a ring of the row's generated tokens (index ``g`` at
+        ``g % Wg``), ``Wg = min(window + ring_slack, max_gen_len)``.
+
+    The last generation slot is the engine's scratch row.
+    """
+
+    __slots__ = ()
 
 
 class RTPurboAttention(AttentionBackend):
@@ -245,7 +283,7 @@ class RTPurboAttention(AttentionBackend):
                 wq, wk = indexer
             if hr:
                 self.load_indexer(wq, wk)
-        self._stats: dict[str, float] | None = None
+        self._stats: SelectionStats | None = None
 
     # -- indexer --------------------------------------------------------------------------------------
     @property
@@ -253,6 +291,8 @@ class RTPurboAttention(AttentionBackend):
         return len(self.retrieval_heads)
 
     def load_indexer(self, wq: torch.Tensor, wk: torch.Tensor) -> None:
+        """Copy ``wq`` [H_ret, q_per_kv * D, r] and ``wk`` [H_ret, D, r] into the indexer (ValueError on other
+        shapes)."""
         if tuple(wq.shape) != tuple(self.indexer_q.shape) or tuple(wk.shape) != tuple(self.indexer_k.shape):
             raise ValueError(f"indexer shapes {tuple(wq.shape)}, {tuple(wk.shape)} do not fit layer "
                              f"{self.shape.layer_idx}: expected {tuple(self.indexer_q.shape)}, {tuple(self.indexer_k.shape)}")
@@ -277,31 +317,11 @@ class RTPurboAttention(AttentionBackend):
         return torch.einsum("bhsd,hdr->bhsr", k_pre[:, self.ret_idx], self.indexer_k.to(k_pre.dtype))
 
     # -- capabilities ---------------------------------------------------------------------------------
-    def _decode_impl(self, device: torch.device) -> str:
-        if self.config.impl != "auto":
-            return self.config.impl
-        d = self.shape.head_dim
-        return "triton" if device.type == "cuda" and d >= 16 and d & (d - 1) == 0 else "reference"
-
-    def _prefill_impl(self, device: torch.device) -> str:
-        if self.config.prefill_impl != "auto":
-            return self.config.prefill_impl
-        return "flex" if device.type == "cuda" else "reference"
-
     def validate_configuration(self, *, dtype: torch.dtype, device: torch.device) -> list[str]:
-        reasons = []
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            reasons.append(f"dtype {dtype} is not one of float32, bfloat16, float16")
-        dev = torch.device(device)
-        interp = os.environ.get("TRITON_INTERPRET") == "1"
-        if self.config.impl == "triton":
-            if dev.type != "cuda" and not interp:
-                reasons.append("impl='triton' needs a CUDA device (or TRITON_INTERPRET=1)")
-            d = self.shape.head_dim
-            if d < 16 or d & (d - 1):
-                reasons.append(f"the Triton kernels need a power-of-two head_dim >= 16, got {d}")
-            if self.config.indexer_dim < 16:
-                reasons.append(f"the Triton prefill scores need indexer_dim >= 16, got {self.config.indexer_dim}")
+        reasons = configuration_reasons(dtype=dtype, device=device, impl=self.config.impl,
+                                        head_dim=self.shape.head_dim)
+        if self.config.impl == "triton" and self.config.indexer_dim < 16:
+            reasons.append(f"the Triton prefill scores need indexer_dim >= 16, got {self.config.indexer_dim}")
         return reasons
 
     # -- training (dense) -------------------------------------------------------------------------------
@@ -350,56 +370,57 @@ class RTPurboAttention(AttentionBackend):
             else:
                 q_idx, k_idx = self.index(q_pre, k_pre)
             kr, vr = k[:, self.ret_idx], v[:, self.ret_idx]
-            write_prefix(cache.prefix_k, cache.prefix_v, kr, vr, slot)
-            _write_prefix_one(cache.prefix_ik, k_idx, slot)
+            put(prefix_index(kr, slot), (cache.prefix_k, kr), (cache.prefix_v, vr), (cache.prefix_ik, k_idx))
         if self.local_heads:
             self._write_local_prefix(cache, k[:, self.loc_idx], v[:, self.loc_idx], slot, plen)
         if dense:
             if self._stats is not None and self.num_retrieval:
-                self._record_prefill(None, plen, S)
-            gqa = self.shape.num_heads != self.shape.num_kv_heads
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                self._stats.record_prefill(None, plen, S, block=self.config.prefill_block,
+                                           num_retrieval=self.num_retrieval)
+            return causal_attention(q, k, v)
         res = sparse_prefill_attention(q, k, v, q_idx, k_idx, plen, self.ret_idx, self.loc_idx,
-                                       self._prefill_cfg(), impl=self._prefill_impl(q.device),
-                                       score_impl=self._decode_impl(q.device),
+                                       self._prefill_cfg(), impl=self.config.prefill_impl,
+                                       score_impl=self._kernel_impl(q.device),
                                        return_selection=self._stats is not None)
         if self._stats is None:
             return res
         out, sel = res
         if sel is not None:
-            self._record_prefill(sel, plen, S)
+            self._stats.record_prefill(sel, plen, S, block=self.config.prefill_block, num_retrieval=self.num_retrieval)
         return out
 
     def decode(self, q, k, v, cache: RTPurboCache, meta: DecodeMeta, *, q_pre=None, k_pre=None):
         A, _, T, _ = q.shape
-        if T > self.config.ring_slack + 1:
-            raise ValueError(f"{T} tokens per decode step exceed ring_slack + 1 ({self.config.ring_slack + 1})")
+        c = self.config
+        if T > c.ring_slack + 1:
+            raise ValueError(f"{T} tokens per decode step exceed ring_slack + 1 ({c.ring_slack + 1})")
         if self.num_retrieval and (q_pre is None or k_pre is None):
             raise ValueError("RTPurboAttention.decode needs the pre-RoPE q_pre and k_pre")
-        r = self.config.indexer_dim
-        q_idx = q.new_zeros((A, 0, T, r))
+        q_idx = q.new_zeros((A, 0, T, c.indexer_dim))
         if self.num_retrieval:
             q_idx, k_idx = self.index(q_pre, k_pre)
-            write_rows(cache.gen_k, cache.gen_v, k[:, self.ret_idx], v[:, self.ret_idx], meta.row_slot,
-                       meta.cached_len)
-            _write_rows_one(cache.gen_ik, k_idx, meta.row_slot, meta.cached_len)
+            kr, vr = k[:, self.ret_idx], v[:, self.ret_idx]
+            put(row_index(kr, meta.row_slot, meta.cached_len), (cache.gen_k, kr), (cache.gen_v, vr),
+                (cache.gen_ik, k_idx))
         if self.local_heads:
-            wg = cache.gen_lk.shape[2]
-            pos = (meta.cached_len[:, None] + torch.arange(T, device=q.device)[None, :]) % wg  # [A, T]
-            h = torch.arange(len(self.local_heads), device=q.device)[None, :, None]
-            idx = (meta.row_slot[:, None, None], h, pos[:, None, :])
-            cache.gen_lk.index_put_(idx, k[:, self.loc_idx].to(cache.gen_lk.dtype))
-            cache.gen_lv.index_put_(idx, v[:, self.loc_idx].to(cache.gen_lv.dtype))
+            kl, vl = k[:, self.loc_idx], v[:, self.loc_idx]
+            put(row_index(kl, meta.row_slot, meta.cached_len, ring=cache.gen_lk.shape[2]), (cache.gen_lk, kl),
+                (cache.gen_lv, vl))
         res = sparse_decode_attention(
             q, q_idx, cache, meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len, self.ret_idx,
-            self.loc_idx, self.head_is_ret, self._decode_cfg(), impl=self._decode_impl(q.device), validate=False,
+            self.loc_idx, self.head_is_ret, self._decode_cfg(), impl=self._kernel_impl(q.device), validate=False,
             return_selection=self._stats is not None,
         )
         if self._stats is None:
             return res
         out, sel = res
-        self._record_decode(sel, meta, T, cache)
+        self._stats.record_decode(sel, meta, T, block=c.decode_block, num_sinks=c.num_sinks, window=c.window,
+                                  num_retrieval=self.num_retrieval, num_local=len(self.local_heads))
         return out
+
+    def _kernel_impl(self, device: torch.device) -> str:
+        """The decode kernels and prefill block scoring ``config.impl`` stands for on ``device``."""
+        return decode_impl(self.config.impl, self.shape.head_dim, device)
 
     def _write_local_prefix(self, cache: RTPurboCache, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor,
                             plen: torch.Tensor) -> None:
@@ -407,87 +428,37 @@ class RTPurboAttention(AttentionBackend):
         P, hl, S, _ = k.shape
         ns = self.config.num_sinks
         wp = cache.prefix_lk.shape[2] - ns
-        h = torch.arange(hl, device=k.device)[None, :, None]
         if ns:
             n = min(ns, S)
-            idx = (slot[:, None, None], h, torch.arange(n, device=k.device)[None, None, :])
-            cache.prefix_lk.index_put_(idx, k[:, :, :n].to(cache.prefix_lk.dtype))
-            cache.prefix_lv.index_put_(idx, v[:, :, :n].to(cache.prefix_lv.dtype))
+            ks, vs = k[:, :, :n], v[:, :, :n]
+            put(prefix_index(ks, slot), (cache.prefix_lk, ks), (cache.prefix_lv, vs))
         j = plen[:, None] - wp + torch.arange(wp, device=k.device)[None, :]  # [P, Wp] last Wp positions
         src = j.clamp(0, S - 1)[:, None, :, None].expand(P, hl, wp, k.shape[-1])
-        idx = (slot[:, None, None], h, (ns + j % wp)[:, None, :])
-        cache.prefix_lk.index_put_(idx, k.gather(2, src).to(cache.prefix_lk.dtype))
-        cache.prefix_lv.index_put_(idx, v.gather(2, src).to(cache.prefix_lv.dtype))
+        h = torch.arange(hl, device=k.device)[None, :, None]
+        put((slot[:, None, None], h, (ns + j % wp)[:, None, :]), (cache.prefix_lk, k.gather(2, src)),
+            (cache.prefix_lv, v.gather(2, src)))
 
     # -- selection statistics (eager diagnostics: they read device values back) ------------------------
     def enable_stats(self, on: bool = True) -> None:
-        """Record kept / visible token counts of every prefill and decode call (forces host syncs: for
-        evaluation, not inside compiled or graphed steps)."""
-        self._stats = _empty_stats() if on else None
+        """Record kept / visible token counts of every prefill and decode call from now on, from zero (forces
+        host syncs: for evaluation, not inside compiled or graphed steps); ``on=False`` stops recording."""
+        self._stats = SelectionStats() if on else None
 
     @property
     def stats(self) -> dict[str, float] | None:
-        return self._stats
-
-    def _record_decode(self, sel, meta: DecodeMeta, T: int, cache: RTPurboCache) -> None:
-        st, c = self._stats, self.config
-        pos = (meta.prefix_len + meta.cached_len)[:, None] + torch.arange(T, device=meta.prefix_len.device)
-        visible = (pos + 1).double()  # [A, T]
-        hr, hl = self.num_retrieval, len(self.local_heads)
-        if hr:
-            if isinstance(sel, tuple):
-                cnt = sel[1].view(-1, hr, T).double()
-            else:
-                cnt = sel.sum(-1).double()  # [A, hr, T]
-            last_partial = (c.decode_block - 1 - pos % c.decode_block).double()[:, None]
-            kept = (cnt * c.decode_block - last_partial).clamp(max=visible[:, None])
-            st["decode_ret_kept"] += float(kept.sum())
-            st["decode_ret_visible"] += float(visible.sum()) * hr
-        if hl:
-            s_eff = meta.prefix_len.clamp(max=c.num_sinks).double()[:, None]
-            kept = torch.minimum(visible, s_eff + c.window)
-            st["decode_loc_kept"] += float(kept.sum()) * hl
-            st["decode_loc_visible"] += float(visible.sum()) * hl
-        st["decode_queries"] += float(visible.numel())
-
-    def _record_prefill(self, sel, plen: torch.Tensor, S: int) -> None:
-        """``sel`` None: a dense prefill (every causal block kept)."""
-        st, b = self._stats, self.config.prefill_block
-        nb = -(-S // b)
-        qb = torch.arange(nb, device=plen.device)
-        cnt = (qb + 1).double().expand(len(plen), self.num_retrieval, nb) if sel is None else \
-            sel[1].view(-1, self.num_retrieval, nb).double()  # [P, hr, Qb]
-        qb = qb.to(cnt.device)
-        real = (qb * b < plen[:, None].to(cnt.device))[:, None, :]  # query blocks holding real tokens
-        st["prefill_ret_kept_blocks"] += float((cnt * real).sum())
-        st["prefill_ret_causal_blocks"] += float(((qb + 1).double()[None, None] * real).sum()) * self.num_retrieval
+        """This layer's :class:`~sparrow.attention.rtpurbo_stats.SelectionStats` totals (None: not recording)."""
+        return None if self._stats is None else self._stats.as_dict()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, retrieval_kv_heads={list(self.retrieval_heads)}, {self.config!r}"
 
 
-def _empty_stats() -> dict[str, float]:
-    return {k: 0.0 for k in ("decode_ret_kept", "decode_ret_visible", "decode_loc_kept", "decode_loc_visible",
-                             "decode_queries", "prefill_ret_kept_blocks", "prefill_ret_causal_blocks")}
-
-
-def _write_prefix_one(cache: torch.Tensor, x: torch.Tensor, slot: torch.Tensor) -> None:
-    B, H, S, _ = x.shape
-    h = torch.arange(H, device=x.device)[None, :, None]
-    s = torch.arange(S, device=x.device)[None, None, :]
-    cache.index_put_((slot[:, None, None], h, s), x.to(cache.dtype))
-
-
-def _write_rows_one(cache: torch.Tensor, x: torch.Tensor, slot: torch.Tensor, start: torch.Tensor) -> None:
-    A, H, T, _ = x.shape
-    h = torch.arange(H, device=x.device)[None, :, None]
-    pos = start[:, None, None] + torch.arange(T, device=x.device)[None, None, :]
-    cache.index_put_((slot[:, None, None], h, pos), x.to(cache.dtype))
-
-
 def rtpurbo_attention(profile: HeadProfile | None = None, indexer: IndexerWeights | None = None,
                       config: RTPurboConfig | None = None) -> Callable[[LayerShape], RTPurboAttention]:
-    """A factory for :func:`sparrow.models.use_attention` / the model builders' ``attention=``."""
+    """A factory for :func:`sparrow.models.use_attention` / the model builders' ``attention=``.
+
+    Raises: ValueError when the indexer's dimension differs from ``config.indexer_dim``.
+    """
     config = config or RTPurboConfig()
     if indexer is not None and indexer.dim is not None and indexer.dim != config.indexer_dim:
         raise ValueError(f"indexer dim {indexer.dim} differs from config.indexer_dim {config.indexer_dim}")
@@ -510,24 +481,15 @@ def rtpurbo_backends(model: nn.Module) -> list[RTPurboAttention]:
 
 
 def collect_selection_stats(model: nn.Module, reset: bool = False) -> dict[str, float]:
-    """Sum the selection statistics of every layer (after :meth:`RTPurboAttention.enable_stats`).
+    """Sum the selection statistics of every layer (after :meth:`RTPurboAttention.enable_stats`); ``reset``
+    starts every recording layer from zero again.
 
-    Returns kept / visible totals and the derived densities: ``decode_ret_density`` (fraction of the visible
-    tokens a retrieval head reads per query), ``decode_density`` (over all heads, local ones included),
-    ``prefill_ret_density`` (kept / causal key blocks per query block, retrieval heads).
+    Returns kept / visible totals and the derived densities (see :func:`sparrow.attention.rtpurbo_stats.summarize`):
+    ``decode_ret_density``, ``decode_density``, ``prefill_ret_density``.
     """
-    tot = _empty_stats()
-    for b in rtpurbo_backends(model):
-        if b.stats is None:
-            continue
-        for k, v in b.stats.items():
-            tot[k] += v
-        if reset:
+    backends = [b for b in rtpurbo_backends(model) if b.stats is not None]
+    out = summarize(b.stats for b in backends)
+    if reset:
+        for b in backends:
             b.enable_stats(True)
-    out: dict[str, float] = dict(tot)
-    ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
-    out["decode_ret_density"] = ratio(tot["decode_ret_kept"], tot["decode_ret_visible"])
-    out["decode_density"] = ratio(tot["decode_ret_kept"] + tot["decode_loc_kept"],
-                                  tot["decode_ret_visible"] + tot["decode_loc_visible"])
-    out["prefill_ret_density"] = ratio(tot["prefill_ret_kept_blocks"], tot["prefill_ret_causal_blocks"])
     return out

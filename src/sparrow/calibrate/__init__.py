@@ -7,9 +7,11 @@
     profile, indexer = load_rtpurbo(checkpoint_dir)
     use_attention(model, rtpurbo_attention(profile, indexer, RTPurboConfig()))
 
-``sparrow calibrate`` (:func:`main`) does the first three in one command.
+``sparrow calibrate`` (:func:`main`) does the first three in one command. The files and their reader live with
+the backend (:mod:`sparrow.attention.rtpurbo_io`); this package re-exports them.
 """
 
+from sparrow.attention.rtpurbo_io import load_rtpurbo, rtpurbo_from_checkpoint, save_rtpurbo
 from sparrow.calibrate.capture import capture_attention
 from sparrow.calibrate.cli import main
 from sparrow.calibrate.indexer import (
@@ -20,7 +22,6 @@ from sparrow.calibrate.indexer import (
     indexer_from_model,
     refresh_indexer,
 )
-from sparrow.calibrate.io import load_rtpurbo, rtpurbo_from_checkpoint, save_rtpurbo
 from sparrow.calibrate.profile import (
     CalibrationSequence, ablation_scores, head_scores, profile_heads, repeat_span_sequences,
 )

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from sparrow.attention.rtpurbo import RTPurboConfig
+from sparrow.attention.rtpurbo_io import save_rtpurbo
 from sparrow.calibrate.indexer import fit_indexer
-from sparrow.calibrate.io import save_rtpurbo
 from sparrow.calibrate.profile import profile_heads, repeat_span_sequences
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

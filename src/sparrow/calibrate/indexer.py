@@ -24,9 +24,10 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights, RTPurboAttention
+from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights, RTPurboAttention, rtpurbo_backends
 from sparrow.calibrate.capture import capture_attention
 from sparrow.calibrate.profile import CalibrationSequence
+from sparrow.kernels.topp.reference import topp_mask_reference
 from sparrow.models.attention import attention_modules
 
 
@@ -178,8 +179,6 @@ def _kl(teacher: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
 
 def _topp_blocks(prob: torch.Tensor, pos: torch.Tensor, block: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block masses of per-query distributions [Nq, S] -> (selected top-p blocks [Nq, NB], valid blocks)."""
-    from sparrow.kernels.topp.reference import topp_mask_reference
-
     nq, S = prob.shape
     nb = -(-S // block)
     mass = torch.nn.functional.pad(prob, (0, nb * block - S)).view(nq, nb, block).sum(-1)
@@ -319,8 +318,6 @@ def fit_indexer(
 
 def indexer_from_model(model: nn.Module) -> tuple[HeadProfile, IndexerWeights]:
     """The profile and indexer weights held by a model's :class:`RTPurboAttention` backends."""
-    from sparrow.attention.rtpurbo import rtpurbo_backends
-
     backends = rtpurbo_backends(model)
     hkv = backends[0].shape.num_kv_heads
     ret = torch.zeros(len(backends), hkv, dtype=torch.bool)
@@ -343,8 +340,6 @@ def refresh_indexer(model: nn.Module, sequences: Sequence, *, steps: int = 20, l
     profile, current = indexer_from_model(model)
     weights, report = fit_indexer(model, profile, sequences, steps=steps, dim=current.dim or 16, lr=lr,
                                   queries_per_seq=queries_per_seq, init=current, seed=seed, progress=progress)
-    from sparrow.attention.rtpurbo import rtpurbo_backends
-
     for l, b in enumerate(rtpurbo_backends(model)):
         if b.num_retrieval:
             b.load_indexer(weights.q[l].to(b.indexer_q), weights.k[l].to(b.indexer_k))

@@ -6,9 +6,9 @@ the attention backends and the KV cache. Only the transformer layers' linear wei
 and the MLP) are quantized copies; with int8 (``fuse=True``) q/k/v are one linear and the MLP's gate/up
 another, whose biases are copies refreshed with the weights. ``int8`` uses Sparrow's weight-only int8 linear
 (:class:`~sparrow.kernels.int8_linear.Int8Linear`: a Triton kernel on CUDA that reads the weight as int8);
-``int4`` and ``fp8`` use torchao. (torchao's int8 weight-only linear runs on CUDA through ATen's
-``_weight_int8pack_mm``, measured on an H200 at 95% of a draft step, which came out 10-26x slower than the
-bf16 step it was meant to undercut.) Optionally (``window=``) the draft attends to a window of the cache
+``int4`` and ``fp8`` use torchao (torchao's own int8 weight-only linear goes through ATen's
+``_weight_int8pack_mm``, which made a draft step slower than the bf16 step it was meant to undercut; see
+docs/speculative.md). Optionally (``window=``) the draft attends to a window of the cache
 (:class:`~sparrow.speculative.window.WindowedDraftAttention`), which makes a draft step's cost independent
 of the context length.
 

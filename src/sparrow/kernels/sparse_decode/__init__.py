@@ -1,3 +1,4 @@
-from .api import RTPurboCache, SparseDecodeConfig, sparse_decode_attention
+from .api import SparseDecodeConfig, sparse_decode_attention
+from .cache import SparseDecodeCache
 
-__all__ = ["RTPurboCache", "SparseDecodeConfig", "sparse_decode_attention"]
+__all__ = ["SparseDecodeCache", "SparseDecodeConfig", "sparse_decode_attention"]

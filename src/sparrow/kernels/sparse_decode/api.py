@@ -1,43 +1,13 @@
-"""RTPurbo decode attention over the two-level cache: the cache layout, validation and ``impl`` dispatch."""
+"""RTPurbo decode attention over the two-level cache: validation and ``impl`` dispatch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
 
 import torch
 
-Impl = Literal["auto", "reference", "triton"]
-
-
-class RTPurboCache(NamedTuple):
-    """One layer's RTPurbo cache.
-
-    Retrieval kv heads (``H_ret``) keep their full KV, in the same two-level layout as dense attention, and
-    the indexer keys beside it:
-
-    prefix_k, prefix_v: [num_prefixes, H_ret, max_prefix_len, D]   prefix_ik: [num_prefixes, H_ret, max_prefix_len, r]
-    gen_k, gen_v:       [num_rows + 1, H_ret, max_gen_len, D]      gen_ik:    [num_rows + 1, H_ret, max_gen_len, r]
-
-    Local kv heads (``H_loc``) keep sinks + a sliding window only, so their memory is O(window) per prompt
-    and per row whatever the context length:
-
-    prefix_lk, prefix_lv: [num_prefixes, H_loc, S + Wp, D] — the prompt's first ``S`` tokens, then a ring of
-        its last ``Wp = min(window, max_prefix_len)`` tokens (position ``j`` at ``S + j % Wp``).
-    gen_lk, gen_lv: [num_rows + 1, H_loc, Wg, D] — a ring of the row's generated tokens (index ``g`` at
-        ``g % Wg``), ``Wg = min(window + ring_slack, max_gen_len)``.
-    """
-
-    prefix_k: torch.Tensor
-    prefix_v: torch.Tensor
-    gen_k: torch.Tensor
-    gen_v: torch.Tensor
-    prefix_ik: torch.Tensor
-    gen_ik: torch.Tensor
-    prefix_lk: torch.Tensor
-    prefix_lv: torch.Tensor
-    gen_lk: torch.Tensor
-    gen_lv: torch.Tensor
+from ..common.impl import Impl, resolve_impl
+from .cache import SparseDecodeCache
 
 
 @dataclass(frozen=True)
@@ -55,7 +25,7 @@ class SparseDecodeConfig:
 def sparse_decode_attention(
     q: torch.Tensor,
     q_idx: torch.Tensor,
-    cache: RTPurboCache,
+    cache: SparseDecodeCache,
     row_slot: torch.Tensor,
     prefix_slot: torch.Tensor,
     prefix_len: torch.Tensor,
@@ -75,21 +45,24 @@ def sparse_decode_attention(
     Args:
         q: [A, Hq, T, D] post-RoPE queries, heads grouped by kv head (``h // (Hq / Hkv)``).
         q_idx: [A, H_ret, T, r] indexer queries of the retrieval kv heads.
-        cache: the layer's :class:`RTPurboCache`.
+        cache: the layer's :class:`SparseDecodeCache` (the RTPurbo backend's ``RTPurboCache`` is one).
         row_slot, prefix_slot, prefix_len, cached_len: [A] int64 (see :class:`sparrow.attention.DecodeMeta`).
         ret_heads / loc_heads: [H_ret] / [H_loc] int64 kv-head ids of each kind (together a permutation of
             ``range(Hkv)``); head_is_ret: [Hkv] int32 (1 for retrieval heads).
         cfg: selection and window parameters (see :mod:`.reference` for the exact semantics).
-        impl: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"``, ``"auto"``.
+        impl: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"reference"`` (eager PyTorch),
+            ``"auto"`` (Triton on CUDA tensors, the reference elsewhere).
         return_selection: also return the retrieval heads' selection — a bool block mask [A, H_ret, T, NB]
             for the reference, ``(block ids [A*H_ret*T, NB], counts [A*H_ret*T])`` for Triton.
 
     Returns: [A, Hq, T, D] in ``q.dtype`` (and the selection when asked).
+
+    Raises: ValueError on inconsistent shapes or parameters (only when ``validate``; the check reads no data),
+    or an unknown ``impl``.
     """
     if validate:
         _check(q, q_idx, cache, row_slot, ret_heads, loc_heads, cfg)
-    if impl == "auto":
-        impl = "triton" if q.is_cuda else "reference"
+    impl = resolve_impl(impl, q)
     kw = dict(top_p=cfg.top_p, block=cfg.block, num_sinks=cfg.num_sinks, window=cfg.window,
               ret_window=cfg.ret_window, scale=scale, return_selection=return_selection)
     if impl == "triton":
@@ -101,12 +74,10 @@ def sparse_decode_attention(
                                     loc_heads, head_is_ret, **kw)
         return sparse_decode_triton(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
                                     loc_heads, head_is_ret, **kw)
-    if impl == "reference":
-        from .reference import sparse_decode_reference
+    from .reference import sparse_decode_reference
 
-        return sparse_decode_reference(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
-                                       loc_heads, **kw)
-    raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    return sparse_decode_reference(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads,
+                                   loc_heads, **kw)
 
 
 def _check(q, q_idx, cache, row_slot, ret_heads, loc_heads, cfg) -> None:

@@ -33,6 +33,8 @@ from sparrow.kernels.common.triton_dot import dot
 from sparrow.kernels.common.triton_merge import merge_splits
 from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
 
+from .cache import SparseDecodeCache
+
 
 @triton.jit
 def _score_kernel(
@@ -319,6 +321,9 @@ def sparse_decode_triton(
     return_selection: bool = False, ret_splits: int | None = None, local_splits: int | None = None,
     ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK,
 ):
+    """The four launches of one decode call (arguments as :func:`.api.sparse_decode_attention`, ``cache`` a
+    :class:`SparseDecodeCache`, no validation). ``ret_splits`` / ``local_splits`` and the minimum work per split
+    override the split heuristics (tests). Returns [A, Hq, T, D] (and ``(block ids, counts)`` when asked)."""
     A, Hq, T, D = q.shape
     Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
     qpk = Hq // (Hr + Hl)
@@ -401,9 +406,7 @@ def _sparse_decode_op(
     loc_heads: torch.Tensor, head_is_ret: torch.Tensor, top_p: float, block: int, num_sinks: int, window: int,
     ret_window: int, scale: float,
 ) -> torch.Tensor:
-    from .api import RTPurboCache
-
-    cache = RTPurboCache(prefix_k, prefix_v, gen_k, gen_v, prefix_ik, gen_ik, prefix_lk, prefix_lv, gen_lk, gen_lv)
+    cache = SparseDecodeCache(prefix_k, prefix_v, gen_k, gen_v, prefix_ik, gen_ik, prefix_lk, prefix_lv, gen_lk, gen_lv)
     return sparse_decode_triton(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
                                 head_is_ret, top_p=top_p, block=block, num_sinks=num_sinks, window=window,
                                 ret_window=ret_window, scale=scale)

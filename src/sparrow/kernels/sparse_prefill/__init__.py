@@ -1,5 +1,5 @@
-from .api import SparsePrefillConfig, prefill_block_scores, sparse_prefill_attention
+from .api import PrefillImpl, SparsePrefillConfig, prefill_block_scores, sparse_prefill_attention
 from .masks import local_block_mask, retrieval_block_mask
 
-__all__ = ["SparsePrefillConfig", "prefill_block_scores", "sparse_prefill_attention", "local_block_mask",
-           "retrieval_block_mask"]
+__all__ = ["PrefillImpl", "SparsePrefillConfig", "prefill_block_scores", "sparse_prefill_attention",
+           "local_block_mask", "retrieval_block_mask"]

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from .reference import topp_select_reference
-
-Impl = Literal["auto", "reference", "triton"]
+from ..common.impl import Impl, resolve_impl
 
 
 def mask_to_blocks(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,30 +46,32 @@ def topp_select(
         top_p: mass to reach, in (0, 1]; ``1`` keeps every valid block.
         sink_blocks: leading blocks always kept. local_window: blocks overlapping
             ``[q_lo - local_window + 1, q_hi]`` are always kept.
-        impl: ``"triton"`` (bisection threshold, no sort), ``"reference"`` (sort), ``"auto"``.
+        impl: ``"triton"`` (bisection threshold, no sort), ``"reference"`` (sort), ``"auto"`` (Triton on CUDA
+            tensors, the reference elsewhere).
 
     Returns: (ids [N, NB] int32 ascending, cnt [N] int32): the first ``cnt[n]`` ids of row ``n``.
+
+    Raises: ValueError on inconsistent shapes, ``top_p`` outside (0, 1] or an unknown ``impl``.
     """
     if scores.dim() != 2 or q_lo.shape != (scores.shape[0],) or q_hi.shape != q_lo.shape:
         raise ValueError(f"expected scores [N, NB] and q_lo, q_hi [N]; got {tuple(scores.shape)}, "
                          f"{tuple(q_lo.shape)}, {tuple(q_hi.shape)}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if impl == "auto":
-        impl = "triton" if scores.is_cuda else "reference"
-    if impl == "triton":
+    if resolve_impl(impl, scores) == "triton":
         from .triton_topp import MODE_EXPLICIT, topp_select_triton
 
         return topp_select_triton(scores.float().contiguous(), q_lo.contiguous(), q_hi.contiguous(), top_p,
                                   mode=MODE_EXPLICIT, block=block, sink_blocks=sink_blocks,
                                   local_window=local_window)
-    if impl == "reference":
-        return mask_to_blocks(topp_select_reference(scores, q_lo.long(), q_hi.long(), top_p, block=block,
-                                                    sink_blocks=sink_blocks, local_window=local_window))
-    raise ValueError(f"impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    from .reference import topp_select_reference
+
+    return mask_to_blocks(topp_select_reference(scores, q_lo.long(), q_hi.long(), top_p, block=block,
+                                                sink_blocks=sink_blocks, local_window=local_window))
 
 
-def topp_select_dense(scores, q_lo, q_hi, top_p, *, block, sink_blocks=0, local_window=0, impl: Impl = "auto"):
+def topp_select_dense(scores: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor, top_p: float, *, block: int,
+                      sink_blocks: int = 0, local_window: int = 0, impl: Impl = "auto") -> torch.Tensor:
     """:func:`topp_select` as a bool mask [N, NB]."""
     idx, cnt = topp_select(scores, q_lo, q_hi, top_p, block=block, sink_blocks=sink_blocks,
                            local_window=local_window, impl=impl)
