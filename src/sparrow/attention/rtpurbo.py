@@ -295,7 +295,8 @@ class RTPurboAttention(AttentionBackend):
         shapes)."""
         if tuple(wq.shape) != tuple(self.indexer_q.shape) or tuple(wk.shape) != tuple(self.indexer_k.shape):
             raise ValueError(f"indexer shapes {tuple(wq.shape)}, {tuple(wk.shape)} do not fit layer "
-                             f"{self.shape.layer_idx}: expected {tuple(self.indexer_q.shape)}, {tuple(self.indexer_k.shape)}")
+                             f"{self.shape.layer_idx}: expected {tuple(self.indexer_q.shape)}, "
+                             f"{tuple(self.indexer_k.shape)}")
         with torch.no_grad():
             self.indexer_q.copy_(wq)
             self.indexer_k.copy_(wk)

@@ -27,5 +27,5 @@ from sparrow.calibrate.profile import (
 )
 
 __all__ = ["capture_attention", "main", "HeadReport", "IndexerReport", "apply_indexer", "fit_indexer",
-           "indexer_from_model", "refresh_indexer", "load_rtpurbo", "rtpurbo_from_checkpoint", "save_rtpurbo", "CalibrationSequence",
-           "ablation_scores", "head_scores", "profile_heads", "repeat_span_sequences"]
+           "indexer_from_model", "refresh_indexer", "load_rtpurbo", "rtpurbo_from_checkpoint", "save_rtpurbo",
+           "CalibrationSequence", "ablation_scores", "head_scores", "profile_heads", "repeat_span_sequences"]

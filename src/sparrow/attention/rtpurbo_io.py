@@ -1,0 +1,98 @@
+"""RTPurbo calibration files beside a checkpoint: save, load, and an attention factory from a directory.
+
+``<dir>/rtpurbo.json``: ``{"format": "sparrow-rtpurbo", "version": 1, "indexer_dim", "profile"
+(HeadProfile.to_dict), "config" (RTPurboConfig fields, or null), "report"}``.
+``<dir>/rtpurbo_indexer.safetensors``: ``layers.<l>.indexer_q`` [H_ret, q_per_kv * D, r] and
+``layers.<l>.indexer_k`` [H_ret, D, r] (float32) for every layer with retrieval heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable
+
+from sparrow.attention.base import LayerShape
+from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights, RTPurboAttention, RTPurboConfig, rtpurbo_attention
+
+PROFILE_FILE = "rtpurbo.json"
+INDEXER_FILE = "rtpurbo_indexer.safetensors"
+FORMAT = "sparrow-rtpurbo"
+FORMAT_VERSION = 1
+
+__all__ = ["INDEXER_FILE", "PROFILE_FILE", "load_rtpurbo", "rtpurbo_from_checkpoint", "save_rtpurbo"]
+
+
+def save_rtpurbo(directory: str | Path, profile: HeadProfile, indexer: IndexerWeights, *,
+                 config: RTPurboConfig | None = None, report: dict | None = None) -> Path:
+    """Write the profile (JSON) and indexer (safetensors) into ``directory`` (created if needed); returns it.
+
+    Raises: ValueError when the indexer lacks a layer the profile has retrieval heads in, or covers another
+    number of heads.
+    """
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for l in profile.retrieval.any(1).nonzero().flatten().tolist():
+        if l not in indexer.q or l not in indexer.k:
+            raise ValueError(f"layer {l} has retrieval heads but the indexer has no weights for it")
+        n = len(profile.retrieval_heads(l))
+        if indexer.q[l].shape[0] != n or indexer.k[l].shape[0] != n:
+            raise ValueError(f"layer {l}: indexer covers {indexer.q[l].shape[0]} heads, profile marks {n}")
+    tensors = {}
+    for l in sorted(indexer.q):
+        tensors[f"layers.{l}.indexer_q"] = indexer.q[l].detach().float().contiguous().cpu()
+        tensors[f"layers.{l}.indexer_k"] = indexer.k[l].detach().float().contiguous().cpu()
+    save_file(tensors, str(d / INDEXER_FILE), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
+    doc = {"format": FORMAT, "version": FORMAT_VERSION, "indexer_dim": indexer.dim,
+           "profile": profile.to_dict(), "config": dataclasses.asdict(config) if config else None,
+           "report": report}
+    tmp = d / (PROFILE_FILE + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(d / PROFILE_FILE)
+    return d
+
+
+def load_rtpurbo(directory: str | Path, *, with_config: bool = False):
+    """Read what :func:`save_rtpurbo` wrote: ``(profile, indexer)``, or ``(profile, indexer, config)``
+    with ``with_config`` (config None when none was saved).
+
+    Raises: FileNotFoundError when either file is missing; ValueError on a foreign or inconsistent file.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    pj, st = d / PROFILE_FILE, d / INDEXER_FILE
+    for f in (pj, st):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} does not exist: run `sparrow calibrate` first")
+    doc = json.loads(pj.read_text())
+    if doc.get("format") != FORMAT:
+        raise ValueError(f"{pj} is not a Sparrow RTPurbo profile (format {doc.get('format')!r})")
+    profile = HeadProfile.from_dict(doc["profile"])
+    tensors = load_file(str(st))
+    indexer = IndexerWeights()
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("indexer_q", "indexer_k"):
+            raise ValueError(f"unexpected tensor {name!r} in {st}")
+        (indexer.q if parts[2] == "indexer_q" else indexer.k)[int(parts[1])] = t
+    for l in range(profile.num_layers):
+        n = len(profile.retrieval_heads(l))
+        if n and (l not in indexer.q or indexer.q[l].shape[0] != n):
+            raise ValueError(f"{st} does not match the profile at layer {l}")
+    if not with_config:
+        return profile, indexer
+    cfg = doc.get("config")
+    return profile, indexer, (RTPurboConfig(**cfg) if cfg else None)
+
+
+def rtpurbo_from_checkpoint(directory: str | Path, **overrides) -> Callable[[LayerShape], RTPurboAttention]:
+    """An attention factory (``LayerShape -> RTPurboAttention``) from the files in ``directory``: the saved
+    profile and indexer, the saved config (or the defaults) with ``overrides`` applied (e.g. ``top_p=0.95``).
+    For recipe configs and :func:`sparrow.models.use_attention`."""
+    profile, indexer, cfg = load_rtpurbo(directory, with_config=True)
+    base = dataclasses.asdict(cfg) if cfg is not None else {}
+    return rtpurbo_attention(profile, indexer, RTPurboConfig(**{**base, **overrides}))
