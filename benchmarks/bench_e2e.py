@@ -270,13 +270,15 @@ def summarise(rows: list[dict], steps: list[dict]) -> list[dict]:
 # -- main -------------------------------------------------------------------------------------------------
 
 def speculative_section(drafter: dict, toggle: str, lengths: list[int], max_active: int) -> dict:
-    """The recipe's ``speculative`` section with the keys ``toggle`` reads (the recipe refuses any other)."""
+    """The recipe's ``speculative`` section: the drafter and the toggle builder with the arguments it takes."""
     if toggle == "always":
-        return {"drafter": drafter, "toggle": toggle, "num_draft": max(lengths)}
-    if toggle == "threshold":
-        return {"drafter": drafter, "toggle": toggle, "num_draft": max(lengths), "draft_lengths": lengths,
-                "max_active": max_active}
-    return {"drafter": drafter, "toggle": toggle, "draft_lengths": lengths}
+        built = {"_component_": "sparrow.speculative.always_on", "num_draft": max(lengths)}
+    elif toggle == "threshold":
+        built = {"_component_": "sparrow.speculative.threshold", "num_draft": max(lengths), "draft_lengths": lengths,
+                 "max_active": max_active}
+    else:
+        built = {"_component_": "sparrow.speculative.cost_model", "draft_lengths": lengths}
+    return {"drafter": drafter, "toggle": built}
 
 
 def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
@@ -286,8 +288,8 @@ def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) ->
     cfg.update(total_steps=1, eval={"every": 0, "prompts": 1})
     cfg["sync"]["check_bitwise"] = 0
     spec = cfg["speculative"]
-    cfg["speculative"] = speculative_section(spec["drafter"], "always", spec.get("draft_lengths") or
-                                             [spec["num_draft"]], 0)
+    lengths = spec["toggle"].get("draft_lengths") or [spec["toggle"]["num_draft"]]
+    cfg["speculative"] = speculative_section(spec["drafter"], "always", lengths, 0)
     out = run_recipe(cfg)
     step = [r for r in out["records"] if "time/step_s" in r][-1]
     return {"config": "all_on", "compile": False, "toggle": "always",

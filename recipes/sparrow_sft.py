@@ -24,7 +24,7 @@ from torchtune import config
 
 from sparrow.rl.recipe_config import COMPONENT, check_config, has_component, parse
 from sparrow.training import (
-    DEFAULT_MIX, EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
+    EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
     TrainConfig, Trainer, accuracy_table, best_of_seeds, init_weights, load_trained_model, pick, save_trained_model,
     write_report,
 )
@@ -68,7 +68,8 @@ class SFTRecipe:
         """The run's config dataclasses (each validates its section)."""
         section = lambda key: OmegaConf.to_container(cfg[key], resolve=True) if cfg.get(key) else {}  # noqa: E731
         return TrainConfig(steps=cfg.get("steps"), minutes=cfg.get("minutes"), seed=cfg.seed, device=cfg.device,
-                           log_every_s=cfg.get("log_every_s", 15.0), curriculum=CurriculumConfig(**section("curriculum")),
+                           log_every_s=cfg.get("log_every_s", 15.0),
+                           curriculum=CurriculumConfig(**section("curriculum")),
                            loss=LossConfig(**section("loss")), optimizer=OptimizerConfig(**section("optimizer")),
                            eval=EvalConfig(**section("eval")))
 
@@ -80,7 +81,7 @@ class SFTRecipe:
             self.families = self.eval_tasks = {"task": lambda n: dataclasses.replace(task, context_len=n)}
             self.mix = {"task": 1.0}
         else:
-            self.mix = dict(cfg.mix) if len(cfg.mix) else dict(DEFAULT_MIX)
+            self.mix = dict(cfg.mix)
             self.families, self.eval_tasks = pick(FAMILIES, self.mix, "mix"), EVAL_TASKS
         ev = self.train_cfg.eval
         pick(self.eval_tasks, ev.tasks, "eval.tasks")
@@ -112,7 +113,8 @@ class SFTRecipe:
             "model": OmegaConf.to_container(cfg.model, resolve=True), "tokenizer": "sparrow.rl.CharTokenizer",
             "train": self.stats, "recipe_config": OmegaConf.to_container(cfg, resolve=True),
             "tasks": {"train": {f: repr(fam(top)) for f, fam in self.families.items()},
-                      "eval": {t: repr(fam(top)) for t, fam in self.table.items()}, "eval_seed": self.train_cfg.eval.seed},
+                      "eval": {t: repr(fam(top)) for t, fam in self.table.items()},
+                      "eval_seed": self.train_cfg.eval.seed},
             "environment": {"torch": torch.__version__, "device": torch.cuda.get_device_name(self.device)
                             if self.device.type == "cuda" else "cpu"},
         }

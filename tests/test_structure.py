@@ -46,10 +46,19 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in SRC.rglob("*.py")}
     names = set(files)
-    graph = {n: _imports(p, n, names) for n, p in files.items()}
-    # importing a.b.c runs a/__init__ and a/b/__init__: a package's __init__ is not an edge *into* its own
-    # submodules' imports of it, so drop edges from a module to the packages that contain it
-    return {n: {t for t in deps if not n.startswith(t + ".")} for n, deps in graph.items()}
+    graph: dict[str, set[str]] = {}
+    for n, p in files.items():
+        deps = set()
+        for t in _imports(p, n, names):
+            # importing a.b.c first runs a/__init__ and a/b/__init__: edges to them too, except to the packages
+            # that contain the importer (they are running already)
+            parts = t.split(".")
+            for i in range(2, len(parts) + 1):
+                pkg = ".".join(parts[:i])
+                if pkg in names and pkg != n and not n.startswith(pkg + "."):
+                    deps.add(pkg)
+        graph[n] = deps
+    return graph
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:

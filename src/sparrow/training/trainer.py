@@ -1,0 +1,329 @@
+"""The teacher-forced trainer: supervised training of a model on batches of a :class:`BatchSource`.
+
+One loop for every model Sparrow trains from scratch (the GRPO warm start, the task models of the benchmarks,
+the speculative benchmark's model). A step: the step's context from the curriculum, a batch, the learning
+rate (linear warm-up, then cosine decay to ``min_lr_ratio`` or constant), one forward (bf16 autocast on CUDA),
+:func:`teacher_forced_loss`, gradient clipping, AdamW (weight decay on matrices and embeddings only). The run
+ends after ``steps`` steps or ``minutes`` of training, whichever comes first; the schedule follows the larger
+of the two fractions done. Every ``eval.every_s`` seconds the held-out greedy accuracy of the curriculum tasks
+is measured (teacher forcing) and moves the curriculum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from sparrow.training.curriculum import Curriculum, CurriculumConfig
+from sparrow.training.data import ANSWER, EOS, IGNORED, PROMPT, Batch, BatchSource
+from sparrow.training.evaluate import EVAL_SEED, autocast, greedy_accuracy
+from sparrow.training.tasks import TaskFamily
+
+PROMPT_TOKENS = ("prompt", "sequence")
+ANSWER_MEANS = ("example", "token")
+SCHEDULES = ("cosine", "constant")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """``answer + prompt_weight * prompt``: two separate means, so a long prompt does not drown the answer.
+
+    Attributes:
+        prompt_weight: weight of the second term (0: the answer alone).
+        prompt_tokens: the second term's tokens: ``"prompt"`` (the prompt's) or ``"sequence"`` (every token).
+        answer_eos: whether the final ``<eos>`` belongs to the answer term.
+        answer_mean: ``"example"`` (the mean of each example's mean: every example counts the same) or
+            ``"token"`` (the mean over all answer tokens of the batch).
+
+    Raises:
+        ValueError: a negative weight or an unknown choice.
+    """
+
+    prompt_weight: float = 0.05
+    prompt_tokens: str = "prompt"
+    answer_eos: bool = True
+    answer_mean: str = "example"
+
+    def __post_init__(self) -> None:
+        if not self.prompt_weight >= 0:
+            raise ValueError(f"loss: prompt_weight must be >= 0, got {self.prompt_weight}")
+        if self.prompt_tokens not in PROMPT_TOKENS or self.answer_mean not in ANSWER_MEANS:
+            raise ValueError(f"loss: prompt_tokens must be one of {PROMPT_TOKENS} and answer_mean one of "
+                             f"{ANSWER_MEANS}, got {self.prompt_tokens!r}, {self.answer_mean!r}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule (warm-up over ``warmup_steps``, then ``schedule``).
+
+    Raises:
+        ValueError: a non-positive ``lr`` or ``max_grad_norm``, ``min_lr_ratio`` outside ``[0, 1]``, a negative
+            ``warmup_steps`` or ``weight_decay``, betas outside ``[0, 1)``, an unknown ``schedule``.
+    """
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        checks = {"lr": self.lr > 0, "max_grad_norm": self.max_grad_norm > 0,
+                  "min_lr_ratio": 0 <= self.min_lr_ratio <= 1, "warmup_steps": self.warmup_steps >= 0,
+                  "weight_decay": self.weight_decay >= 0,
+                  "betas": len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)}
+        bad = {k: getattr(self, k) for k, ok in checks.items() if not ok}
+        if bad:
+            raise ValueError(f"optimizer: out of range {bad} (lr, max_grad_norm > 0; min_lr_ratio in [0, 1]; "
+                             "warmup_steps, weight_decay >= 0; two betas in [0, 1))")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"optimizer: schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+
+    def lr_at(self, step: int, progress: float) -> float:
+        """The learning rate of ``step`` (0-based) at ``progress`` (the fraction of the run done)."""
+        warm = min(1.0, (step + 1) / max(1, self.warmup_steps))
+        if self.schedule == "constant":
+            return self.lr * warm
+        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return self.lr * warm * (self.min_lr_ratio + (1 - self.min_lr_ratio) * cos)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation.
+
+    Attributes:
+        tasks: the tasks whose accuracy moves the curriculum (names of the trainer's ``eval_tasks``).
+        table: the tasks of the final accuracy table (default: ``tasks``).
+        seed: the held-out examples' seed.
+        every_s: seconds between progress evaluations (0: none).
+        examples, final_examples: examples per task and context in a progress evaluation / the final table.
+        lengths: contexts of the final table (default: the curriculum's levels).
+        sampled: the final table also measures accuracy at temperature 1 (through the rollout engine).
+    """
+
+    tasks: tuple[str, ...] = ("kv_retrieval", "variable_tracking")
+    table: tuple[str, ...] = ()
+    seed: int = EVAL_SEED
+    every_s: float = 20.0
+    examples: int = 64
+    final_examples: int = 128
+    lengths: tuple[int, ...] = ()
+    sampled: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tasks", "table", "lengths"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if not self.tasks:
+            raise ValueError("eval: tasks must name at least one task")
+        if self.every_s < 0 or self.examples < 1 or self.final_examples < 1:
+            raise ValueError(f"eval: need every_s >= 0 and examples, final_examples >= 1, got every_s={self.every_s}, "
+                             f"examples={self.examples}, final_examples={self.final_examples}")
+        if any(n < 1 for n in self.lengths):
+            raise ValueError(f"eval: lengths must be >= 1, got {list(self.lengths)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A training run (see the module docstring).
+
+    Attributes:
+        steps, minutes: the run's length: at most ``steps`` steps and at most ``minutes`` of training (at least
+            one of the two).
+        seed: the curriculum's draws (the recipe also seeds the initialisation with it).
+        device: where the model trains.
+        log_every_s: seconds between progress lines.
+
+    Raises:
+        ValueError: neither ``steps`` nor ``minutes``, or a non-positive one.
+    """
+
+    steps: int | None = None
+    minutes: float | None = None
+    seed: int = 0
+    device: str = "cpu"
+    log_every_s: float = 15.0
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __post_init__(self) -> None:
+        if self.steps is None and self.minutes is None:
+            raise ValueError("train: give steps, minutes or both")
+        if (self.steps is not None and self.steps < 1) or (self.minutes is not None and not self.minutes > 0):
+            raise ValueError(f"train: steps must be >= 1 and minutes > 0, got {self.steps}, {self.minutes}")
+
+    def progress(self, step: int, elapsed_s: float) -> float:
+        """The fraction of the run done after ``step`` steps and ``elapsed_s`` seconds."""
+        by_steps = step / self.steps if self.steps else 0.0
+        return max(by_steps, elapsed_s / (60.0 * self.minutes) if self.minutes else 0.0)
+
+    def contexts(self) -> list[int]:
+        """The contexts of the final accuracy table."""
+        return sorted(self.eval.lengths) if self.eval.lengths else self.curriculum.levels()
+
+
+class LossParts(NamedTuple):
+    loss: torch.Tensor  # [] the loss to minimise
+    answer_rows: torch.Tensor  # [B] detached: each example's mean answer loss
+    prompt: torch.Tensor | None  # [] detached: the second term (None when prompt_weight is 0)
+
+
+def teacher_forced_loss(logits: torch.Tensor, targets: torch.Tensor, roles: torch.Tensor, cfg: LossConfig) -> LossParts:
+    """The loss of :class:`LossConfig` on ``logits`` ``[B, T, V]`` (float32) of ``targets`` ``[B, T]`` int64 with
+    their ``roles`` ``[B, T]`` int8 (:mod:`sparrow.training.data`). Every example needs one answer token."""
+    answer = roles == ANSWER
+    if cfg.answer_eos:
+        answer |= roles == EOS
+    nll = F.cross_entropy(logits[answer], targets[answer], reduction="none")  # [answer tokens]
+    per_row = logits.new_zeros(answer.shape[0]).index_add(0, answer.nonzero()[:, 0], nll) / answer.sum(1).clamp_min(1)
+    # the token mean's gradient is the same as cross_entropy(reduction="mean")'s, bit for bit
+    answer_loss = per_row.mean() if cfg.answer_mean == "example" else nll.mean()
+    if not cfg.prompt_weight:
+        return LossParts(answer_loss, per_row.detach(), None)
+    context = roles == PROMPT if cfg.prompt_tokens == "prompt" else roles != IGNORED
+    prompt = F.cross_entropy(logits[context], targets[context])
+    return LossParts(answer_loss + cfg.prompt_weight * prompt, per_row.detach(), prompt.detach())
+
+
+class Trainer:
+    """Trains ``model`` in place on ``source``'s batches (see the module docstring).
+
+    Args:
+        model: a decoder on ``config.device`` whose ``max_seq_len`` holds the source's longest sequence.
+        config: the run.
+        source: the batches.
+        eval_tasks: name -> family, for the progress evaluations (the names ``config.eval.tasks`` picks);
+            none: no progress evaluation (the curriculum then moves by its time caps alone).
+        log: where progress lines go (``print`` by default).
+
+    Raises:
+        ValueError: the model is too short for the source's sequences at the curriculum's longest context, or
+            ``config.eval.tasks`` names a task ``eval_tasks`` does not hold.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: TrainConfig, source: BatchSource, *,
+                 eval_tasks: Mapping[str, TaskFamily] | None = None, log: Callable[[str], None] = print) -> None:
+        longest = source.longest_sequence(config.curriculum.max_context)
+        if getattr(model, "max_seq_len", longest) < longest:
+            raise ValueError(f"model max_seq_len {model.max_seq_len} is too short: the data makes sequences of up "
+                             f"to {longest} tokens at context {config.curriculum.max_context}")
+        self.eval_tasks = {}
+        if eval_tasks:
+            missing = [t for t in config.eval.tasks if t not in eval_tasks]
+            if missing:
+                raise ValueError(f"eval.tasks names {missing}, not among the evaluation tasks {sorted(eval_tasks)}")
+            self.eval_tasks = {t: eval_tasks[t] for t in config.eval.tasks}
+        self.model, self.config, self.source, self.log = model, config, source, log
+        self.device = torch.device(config.device)
+        opt = config.optimizer
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
+                                            {"params": rest, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas,
+                                           **({"fused": True} if self.device.type == "cuda" else {}))
+        self.curriculum = Curriculum(config.curriculum, seed=config.seed)
+        self.step = 0
+
+    def train_step(self, batch: Batch, lr: float) -> LossParts:
+        """One optimizer step on ``batch`` at learning rate ``lr``."""
+        cuda = self.device.type == "cuda"
+        x, roles = (t.pin_memory().to(self.device, non_blocking=True) if cuda and t.device.type == "cpu"
+                    else t.to(self.device) for t in (batch.tokens, batch.roles))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with autocast(self.device):
+            logits = self.model(x[:, :-1])
+        parts = teacher_forced_loss(logits.float(), x[:, 1:], roles, self.config.loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        parts.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm)
+        self.optimizer.step()
+        self.step += 1
+        return parts
+
+    def evaluate(self, examples: int) -> dict[str, dict[int, float]]:
+        """Greedy held-out accuracy of each curriculum task at the shortest and the current longest context."""
+        contexts = sorted({self.config.curriculum.min_context, self.curriculum.top})
+        tokens = max(8192, 2 * max(contexts))
+        return {name: {n: greedy_accuracy(self.model, family(n), examples, seed=self.config.eval.seed,
+                                          batch_tokens=tokens) for n in contexts}
+                for name, family in self.eval_tasks.items()}
+
+    def train(self) -> dict[str, Any]:
+        """Run to the end; returns what the run did (steps, tokens, examples, seconds, the curriculum's events,
+        the progress evaluations, the mean losses of each progress line, the share of time spent waiting for
+        data, the config). Leaves the model's
+        ``requires_grad`` flags and train / eval mode as they were, its gradients cleared."""
+        cfg, model = self.config, self.model
+        flags, was_training = [p.requires_grad for p in model.parameters()], model.training
+        model.requires_grad_(True).train()
+        cur, t0 = self.curriculum, time.perf_counter()
+        tokens = examples = tok_at_log = 0
+        data_wait, progress, curve, losses = 0.0, [], [], {"prompt": []}
+        t_log = t_eval = t0
+        try:
+            while (frac := cfg.progress(self.step, time.perf_counter() - t0)) < 1.0:
+                elapsed = time.perf_counter() - t0
+                if cur.update(frac, elapsed_s=elapsed):
+                    self.log(f"curriculum: longest context -> {cur.top} ({cfg.curriculum.mode} schedule)")
+                tw = time.perf_counter()
+                batch = self.source.next(cur.sample())
+                data_wait += time.perf_counter() - tw
+                lr = cfg.optimizer.lr_at(self.step, frac)
+                parts = self.train_step(batch, lr)
+                tokens += batch.tokens.numel()
+                examples += len(batch.family)
+                for name in dict.fromkeys(batch.family):
+                    idx = [i for i, f in enumerate(batch.family) if f == name]
+                    losses.setdefault(name, []).append(parts.answer_rows[idx].mean())
+                if parts.prompt is not None:
+                    losses["prompt"].append(parts.prompt)
+                now = time.perf_counter()
+                if now - t_log >= cfg.log_every_s:
+                    mean = {k: float(torch.stack(v).mean()) for k, v in losses.items() if v}
+                    curve.append({"step": self.step, **{k: round(v, 4) for k, v in mean.items()}})
+                    means = " ".join(f"{k} {v:.3f}" for k, v in mean.items())
+                    self.log(f"step {self.step:5d} ctx<={cur.top:5d} L={batch.context:5d} B={len(batch.family):4d} "
+                             f"tokens {tokens / 1e6:7.1f}M  loss {means}  lr {lr:.1e}  "
+                             f"{(tokens - tok_at_log) / (now - t_log) / 1e3:6.0f}k tok/s  data wait "
+                             f"{100 * data_wait / max(now - t0, 1e-9):.0f}%")
+                    losses = {"prompt": []}
+                    t_log, tok_at_log = now, tokens
+                done = cfg.progress(self.step, now - t0)
+                left_s = (now - t0) * (1 - done) / max(done, 1e-9)
+                if self.eval_tasks and cfg.eval.every_s and now - t_eval >= cfg.eval.every_s \
+                        and left_s > 0.5 * cfg.eval.every_s:
+                    top, acc = cur.top, self.evaluate(cfg.eval.examples)
+                    row = {"elapsed_s": round(now - t0, 1), "step": self.step, "tokens": tokens, "max_context": top}
+                    row.update({f"{t}@{n}": a for t, by in acc.items() for n, a in by.items()})
+                    progress.append(row)
+                    self.log("eval (greedy, held out): "
+                             + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if "@" in k))
+                    t_eval = time.perf_counter()
+                    at_top = {t: by[top] for t, by in acc.items()}
+                    if cfg.curriculum.mode == "auto" and cur.update(cfg.progress(self.step, t_eval - t0), at_top,
+                                                                    elapsed_s=t_eval - t0):
+                        self.log(f"curriculum: longest context -> {cur.top} ({cur.events[-1]['reason']}; accuracy "
+                                 f"at {top} {min(at_top.values()):.2f})")
+        finally:
+            for p, f in zip(model.parameters(), flags):
+                p.requires_grad_(f)
+                p.grad = None
+            model.train(was_training)
+        train_s = time.perf_counter() - t0
+        self.log(f"trained {self.step} steps, {tokens / 1e6:.1f}M tokens, {examples} examples in {train_s:.0f} s")
+        return {"steps": self.step, "tokens_seen": tokens, "examples_seen": examples, "train_s": round(train_s, 1),
+                "final_max_context": cur.top, "curriculum_events": cur.events, "progress": progress,
+                "loss_curve": curve,
+                "data_wait_frac": round(data_wait / max(train_s, 1e-9), 3), "config": dataclasses.asdict(cfg)}

@@ -1,0 +1,60 @@
+"""Held-out accuracy: teacher forcing agrees with greedy decoding; what a report says a model handles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sparrow.models import qwen2
+from sparrow.rl import CharTokenizer, VariableTracking
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.training import (
+    EVAL_TASKS, accuracy_table, binomial_se, greedy_accuracy, longest_handled, model_score, teacher_forced_hits,
+)
+
+
+def _peaked_model():
+    """A random model with peaked logits, so that greedy decoding has no near-ties."""
+    torch.manual_seed(0)
+    model = qwen2(vocab_size=48, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=128,
+                  max_seq_len=256).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    return model
+
+
+def test_teacher_forced_check_agrees_with_greedy_decoding():
+    tok, model = CharTokenizer(), _peaked_model()
+    prompts = [tok.encode(VariableTracking(128).example(3, i).prompt) for i in range(6)]
+    engine = RolloutEngine(model, EngineConfig(max_rows=6, max_prompt_len=129, max_new_tokens=5, compile=False))
+    out = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=5))
+    greedy = [(np.asarray(p + s.tokens.tolist()), len(p)) for p, s in zip(prompts, out)]
+    assert teacher_forced_hits(model, greedy, batch_tokens=300) == [True] * 6  # two forwards of 2 rows, one of 2
+    wrong = [(np.concatenate([ids[:-1], [(ids[-1] + 1) % tok.vocab_size]]), n) for ids, n in greedy]
+    assert teacher_forced_hits(model, wrong) == [False] * 6
+    assert not model.training
+
+
+def test_accuracy_table_rows():
+    model = _peaked_model()
+    rows = accuracy_table(model, {"kv_retrieval": EVAL_TASKS["kv_retrieval"]}, [64, 128], 4)
+    assert [(r["task"], r["context"], r["n"]) for r in rows] == [("kv_retrieval", 64, 4), ("kv_retrieval", 128, 4)]
+    assert rows[0]["accuracy"] == greedy_accuracy(model, EVAL_TASKS["kv_retrieval"](64), 4)
+    sampled = accuracy_table(model, {"kv_retrieval": EVAL_TASKS["kv_retrieval"]}, [64], 3, sampled=True)
+    assert 0 <= sampled[0]["sampled_accuracy"] <= 1
+    assert binomial_se(0.5, 100) == pytest.approx(0.05) and binomial_se(1.0, 10) == 0.0
+
+
+def test_longest_handled_and_model_score():
+    acc = [{"task": t, "context": c, "accuracy": a} for t, c, a in (
+        ("kv_retrieval", 64, 1.0), ("variable_tracking", 64, 0.9), ("kv_retrieval", 128, 0.85),
+        ("variable_tracking", 128, 0.5), ("kv_retrieval", 256, 0.2), ("variable_tracking", 256, 0.1))]
+    rep = {"accuracy": acc}
+    assert longest_handled(rep, 0.8) == 64 and longest_handled(rep, 0.8, ["kv_retrieval"]) == 128
+    assert longest_handled(rep, 0.95) is None
+    assert model_score(rep) == (64, pytest.approx(3.55 / 6))
+    # a retrieval model's score counts the tasks that moved its curriculum only
+    rep["train"] = {"config": {"eval": {"tasks": ["kv_retrieval"]}}}
+    assert model_score(rep) == (128, pytest.approx(3.55 / 6))

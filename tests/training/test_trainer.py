@@ -1,0 +1,158 @@
+"""The teacher-forced trainer: the loss's terms and means, the schedule, config checks, a real (tiny) run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparrow.models import tiny_qwen2
+from sparrow.rl import KVRetrieval
+from sparrow.training import (
+    ANSWER, EOS, FAMILIES, IGNORED, PROMPT, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
+    TrainConfig, Trainer, init_weights, teacher_forced_loss,
+)
+
+# two examples: prompt tokens, an answer of 1 / 3 tokens, <eos>, padding
+ROLES = torch.tensor([[PROMPT, PROMPT, ANSWER, EOS, IGNORED, IGNORED],
+                      [PROMPT, ANSWER, ANSWER, ANSWER, EOS, IGNORED]], dtype=torch.int8)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 6, 11, generator=g), torch.randint(0, 11, (2, 6), generator=g)
+
+
+def _nll(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(targets.shape)
+
+
+def test_example_mean_weighs_every_example_the_same():
+    logits, targets = _inputs()
+    nll = _nll(logits, targets)
+    parts = teacher_forced_loss(logits, targets, ROLES, LossConfig(prompt_weight=0.5))
+    a = (nll[0, 2] + nll[0, 3]) / 2
+    b = nll[1, 1:5].mean()
+    assert torch.allclose(parts.answer_rows, torch.stack([a, b]))
+    prompt = torch.stack([nll[0, 0], nll[0, 1], nll[1, 0]]).mean()
+    assert torch.allclose(parts.prompt, prompt) and torch.allclose(parts.loss, (a + b) / 2 + 0.5 * prompt)
+
+
+def test_token_mean_over_the_whole_sequence_without_eos_in_the_answer():
+    """The tiny warm start's loss: answer tokens pooled (no <eos>), plus the mean over every real token."""
+    logits, targets = _inputs(1)
+    ours, theirs = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    cfg = LossConfig(prompt_weight=0.1, prompt_tokens="sequence", answer_eos=False, answer_mean="token")
+    parts = teacher_forced_loss(ours, targets, ROLES, cfg)
+    answer, whole = ROLES == ANSWER, ROLES != IGNORED
+    want = F.cross_entropy(theirs[answer], targets[answer]) + 0.1 * F.cross_entropy(theirs[whole], targets[whole])
+    assert torch.allclose(parts.loss, want)
+    parts.loss.backward()
+    want.backward()
+    assert torch.equal(ours.grad, theirs.grad)  # the gradient of the mean reduction, bit for bit
+    nll = _nll(logits, targets)
+    assert torch.allclose(parts.answer_rows, torch.stack([nll[0, 2], nll[1, 1:4].mean()]))
+    assert (ours.grad[ROLES == IGNORED] == 0).all() and (ours.grad[ROLES == EOS] != 0).all()
+    # a negative control: the example mean of unequal answers is another loss
+    tokens = (ROLES == ANSWER) | (ROLES == EOS)
+    example = teacher_forced_loss(logits, targets, ROLES, LossConfig(prompt_weight=0.0)).loss
+    assert not torch.allclose(example, F.cross_entropy(logits[tokens], targets[tokens]))
+    token = teacher_forced_loss(logits, targets, ROLES, LossConfig(prompt_weight=0.0, answer_mean="token")).loss
+    assert torch.allclose(token, F.cross_entropy(logits[tokens], targets[tokens]))
+
+
+def test_prompt_weight_zero_is_the_answer_alone():
+    logits, targets = _inputs(2)
+    parts = teacher_forced_loss(logits, targets, ROLES, LossConfig(prompt_weight=0.0, answer_mean="token"))
+    mask = (ROLES == ANSWER) | (ROLES == EOS)
+    assert parts.prompt is None and torch.equal(parts.loss, F.cross_entropy(logits[mask], targets[mask]))
+
+
+def test_schedule_warms_up_then_decays_or_stays():
+    cos = OptimizerConfig(lr=1.0, min_lr_ratio=0.1, warmup_steps=10)
+    assert cos.lr_at(0, 0.0) == pytest.approx(0.1) and cos.lr_at(9, 0.0) == pytest.approx(1.0)
+    assert cos.lr_at(50, 0.5) == pytest.approx(0.55) and cos.lr_at(99, 1.0) == pytest.approx(0.1)
+    const = OptimizerConfig(lr=2.0, warmup_steps=4, schedule="constant")
+    assert [const.lr_at(s, 0.9) for s in (0, 3, 50)] == [0.5, 2.0, 2.0]
+    assert TrainConfig(steps=10, minutes=1.0).progress(5, 30.0) == 0.5  # the larger of the two fractions
+    assert TrainConfig(steps=10, minutes=1.0).progress(2, 45.0) == 0.75
+
+
+@pytest.mark.parametrize("build,match", [
+    pytest.param(lambda: TrainConfig(), "give steps, minutes or both", id="no-length"),
+    pytest.param(lambda: TrainConfig(steps=0), "steps must be >= 1", id="steps"),
+    pytest.param(lambda: OptimizerConfig(lr=0.0, betas=(0.9, 1.0)), r"\{'lr': 0.0, 'betas': \(0.9, 1.0\)\}",
+                 id="optim"),
+    pytest.param(lambda: OptimizerConfig(schedule="linear"), "schedule must be one of", id="schedule"),
+    pytest.param(lambda: LossConfig(prompt_weight=-1.0), "prompt_weight must be >= 0, got -1.0", id="weight"),
+    pytest.param(lambda: LossConfig(answer_mean="row"), "answer_mean one of", id="mean"),
+    pytest.param(lambda: EvalConfig(tasks=()), "at least one task", id="eval-tasks"),
+    pytest.param(lambda: EvalConfig(examples=0), "examples=0", id="eval-examples"),
+])
+def test_configs_refuse_bad_values(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def _setup(steps=30, mix=None, context=64, key_len=1, **model_kw):
+    torch.manual_seed(0)
+    model = tiny_qwen2(vocab_size=48, **({"max_seq_len": 80} | model_kw))
+    init_weights(model, 0.02)
+    families = {"kv": lambda n: KVRetrieval(n, key_len=key_len, value_len=2)}
+    source = TaskMixStream({**FAMILIES, **families}, mix or {"kv": 1.0}, seed=1, batch_size=16)
+    cfg = TrainConfig(steps=steps, log_every_s=1e9,
+                      curriculum=CurriculumConfig(min_context=context, max_context=context),
+                      optimizer=OptimizerConfig(lr=3e-3, warmup_steps=5, weight_decay=0.0),
+                      eval=EvalConfig(tasks=("kv",), every_s=0))
+    return model, source, cfg, families
+
+
+def test_a_short_run_lowers_the_loss_and_leaves_the_model_as_it_found_it():
+    model, source, cfg, families = _setup()
+    model.requires_grad_(False).eval()
+    trainer = Trainer(model, cfg, source, eval_tasks=families, log=lambda _: None)
+    batch = TaskMixStream(families, {"kv": 1.0}, seed=99, batch_size=32).next(64)
+    with torch.no_grad():
+        before = teacher_forced_loss(model(batch.tokens[:, :-1]), batch.tokens[:, 1:], batch.roles, cfg.loss).loss
+    stats = trainer.train()
+    with torch.no_grad():
+        after = teacher_forced_loss(model(batch.tokens[:, :-1]), batch.tokens[:, 1:], batch.roles, cfg.loss).loss
+    assert stats["steps"] == 30 and stats["examples_seen"] == 480 and stats["final_max_context"] == 64
+    assert after < before - 0.5, (before, after)  # held-out examples: the model learned the format
+    assert not model.training and not any(p.requires_grad or p.grad is not None for p in model.parameters())
+    assert stats["config"]["optimizer"]["lr"] == 3e-3
+
+
+def test_the_same_seeds_train_the_same_bits():
+    runs = []
+    for _ in range(2):
+        model, source, cfg, families = _setup(steps=4)
+        Trainer(model, cfg, source, log=lambda _: None).train()
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_trainer_refuses_a_model_too_short_for_its_sequences():
+    model, source, cfg, families = _setup(mix={"kvl": 1.0}, context=64)
+    with pytest.raises(ValueError, match=r"max_seq_len 80 is too short: .* up to 86 tokens at context 64"):
+        Trainer(model, cfg, source)
+    model, source, cfg, families = _setup()
+    with pytest.raises(ValueError, match=r"eval.tasks names \['kv'\]"):
+        Trainer(model, cfg, source, eval_tasks={"other": families["kv"]})
+
+
+def test_progress_evaluations_move_the_auto_curriculum(monkeypatch):
+    """With every held-out answer right, each evaluation doubles the longest context."""
+    import sparrow.training.trainer as trainer_mod
+
+    model, source, _, families = _setup(key_len=2, max_seq_len=300)
+    cfg = TrainConfig(steps=6, log_every_s=1e9, curriculum=CurriculumConfig(min_context=64, max_context=256),
+                      eval=EvalConfig(tasks=("kv",), every_s=1e-9, examples=2))
+    monkeypatch.setattr(trainer_mod, "greedy_accuracy", lambda *a, **k: 1.0)
+    stats = Trainer(model, cfg, source, eval_tasks=families, log=lambda _: None).train()
+    assert [e["max_context"] for e in stats["curriculum_events"]] == [128, 256]
+    assert [e["reason"] for e in stats["curriculum_events"]] == ["accuracy", "accuracy"]
+    assert stats["progress"][0]["kv@64"] == 1.0 and stats["final_max_context"] == 256
+    assert math.isfinite(stats["train_s"])
