@@ -96,7 +96,7 @@ def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> d
         "checkpoint": str(checkpoint),
         "attention": {"_component_": "sparrow.attention.dense"},
         "engine": {"max_rows": rows, "max_prompts": max(args.prompts_per_step, min(args.eval_prompts, rows)),
-                   "max_prompt_len": args.context + 1, "max_new_tokens": args.max_new, "sync_every": args.sync_every,
+                   "max_prompt_len": args.context + 1, "max_new_tokens": args.max_new, "block_steps": args.block_steps,
                    "compile": args.compile, "cuda_graphs": args.compile and cuda,
                    # speculation captures a draft and a verify graph per bucket and draft length
                    "batch_buckets": batch_buckets(rows, args.bucket_growth)},
@@ -313,7 +313,7 @@ def build_parser():
         ("--reward", list(REWARDS), None, "also the held-out score (default exact_match; quick char_accuracy)"),
         ("--lr", float, None, "AdamW learning rate (default 1e-5; quick 1e-3)"),
         ("--eval-prompts", int, None, "held-out prompts (default 64; quick 8; 0: no eval)"),
-        ("--sync-every", int, 16, "engine decode steps between host checks"),
+        ("--block-steps", int, 16, "engine decode steps between host checks"),
         ("--bucket-growth", int, 4, "engine batch buckets are powers of this (4: about half the CUDA graphs of 2)"),
         ("--spec-toggle", ["always", "threshold", "cost_model"], None, "default cost_model; quick always"),
         ("--draft-lengths", str, None, "comma list (default 2,4; quick 2)"),

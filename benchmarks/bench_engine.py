@@ -92,7 +92,7 @@ def main() -> None:
     model, hf, vocab = build_models(max_len, device, args.quick)
     max_b = max(args.batches)
     cfg = EngineConfig(max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
-                       max_new_tokens=args.new_tokens, sync_every=16, compile=device == "cuda", prefill_tokens=65536)
+                       max_new_tokens=args.new_tokens, block_steps=16, compile=device == "cuda", prefill_tokens=65536)
     engine = RolloutEngine(model, cfg)
     gen = torch.Generator().manual_seed(0)
 

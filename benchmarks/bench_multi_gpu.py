@@ -68,7 +68,7 @@ def overrides(args, out: Path) -> list[str]:
         f"engine.compile={'true' if cuda else 'false'}", "dist_timeout_s=600",
     ]
     if cuda:
-        o += ["engine.cuda_graphs=true", "engine.sync_every=16", "optimizer.fused=true"]
+        o += ["engine.cuda_graphs=true", "engine.block_steps=16", "optimizer.fused=true"]
     return o + model_overrides(args)
 
 

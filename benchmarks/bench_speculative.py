@@ -175,7 +175,7 @@ def build_parser():
         ("--margin", float, 0.05, None), ("--hysteresis", float, 0.03, None),
         ("--per-batch-tokens", int, 512, "tokens per row at each fixed batch size after the rollouts (0: skip)"),
         ("--probe-every", int, 8, "cost-model toggle: while off, speculate one block in this many"),
-        ("--prior", float, 0.8, "acceptance assumed before any is measured"), ("--sync-every", int, 16, None),
+        ("--prior", float, 0.8, "acceptance assumed before any is measured"), ("--block-steps", int, 16, None),
         ("--bucket-growth", int, 2, "batch buckets are powers of this (4: half the CUDA graphs)"),
         ("--train-seconds", float, 60.0, None), ("--train-seq", int, 2048, None), ("--train-batch", int, 8, None),
         ("--lr", float, 3e-4, "AdamW peak (1e-3 stalled a 0.5B model at loss ~7.3 against a floor of 1.76)"),
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.prompts, args.samples, args.min_prompt, args.max_prompt, args.max_new = 4, 2, 48, 192, 96
         args.train_seconds, args.train_seq, args.train_batch, args.window, args.max_draft = 6.0, 256, 4, 32, 4
-        args.lengths, args.always_k, args.sync_every, args.calib_steps, args.lr, args.warmup_steps = [2, 4], 3, 4, 2, 3e-3, 5
+        args.lengths, args.always_k, args.block_steps, args.calib_steps, args.lr, args.warmup_steps = [2, 4], 3, 4, 2, 3e-3, 5
         torch.set_num_threads(1)
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     task = MarkovEpisodes(**(dict(n_classes=4, per_class=32, min_mean=8, max_mean=64) if args.quick else
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = args.prompts * args.samples
     buckets = tuple(batch_buckets(rows, args.bucket_growth, smallest=2))  # no bucket 1: one compile less
     cfg = EngineConfig(max_rows=rows, max_prompts=args.prompts, max_prompt_len=args.max_prompt,
-                       max_new_tokens=args.max_new, max_draft=args.max_draft, sync_every=args.sync_every,
+                       max_new_tokens=args.max_new, max_draft=args.max_draft, block_steps=args.block_steps,
                        compile=cuda or args.compile, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),
                        batch_buckets=buckets)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, stop_token_ids=(EOS,), seed=0)

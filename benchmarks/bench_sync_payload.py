@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
 
+from sparrow.training import init_weights  # noqa: E402
+
 from sparrow.kernels.sync import api as K  # noqa: E402
 from sparrow.sync import empirical_entropy_bits, position_entropy_bits  # noqa: E402
 from sparrow.sync.codecs import SliceJob, encode_slices  # noqa: E402
@@ -118,9 +120,7 @@ def linear_stack(width: int, layers: int, dev: torch.device, seed: int = 0) -> t
     """``layers`` bias-free ``Linear(width, width)`` in fp32, weights N(0, 0.02^2)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False, device=dev) for _ in range(layers)])
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
+    init_weights(model, 0.02)
     return model
 
 

@@ -66,6 +66,7 @@ from sparrow.rl import (
 from sparrow.rl.recipe_config import check_config, check_values, parse
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.speculative import QuantizedSelfDrafter
+from sparrow.training import init_weights
 
 
 class GRPORecipe:
@@ -179,10 +180,7 @@ class GRPORecipe:
         if self.vocab_limit > rows:
             raise ValueError(f"the tokenizer has {self.vocab_limit} ids but the model only {rows} embedding rows")
         if cfg.get("init_std") is not None:  # training from scratch: small random weights
-            with torch.no_grad():
-                for p in model.parameters():
-                    if p.dim() >= 2:
-                        p.normal_(0.0, cfg.init_std)
+            init_weights(model, cfg.init_std)
         if cfg.get("checkpoint") is not None:  # a Sparrow / torchtune state dict (safetensors)
             load_model_state(model, _read_weights(Path(cfg.checkpoint), "starting checkpoint"))
         ckpt = None

@@ -26,7 +26,7 @@ _EXPORTS = {
     "WeightCodec": "sparrow.sync.base",
     "RolloutEngine": "sparrow.rollout.engine",
     "EngineConfig": "sparrow.rollout.engine",
-    "SamplingParams": "sparrow.rollout.sampling",
+    "SamplingParams": "sparrow.sampling",
     "RTPurboAttention": "sparrow.attention.rtpurbo",
     "RTPurboConfig": "sparrow.attention.rtpurbo",
     "QuantizedSelfDrafter": "sparrow.speculative.drafter",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparrow.attention.base import AttentionBackend
     from sparrow.attention.dense import DenseAttention
     from sparrow.rollout.engine import EngineConfig, RolloutEngine
-    from sparrow.rollout.sampling import SamplingParams
+    from sparrow.sampling import SamplingParams
     from sparrow.speculative.base import AlwaysOff, Drafter, ToggleController
     from sparrow.sync.base import WeightCodec
     from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig

@@ -214,7 +214,7 @@ def _prompts():
 
 
 def _engine(model, **kw):
-    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=24, compile=False, sync_every=3)
+    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=24, compile=False, block_steps=3)
     cfg.update(kw)
     return RolloutEngine(model, EngineConfig(**cfg))
 
@@ -278,7 +278,7 @@ def test_engine_compiles_the_triton_path_with_inductor_and_a_drafter():
     for impl, compile_ in (("reference", False), ("triton", True)):
         sparse = use_attention(copy.deepcopy(dense), rtpurbo_attention(prof, None, _cfg(top_p=0.8, impl=impl,
                                                                                        window=8))).to(_device(impl))
-        eng = RolloutEngine(sparse, EngineConfig(max_rows=4, max_prompt_len=64, max_new_tokens=12, sync_every=3,
+        eng = RolloutEngine(sparse, EngineConfig(max_rows=4, max_prompt_len=64, max_new_tokens=12, block_steps=3,
                                                  compile=compile_, max_draft=2),
                             drafter=QuantizedSelfDrafter(sparse, DrafterConfig(weight="none")))
         eng.toggle = AlwaysOn(2)

@@ -14,7 +14,7 @@ def _prompts(vocab=64, lens=PROMPT_LENS, seed=1):
 
 
 def _engine(model, **kw):
-    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=24, compile=False, sync_every=3)
+    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=24, compile=False, block_steps=3)
     cfg.update(kw)
     return RolloutEngine(model, EngineConfig(**cfg))
 
@@ -60,8 +60,8 @@ def test_sampling_matches_naive_reference(params):
 def test_prefix_sharing_and_compaction_do_not_change_results():
     model = random_tiny("qwen2")
     params = SamplingParams(temperature=1.0, max_new_tokens=20, stop_token_ids=(3,), seed=11)
-    base = _engine(model, max_rows=32, share_prefix=False, sync_every=1).generate(_prompts(), 4, params)
-    for kw in (dict(max_rows=32), dict(max_rows=4, sync_every=5), dict(max_rows=8, batch_buckets=(8,)),
+    base = _engine(model, max_rows=32, share_prefix=False, block_steps=1).generate(_prompts(), 4, params)
+    for kw in (dict(max_rows=32), dict(max_rows=4, block_steps=5), dict(max_rows=8, batch_buckets=(8,)),
                dict(max_rows=12, max_prompts=2, prefill_tokens=8)):
         _assert_same(_engine(model, **kw).generate(_prompts(), 4, params).samples, base.samples, lp_tol=1e-5)
 
@@ -69,7 +69,7 @@ def test_prefix_sharing_and_compaction_do_not_change_results():
 def test_finished_rows_leave_the_batch():
     model = random_tiny("qwen2", std=0.1)  # flat distributions: stop tokens hit at varied times
     params = SamplingParams(temperature=1.0, max_new_tokens=24, stop_token_ids=tuple(range(8)), seed=0)
-    g = _engine(model, max_rows=16, sync_every=2).generate(_prompts(lens=[4] * 4), 4, params)
+    g = _engine(model, max_rows=16, block_steps=2).generate(_prompts(lens=[4] * 4), 4, params)
     lengths = sorted(s.length for s in g)
     assert lengths[0] < lengths[-1]
     assert len(g.stats.active_hist) > 1  # the batch shrank through smaller buckets

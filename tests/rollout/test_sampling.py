@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from sparrow.rollout.sampling import (
+from sparrow.sampling import (
     SamplingParams,
     process_logits,
     row_keys,
@@ -158,7 +158,7 @@ def test_compiled_noise_is_bitwise_equal_to_eager():
 
 
 # -- the vocabulary limit and the top-p boundary at a real vocabulary ------------------------------------
-from sparrow.rollout.sampling import token_logprobs, vocab_mask  # noqa: E402
+from sparrow.sampling import token_logprobs, vocab_mask  # noqa: E402
 
 
 def _descending_float32_top_p(logits, p):  # the rule summed from the most likely down: rounds near 1
@@ -254,7 +254,7 @@ def _old_unit(h):  # the mapping before the fix: the largest 24-bit value rounds
 
 
 def test_uniforms_stay_strictly_inside_the_unit_interval():
-    from sparrow.rollout.sampling import bits_to_unit
+    from sparrow.sampling import bits_to_unit
 
     h = torch.tensor([0, 255, 256, (1 << 32) - 512, (1 << 32) - 256, (1 << 32) - 1], dtype=torch.int64)
     u = bits_to_unit(h)
@@ -268,7 +268,7 @@ def test_the_draw_at_a_real_vocabulary_is_never_decided_by_a_uniform_of_one(monk
     """128 draws at Qwen2.5's 151,936 ids (vocabulary limit 151,665): every uniform is below 1, so no Gumbel
     value is +inf, and no id past the limit is drawn. Negative control: with the old uniforms three entries of
     these rows were exactly 1, and each of those rows drew that entry, whatever its probability."""
-    import sparrow.rollout.sampling as sampling
+    import sparrow.sampling as sampling
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(128, 151_936, generator=g)

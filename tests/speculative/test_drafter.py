@@ -119,7 +119,7 @@ def test_refresh_keeps_storage_and_follows_new_weights():
 def test_refresh_inside_an_engine_keeps_it_exact():
     model = random_tiny("qwen2")
     d = QuantizedSelfDrafter(model)
-    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=12, compile=True, compile_backend="eager", sync_every=3)
+    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=12, compile=True, compile_backend="eager", block_steps=3)
     eng = RolloutEngine(model, EngineConfig(**cfg, max_draft=3), drafter=d, toggle=AlwaysOn(3))
     p = SamplingParams(temperature=0.0, max_new_tokens=12)
     eng.generate(prompts(), 1, p)

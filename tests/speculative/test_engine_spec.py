@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
-from sparrow.rollout.sampling import process_logits
+from sparrow.sampling import process_logits
 from sparrow.speculative import rejection
 from sparrow.speculative.drafter import DrafterConfig, QuantizedSelfDrafter
 from sparrow.speculative.toggle import AlwaysOn, ThresholdToggle
@@ -14,7 +14,7 @@ from tests.speculative.stats import chi2_homogeneity, chi2_sf
 
 
 def _cfg(**kw):
-    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=24, compile=False, sync_every=3)
+    cfg = dict(max_rows=4, max_prompt_len=64, max_new_tokens=24, compile=False, block_steps=3)
     cfg.update(kw)
     return EngineConfig(**cfg)
 
@@ -50,7 +50,7 @@ def test_greedy_equals_autoregressive_over_many_prompts(target, drafter):
     for p in params:
         ref = RolloutEngine(target, _cfg(max_rows=8)).generate(ps, 2, p)
         for k, sync in ((1, 1), (3, 3), (5, 2)):
-            eng = RolloutEngine(target, _cfg(max_rows=8, max_draft=5, sync_every=sync), drafter=d, toggle=AlwaysOn(k))
+            eng = RolloutEngine(target, _cfg(max_rows=8, max_draft=5, block_steps=sync), drafter=d, toggle=AlwaysOn(k))
             got = eng.generate(ps, 2, p)
             _assert_same(got.samples, ref.samples)
             assert got.stats.spec_cycles > 0 and got.stats.draft_proposed > 0
@@ -63,7 +63,7 @@ def test_greedy_toggle_switching_and_context_end(target):
     ps = prompts(n_lens=[30, 28, 12, 5, 20, 25], seed=3)
     p = SamplingParams(temperature=0.0, max_new_tokens=18, stop_token_ids=(2, 5, 9))
     ref = RolloutEngine(model, _cfg(max_rows=8, max_prompt_len=30, max_new_tokens=18)).generate(ps, 2, p)
-    eng = RolloutEngine(model, _cfg(max_rows=8, max_prompt_len=30, max_new_tokens=18, max_draft=6, sync_every=2),
+    eng = RolloutEngine(model, _cfg(max_rows=8, max_prompt_len=30, max_new_tokens=18, max_draft=6, block_steps=2),
                         drafter=CopyDrafter(perturbed_copy(model, 0.1)), toggle=ThresholdToggle(max_active=4, num_draft=6))
     got = eng.generate(ps, 2, p)
     _assert_same(got.samples, ref.samples)
@@ -94,7 +94,7 @@ def test_sampled_outputs_report_target_logprobs_and_stop_correctly(target):
         else:
             assert s.length == p.max_new_tokens
     # seeded runs are reproducible, and a row's tokens do not depend on its batch
-    again = RolloutEngine(target, _cfg(max_rows=16, max_draft=4, sync_every=5),
+    again = RolloutEngine(target, _cfg(max_rows=16, max_draft=4, block_steps=5),
                           drafter=CopyDrafter(perturbed_copy(target, 0.3)), toggle=AlwaysOn(4)).generate(ps, 3, p)
     assert [s.tokens.tolist() for s in g] == [s.tokens.tolist() for s in again]
 
@@ -131,7 +131,7 @@ def _combined_pvalue(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _distribution_runs(target, params, n_copies=8, n_samples=64, perturbation=0.15):
     ps = DIST_PROMPTS * n_copies  # every copy has its own sample ids, hence independent noise
-    cfg = dict(max_rows=256, max_prompts=32, max_prompt_len=32, max_new_tokens=3, sync_every=4)
+    cfg = dict(max_rows=256, max_prompts=32, max_prompt_len=32, max_new_tokens=3, block_steps=4)
     ar = RolloutEngine(target, _cfg(**cfg)).generate(ps, n_samples, params)
     eng = RolloutEngine(target, _cfg(**cfg, max_draft=2), drafter=CopyDrafter(perturbed_copy(target, perturbation)),
                         toggle=AlwaysOn(2))

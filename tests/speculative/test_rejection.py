@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparrow.rollout.sampling import row_keys, top_p_mask
+from sparrow.sampling import row_keys, top_p_mask
 from sparrow.speculative import rejection
 from sparrow.speculative.rejection import (
     accept_counter_based,

@@ -189,7 +189,7 @@ def test_engine_reports_every_block_to_the_toggle():
     model = random_tiny("qwen2")
     toggle = Alternate()
     eng = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=12, compile=False,
-                                            sync_every=3, max_draft=2), drafter=QuantizedSelfDrafter(model))
+                                            block_steps=3, max_draft=2), drafter=QuantizedSelfDrafter(model))
     eng.toggle = toggle
     g = eng.generate([[1, 2, 3], [4, 5]], 2, SamplingParams(temperature=1.0, max_new_tokens=12, seed=0))
     assert len(toggle.blocks) == toggle.n > 1 and all(sec > 0 for *_, sec in toggle.blocks)
@@ -205,7 +205,7 @@ def test_cost_model_toggle_rejects_negative_probe_interval():
 
 def test_calibrate_on_the_engine_and_cache(tmp_path):
     model = random_tiny("qwen2")
-    cfg = EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=16, compile=False, sync_every=2, max_draft=3)
+    cfg = EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=16, compile=False, block_steps=2, max_draft=3)
     eng = RolloutEngine(model, cfg, drafter=QuantizedSelfDrafter(model))
     params = SamplingParams(temperature=1.0, max_new_tokens=16)
     m = CostModel.calibrate(eng, params, steps=2, cache_dir=tmp_path)
@@ -228,7 +228,7 @@ def test_engine_reports_toggle_feedback():
     model = random_tiny("qwen2")
     adaptive = AdaptiveDraft(lengths=(1, 2, 3), prior=0.9)
     toggle = ThresholdToggle(max_active=64, adaptive=adaptive, costs=synthetic_costs(buckets=(1, 2, 4, 8)))
-    cfg = EngineConfig(max_rows=8, max_prompt_len=64, max_new_tokens=16, compile=False, sync_every=2, max_draft=3)
+    cfg = EngineConfig(max_rows=8, max_prompt_len=64, max_new_tokens=16, compile=False, block_steps=2, max_draft=3)
     eng = RolloutEngine(model, cfg, drafter=CopyDrafter(perturbed_copy(model, 0.3)), toggle=toggle)
     g = eng.generate(prompts(), 2, SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
     assert adaptive.observed_tokens == g.stats.draft_proposed > 0
@@ -244,7 +244,7 @@ def test_calibration_at_the_longest_draft_length():
     draft-only step left behind (it started at 1, and a cycle of max_draft drafts indexed past the buffers)."""
     model = random_tiny("qwen2")
     eng = RolloutEngine(model, EngineConfig(max_rows=2, max_prompt_len=16, max_new_tokens=8, compile=False,
-                                            sync_every=2, max_draft=2), drafter=QuantizedSelfDrafter(model))
+                                            block_steps=2, max_draft=2), drafter=QuantizedSelfDrafter(model))
     m = CostModel.calibrate(eng, SamplingParams(temperature=1.0, max_new_tokens=8), steps=1, cache_dir=None)
     assert sorted(m.verify[2]) == [2, 3]  # one draft length (2 = max_draft), its verify cost reused for 3
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torchtune.modules import TransformerDecoder
 
-from sparrow.rollout.sampling import SamplingParams, token_logprobs
+from sparrow.sampling import SamplingParams, token_logprobs
 
 
 def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -60,7 +60,7 @@ def response_logprobs(
         prompt_len, response_len: [N] int64.
         max_response_len: ``L``, the width of the output.
         sampling: the behaviour policy's processing (vocabulary limit, temperature, top-k, top-p; see
-            :func:`sparrow.rollout.sampling.token_logprobs`); default: the model's plain distribution.
+            :func:`sparrow.sampling.token_logprobs`); default: the model's plain distribution.
         chunk_size: response tokens per logits chunk.
 
     Returns: [N, L] float32; entry ``(i, j)`` is log p(token at ``prompt_len[i] + j``), zero past

@@ -94,7 +94,7 @@ def check_values(cfg: DictConfig) -> None:
     """
     from sparrow.rl.grpo import GRPOConfig
     from sparrow.rollout.engine import EngineConfig
-    from sparrow.rollout.sampling import SamplingParams
+    from sparrow.sampling import SamplingParams
 
     has_task, has_data = has_component(cfg, "task"), cfg.get("dataset") is not None
     if has_task == has_data:

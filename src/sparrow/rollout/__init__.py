@@ -2,7 +2,7 @@
 
 from sparrow.rollout.engine import EngineConfig, Generation, GenerationStats, RolloutEngine, Sample
 from sparrow.rollout.reference import generate_reference
-from sparrow.rollout.sampling import SamplingParams, process_logits, top_k_mask, top_p_mask
+from sparrow.sampling import SamplingParams, process_logits, top_k_mask, top_p_mask
 
 __all__ = ["EngineConfig", "Generation", "GenerationStats", "RolloutEngine", "Sample", "SamplingParams",
            "generate_reference", "process_logits", "top_k_mask", "top_p_mask"]

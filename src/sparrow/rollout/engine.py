@@ -33,7 +33,7 @@ from torchtune.modules import TransformerDecoder
 from sparrow.attention.base import CacheSpec, PrefillMeta
 from sparrow.models.attention import attention_modules
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
-from sparrow.rollout.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
+from sparrow.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
 from sparrow.rollout.state import DraftState, RowState
 from sparrow.speculative.base import Drafter, StepStats, ToggleController
 from sparrow.speculative.costs import expected_tokens_per_cycle
@@ -76,7 +76,8 @@ class EngineConfig:
         cuda_graphs: replay the compiled decode step as CUDA graphs, one per batch bucket (CUDA only).
         batch_buckets: active-row counts the decode step is specialised for (default: powers of two up to
             ``max_rows``, plus ``max_rows``). The active set is padded up to the next bucket.
-        sync_every: decode steps between host checks for finished rows.
+        block_steps: decode steps per block: the host checks for finished rows (and the toggle decides) once
+            per block.
         prefill_tokens: token budget of one prefill micro-batch (prompts padded to the longest in it).
         share_prefix: prefill each prompt once for all its samples (``False`` prefills every sample,
             for comparison).
@@ -92,7 +93,7 @@ class EngineConfig:
     compile: bool = True
     cuda_graphs: bool = True
     batch_buckets: tuple[int, ...] | None = None
-    sync_every: int = 8
+    block_steps: int = 8
     prefill_tokens: int = 32768
     share_prefix: bool = True
     compile_backend: str = "inductor"
@@ -101,7 +102,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_draft < 0:
             raise ValueError(f"EngineConfig.max_draft must be >= 0, got {self.max_draft}")
-        for name in ("max_rows", "max_prompt_len", "max_new_tokens", "sync_every", "prefill_tokens"):
+        for name in ("max_rows", "max_prompt_len", "max_new_tokens", "block_steps", "prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prompts is not None and self.max_prompts < 1:
@@ -575,8 +576,8 @@ class RolloutEngine:
             self.drafts.counters.zero_()
         slots = torch.tensor(active + [self.scratch] * (bucket - A), dtype=torch.int64).to(self.device)
         self.rows.done[self.scratch] = True  # padding rows never change state that is read back
-        # about sync_every tokens per row per block: fewer cycles when each emits several
-        steps = max(1, round(c.sync_every / expected_tokens_per_cycle(self._alpha_seen, k))) if k else c.sync_every
+        # about block_steps tokens per row per block: fewer cycles when each emits several
+        steps = max(1, round(c.block_steps / expected_tokens_per_cycle(self._alpha_seen, k))) if k else c.block_steps
         run = self._runner("cycle" if k else "decode", bucket, k)
         t0 = time.perf_counter()
         for _ in range(steps):

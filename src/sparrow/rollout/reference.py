@@ -8,7 +8,7 @@ import torch
 from torchtune.modules import TransformerDecoder
 
 from sparrow.rollout.engine import Sample
-from sparrow.rollout.sampling import SamplingParams, process_logits, row_keys, sample_from_logprobs
+from sparrow.sampling import SamplingParams, process_logits, row_keys, sample_from_logprobs
 
 
 @torch.no_grad()

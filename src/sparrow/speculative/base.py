@@ -1,6 +1,6 @@
 """Interfaces of speculative decoding: :class:`Drafter` proposes, :class:`ToggleController` decides.
 
-The engine asks the toggle, at each host synchronisation point (every ``sync_every`` decode steps), whether
+The engine asks the toggle, at each host synchronisation point (every ``block_steps`` decode steps), whether
 to speculate over the next block of steps and with how many draft tokens; it reports back what was
 proposed and accepted. In a cycle the engine feeds the drafter one position at a time (its logits, processed
 as the target's, give each draft token and the probability it was drawn with); the target verifies all

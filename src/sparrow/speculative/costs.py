@@ -32,7 +32,7 @@ import sparrow
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparrow.rollout.engine import RolloutEngine
-    from sparrow.rollout.sampling import SamplingParams
+    from sparrow.sampling import SamplingParams
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("SPARROW_CACHE_DIR", Path.home() / ".cache" / "sparrow")) / "spec_costs"
 
@@ -189,7 +189,7 @@ class CostModel:
         Raises:
             ValueError: the engine has no drafter, or contexts / draft lengths out of the engine's range.
         """
-        from sparrow.rollout.sampling import SamplingParams
+        from sparrow.sampling import SamplingParams
 
         if engine.drafter is None:
             raise ValueError("calibrate needs an engine built with a drafter")

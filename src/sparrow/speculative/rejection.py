@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.rollout.sampling import uniform_noise
+from sparrow.sampling import uniform_noise
 
 # salts of the counter-based noise streams (the autoregressive path uses salt 0)
 DRAFT_SALT = 0x3C6EF372
@@ -129,7 +129,7 @@ def accept_counter_based(
         target_logprobs: [A, k + 1, V] float32 processed target log-probabilities.
         draft_tokens: [A, k] int64. draft_probs: [A, k, V] float32 (unused, may be None, when ``greedy``).
         keys: [A, k + 1] int64 noise keys of the ``k + 1`` output positions
-            (:func:`sparrow.rollout.sampling.row_keys`); acceptance uniforms use ``ACCEPT_SALT`` and the
+            (:func:`sparrow.sampling.row_keys`); acceptance uniforms use ``ACCEPT_SALT`` and the
             residual / bonus draw uses ``FINAL_SALT``.
         greedy: temperature 0: a draft is accepted iff it is the target's argmax, and the emitted token at
             the first mismatch is the target's argmax (exactly autoregressive greedy decoding).

@@ -24,7 +24,7 @@ from sparrow.speculative.costs import CostModel, expected_tokens_per_cycle
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparrow.rollout.engine import RolloutEngine
-    from sparrow.rollout.sampling import SamplingParams
+    from sparrow.sampling import SamplingParams
 
 
 class AlwaysOn(ToggleController):
