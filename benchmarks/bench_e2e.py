@@ -8,10 +8,10 @@ recipe's ``checkpoint``). The GRPO recipe (setup, train, cleanup) runs once per 
 and seed, all in this process, from the same checkpoint, data order and sampling seeds; compiled code is dropped
 between runs and the first ``--warmup-steps`` steps (which compile) are left out of the timed figures. RTPurbo is
 calibrated once, before the runs, on task sequences at ``--context`` (heads by ablation). The JSON is rewritten
-after every finished run; ``--merge`` joins runs of other seeds; ``--deadline-minutes`` skips what would not
-finish. See docs/benchmarks.md for the workload, the reported figures and the commands.
+after every finished run; ``--merge`` joins runs of other seeds; ``--deadline-minutes`` skips what would not finish. The summaries and the figure
+come from :mod:`sparrow.rl.runs`. See docs/benchmarks.md for the workload, the reported figures and the commands.
 
-Usage (H200): ``python benchmarks/bench_e2e.py --model DIR --steps 6 --deadline-minutes 8.5 --density-probe``;
+Usage (H200): ``python benchmarks/bench_e2e.py --model DIR --steps 6 --deadline-minutes 8.5``;
 CPU smoke run (a tiny model trained for seconds; figures mean nothing): ``python benchmarks/bench_e2e.py --quick``.
 """
 
@@ -26,13 +26,12 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import (  # noqa: E402
-    REPO, base_parser, batch_buckets, log, mean, median, print_table, save_figure, task_model,
+    REPO, base_parser, batch_buckets, log, print_table, task_model,
     triton_interpreter_without_cuda, write_json,
 )
 
@@ -44,6 +43,7 @@ from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo  # noqa
 from sparrow.calibrate.data import calibration_sequences, fit_sequences  # noqa: E402
 from sparrow.rl import KVListRetrieval  # noqa: E402
 from sparrow.rl.recipe_config import RECIPE_KEYS, check_config  # noqa: E402
+from sparrow.rl.runs import add_speedups, compare, plot_runs, run_summary, step_rows  # noqa: E402
 from sparrow.training import MODEL_FILE, load_trained_model, longest_handled, read_report  # noqa: E402
 
 NAME = "e2e"
@@ -58,7 +58,6 @@ CONFIGS: dict[str, dict[str, bool]] = {
 TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking",
          "kv_list": "sparrow.rl.KVListRetrieval"}
 REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.CharAccuracy"}
-PHASES = ("prefill", "decode", "logprob", "train", "sync", "sync_apply", "drafter_refresh", "rollout", "step")
 
 
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
@@ -170,103 +169,6 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-# -- summarise --------------------------------------------------------------------------------------------
-
-def ratio(a, b):
-    return a / b if a is not None and b else None
-
-
-COMPILE_COUNTS = ("compile/graphs", "engine/captured_graphs")  # cumulative counts the recipe logs per step
-
-
-def step_records(name: str, seed: int, records: list[dict], warmup: int) -> list[dict]:
-    """One row per training step with its metrics, cumulative wall clock (all steps, and timed steps only), and
-    ``compiled``: whether the step compiled or captured graphs (a count of :data:`COMPILE_COUNTS` grew over the
-    step before; None for the first step or when the recipe logs no counts)."""
-    out, wall, timed_wall, last = [], 0.0, 0.0, None
-    for r in records:
-        if "time/step_s" not in r:
-            continue  # the start-of-run evaluation
-        timed = r["step"] > warmup
-        wall += r["time/step_s"]
-        timed_wall += r["time/step_s"] if timed else 0.0
-        counts = tuple(r.get(k) for k in COMPILE_COUNTS)
-        compiled = None
-        if last is not None and any(c is not None for c in counts):
-            compiled = any(c is not None and p is not None and c > p for c, p in zip(counts, last))
-        last = counts
-        out.append({"config": name, "seed": seed, "timed": timed, "wall_s": wall,
-                    "timed_wall_s": timed_wall if timed else None, "compiled": compiled, **r})
-    return out
-
-
-def run_row(name: str, seed: int, steps: list[dict], records: list[dict], timing: dict) -> dict:
-    """The run's summary: median phase times over the timed steps, means of the training signals."""
-    timed = [s for s in steps if s["timed"]] or steps
-    col = lambda key, rows=timed: [s.get(key) for s in rows]  # noqa: E731
-    evals = [r["eval/accuracy"] for r in records if "eval/accuracy" in r]
-    on = CONFIGS[name]
-    row: dict[str, Any] = {"config": name, "seed": seed, "rtpurbo": on["rtpurbo"], "speculative": on["spec"],
-                           "sparse_sync": on["sparse_sync"], "steps": len(steps), "timed_steps": len(timed),
-                           "compiled_timed_steps": sum(bool(s.get("compiled")) for s in timed)}
-    for ph in PHASES:
-        row[f"{ph}_s"] = median(col(f"time/{ph}_s"))
-    row["median_step_s"] = row.pop("step_s")
-    row.update(
-        mean_step_s=mean(col("time/step_s")),
-        wall_s=sum(col("time/step_s")), wall_s_all=sum(col("time/step_s", steps)),
-        setup_s=timing["setup_s"], run_s=timing["run_s"],
-        rollout_tokens_per_s=median(col("rollout/tokens_per_s")),
-        response_len=mean(col("response/len_mean", steps)),
-        reward_mean=mean(col("reward/mean", steps)),
-        reward_last_half=mean(col("reward/mean", steps[len(steps) // 2:])),
-        eval_start=evals[0] if len(evals) > 1 else None, eval_final=evals[-1] if evals else None,
-        mismatch_kl=mean(col("mismatch_kl", steps)), is_clip_frac=mean(col("is_clip_frac", steps)),
-        policy_clip_frac=mean(col("policy_clip_frac", steps)),
-        # steps that ran no speculative cycle measured no acceptance (the toggle kept SD off): left out
-        spec_acceptance=mean([r.get("spec/acceptance") for r in steps if r.get("spec/cycles")]),
-        spec_tokens_per_cycle=mean([r.get("spec/tokens_per_cycle") for r in steps if r.get("spec/cycles")]),
-        spec_cycles=sum(r.get("spec/cycles") or 0 for r in steps) if any("spec/cycles" in r for r in steps) else None,
-        decode_density=mean(col("attention/decode_density", steps)),
-        decode_ret_density=mean(col("attention/decode_ret_density", steps)),
-        prefill_ret_density=mean(col("attention/prefill_ret_density", steps)),
-        sync_wire_mb=mean([x / 1e6 for x in col("sync/wire_bytes", steps) if x is not None]),
-        sync_dense_mb=mean([x / 1e6 for x in col("sync/dense_bytes", steps) if x is not None]),
-    )
-    row["sync_ratio"] = ratio(row["sync_dense_mb"], row["sync_wire_mb"])
-    return row
-
-
-def add_speedups(rows: list[dict]) -> None:
-    """speedup = all_off's median step time / this run's (same seed); rollout_speedup likewise."""
-    base = {r["seed"]: r for r in rows if r["config"] == "all_off"}
-    for r in rows:
-        b = base.get(r["seed"])
-        r["speedup"] = ratio(b["median_step_s"], r["median_step_s"]) if b else None
-        r["rollout_speedup"] = ratio(b["rollout_s"], r["rollout_s"]) if b else None
-
-
-def summarise(rows: list[dict], steps: list[dict]) -> list[dict]:
-    """Per configuration, over its seeds: median of the pooled timed step times and the speedup against
-    all_off, mean reward over the last half of the steps, final held-out accuracy."""
-    out = []
-    med = {}
-    for name in CONFIGS:
-        rs = [r for r in rows if r["config"] == name]
-        if not rs:
-            continue
-        ts = [s for s in steps if s["config"] == name and s["timed"]]
-        med[name] = (median([s["time/step_s"] for s in ts]), median([s.get("time/rollout_s") for s in ts]))
-        out.append({"config": name, "seeds": len(rs), "median_step_s": med[name][0], "median_rollout_s": med[name][1],
-                    **{k: mean([r[k] for r in rs]) for k in ("wall_s", "reward_last_half", "eval_start", "eval_final", "mismatch_kl",
-                                            "is_clip_frac", "spec_acceptance", "decode_density", "sync_wire_mb")}})
-    if "all_off" in med:
-        for s in out:
-            s["speedup"] = ratio(med["all_off"][0], s["median_step_s"])
-            s["rollout_speedup"] = ratio(med["all_off"][1], s["median_rollout_s"])
-    return out
-
-
 # -- main -------------------------------------------------------------------------------------------------
 
 def speculative_section(drafter: dict, toggle: str, lengths: list[int], max_active: int) -> dict:
@@ -279,21 +181,6 @@ def speculative_section(drafter: dict, toggle: str, lengths: list[int], max_acti
     else:
         built = {"_component_": "sparrow.speculative.cost_model", "draft_lengths": lengths}
     return {"drafter": drafter, "toggle": built}
-
-
-def density_probe(base: dict, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
-    """One uncompiled step of all_on (toggle ``always``): the attention density the compiled runs cannot record."""
-    cfg = run_config(base, "all_on", seed, args, rtpurbo_dir, work / "probe")
-    cfg["engine"].update(compile=False, cuda_graphs=False)
-    cfg.update(total_steps=1, eval={"every": 0, "prompts": 1})
-    cfg["sync"]["check_bitwise"] = 0
-    spec = cfg["speculative"]
-    lengths = spec["toggle"].get("draft_lengths") or [spec["toggle"]["num_draft"]]
-    cfg["speculative"] = speculative_section(spec["drafter"], "always", lengths, 0)
-    out = run_recipe(cfg)
-    step = [r for r in out["records"] if "time/step_s" in r][-1]
-    return {"config": "all_on", "compile": False, "toggle": "always",
-            **{k: v for k, v in step.items() if k.startswith(("attention/", "spec/", "time/prefill", "time/decode"))}}
 
 
 def build_parser():
@@ -336,8 +223,6 @@ def build_parser():
                    help="trainer computes each prompt once per group (in every configuration)")
     p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
                    help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)")
-    p.add_argument("--density-probe", action="store_true", help="after the runs, one uncompiled all_on step "
-                   "to measure attention density (for compiled runs)")
     return p
 
 
@@ -436,7 +321,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         recipe_base=base, work_dir=str(work),
         note="times in seconds: medians over the timed steps (after the warm-up steps, which compile); wall_s sums "
              "the timed steps, wall_s_all every step; evaluation (start and end) is outside the step times; "
-             "attention density is recorded only with compile off (see density_probe); single process: sync goes "
+             "attention density is recorded only with compile off; single process: sync goes "
              "through an in-process queue, so the sparse codec's saving shows in bytes, not in time")
 
     # -- run
@@ -445,12 +330,10 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     skipped: list[str] = []
     failed: list[dict] = []
     durations: list[float] = []
-    probe = None
 
     def save(final: bool) -> None:
         add_speedups(rows)
-        extra = {"summary": summarise(rows, steps), "steps": steps, "calibration": calibration,
-                 "density_probe": probe, "skipped": skipped, "failed": failed, "train_s": round(train_s, 1),
+        extra = {"summary": compare(rows, steps), "steps": steps, "calibration": calibration, "skipped": skipped, "failed": failed, "train_s": round(train_s, 1),
                  "seconds": round(time.perf_counter() - t_start, 1), "complete": final}
         write_json(NAME, config_doc, rows, out_dir=out_dir, extra=extra)
 
@@ -472,9 +355,11 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                 save(final=False)
                 continue
             durations.append(time.perf_counter() - t)
-            st = step_records(name, seed, out["records"], args.warmup_steps)
+            st = step_rows(name, seed, out["records"], args.warmup_steps)
             steps.extend(st)
-            rows.append(run_row(name, seed, st, out["records"], out))
+            on = CONFIGS[name]
+            rows.append(run_summary(name, seed, st, out["records"], rtpurbo=on["rtpurbo"], speculative=on["spec"],
+                                    sparse_sync=on["sparse_sync"], setup_s=out["setup_s"], run_s=out["run_s"]))
             r = rows[-1]
             log(f"{tag}: median step {r['median_step_s']:.3f} s (prefill {r['prefill_s']:.3f}, decode "
                 f"{r['decode_s']:.3f}, train {r['train_s']:.3f}, sync {r['sync_s']:.3f}), reward "
@@ -484,16 +369,6 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                 log(f"{tag}: WARNING {r['compiled_timed_steps']} timed step(s) compiled or captured graphs "
                     "(see 'compiled' in the steps)")
             save(final=False)
-    if args.density_probe and calibration is not None:
-        if deadline is not None and time.perf_counter() + max(durations, default=0.0) / 2 > deadline:
-            skipped.append("density_probe")
-        else:
-            try:
-                probe = density_probe(base, seeds[0], args, rtpurbo_dir, work)
-                log(f"density probe: {probe}")
-            except Exception as e:
-                failed.append({"run": "density_probe", "error": f"{type(e).__name__}: {str(e)[:1000]}",
-                               "traceback": traceback.format_exc()[-4000:]})
     save(final=True)
 
     # -- summarise
@@ -505,7 +380,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                        "is_clip_frac", "spec_acceptance", "decode_density", "prefill_ret_density", "sync_wire_mb",
                        "sync_dense_mb"])
     print()
-    summary = summarise(rows, steps)
+    summary = compare(rows, steps)
     print_table(summary, ["config", "seeds", "median_step_s", "speedup", "median_rollout_s", "rollout_speedup",
                           "reward_last_half", "eval_final", "mismatch_kl", "spec_acceptance", "sync_wire_mb"])
     if skipped:
@@ -515,124 +390,37 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     return {"rows": rows, "summary": summary, "steps": steps, "out": out_dir, "skipped": skipped, "failed": failed}
 
 
-# -- merge ------------------------------------------------------------------------------------------------
-
-# settings that may differ between runs merged into one result (everything else must be equal)
-MERGE_FREE = ("configs", "seeds", "switches", "work_dir", "recipe_base")
-
-
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
-    """One result from runs of this script made with the same settings but other seeds (e.g. one seed per GPU,
-    or per device call): rows and steps joined, speedups and summary recomputed. Each speedup still compares
-    runs of one process (a seed's configuration against the all_off run of that seed), so every part must
-    hold all_off for each of its seeds. Refuses parts whose settings, model or device differ, incomplete
-    parts, and (configuration, seed) pairs given twice. ``sources`` in the JSON lists the parts."""
+    """One result from complete runs of this script with the same settings and other seeds (each seed's speedup
+    still compares runs of one process, so each part holds all_off for its seeds)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    if len(docs) < 2:
-        raise SystemExit("--merge needs at least two result files")
-    for p, d in zip(paths, docs):
-        if d.get("benchmark") != NAME:
-            raise SystemExit(f"{p}: not a {NAME} result (benchmark {d.get('benchmark')!r})")
-        if not d.get("complete"):
-            raise SystemExit(f"{p}: an incomplete run (it stopped before its last configuration)")
-        for seed in {r["seed"] for r in d["rows"]}:
-            if not any(r["seed"] == seed and r["config"] == "all_off" for r in d["rows"]):
-                raise SystemExit(f"{p}: seed {seed} has no all_off run in the same process to compare against")
-    settings = lambda d: {k: v for k, v in d["config"].items() if k not in MERGE_FREE}  # noqa: E731
-    ref = docs[0]
-    for p, d in zip(paths[1:], docs[1:]):
-        diff = sorted(k for k in set(settings(ref)) | set(settings(d)) if settings(ref).get(k) != settings(d).get(k))
-        if diff:
-            raise SystemExit(f"{p}: settings differ from {paths[0]}: {diff}")
-        if d["environment"].get("device") != ref["environment"].get("device"):
-            raise SystemExit(f"{p}: device {d['environment'].get('device')!r}, not {ref['environment'].get('device')!r}")
-    rows = [r for d in docs for r in d["rows"]]
+    free = ("configs", "seeds", "switches", "work_dir", "recipe_base")
+    settings = [{k: v for k, v in d["config"].items() if k not in free} for d in docs]
+    for p, d, s in zip(paths, docs, settings):
+        if d.get("benchmark") != NAME or not d.get("complete"):
+            raise SystemExit(f"{p}: not a complete {NAME} result")
+        if s != settings[0] or d["environment"].get("device") != docs[0]["environment"].get("device"):
+            raise SystemExit(f"{p}: settings or device differ from {paths[0]}")
+    rows, steps = [r for d in docs for r in d["rows"]], [s for d in docs for s in d["steps"]]
     pairs = [(r["config"], r["seed"]) for r in rows]
-    dup = sorted({x for x in pairs if pairs.count(x) > 1})
-    if dup:
-        raise SystemExit(f"(configuration, seed) given twice: {dup}")
-    steps = [s for d in docs for s in d["steps"]]
+    if len(set(pairs)) < len(pairs) or any(("all_off", s) not in pairs for _, s in pairs):
+        raise SystemExit("every (configuration, seed) once, and all_off for every seed")
     add_speedups(rows)
-    names = [c for c in CONFIGS if any(r["config"] == c for r in rows)]
-    config = dict(ref["config"], configs=names, switches={n: CONFIGS[n] for n in names},
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    config = dict(docs[0]["config"], configs=names, switches={n: CONFIGS[n] for n in names},
                   seeds=sorted({r["seed"] for r in rows}))
-    config.pop("work_dir", None)
-    extra = {
-        "environment": ref["environment"], "summary": summarise(rows, steps), "steps": steps,
-        "calibration": ref.get("calibration"),
-        "density_probe": next((d["density_probe"] for d in docs if d.get("density_probe")), None),
-        "skipped": [x for d in docs for x in d.get("skipped", [])],
-        "failed": [x for d in docs for x in d.get("failed", [])],
-        "train_s": ref.get("train_s"), "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
-        "complete": True,
-        "sources": [{"file": Path(p).name, "configs": [c for c in CONFIGS if any(r["config"] == c for r in d["rows"])],
-                     "seeds": sorted({r["seed"] for r in d["rows"]}),
-                     "git_revision": d["environment"].get("git_revision"), "seconds": d.get("seconds"),
-                     "calibration_retrieval_heads": (d.get("calibration") or {}).get("retrieval_heads")}
-                    for p, d in zip(paths, docs)],
-    }
+    extra = {"summary": compare(rows, steps), "steps": steps, "calibration": docs[0].get("calibration"),
+             "complete": True, "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
+             "sources": [{"file": Path(p).name, "git_revision": d["environment"].get("git_revision")}
+                         for p, d in zip(paths, docs)]}
     return write_json(NAME, config, rows, out_dir=out_dir, extra=extra)
 
 
-# -- plot -------------------------------------------------------------------------------------------------
-
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    steps = result.get("steps") or []
-    warm = result.get("config", {}).get("warmup_steps", 1)
-    fig, (ax_s, ax_t, ax_p) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1, 1, 0.8]})
-    names = [n for n in CONFIGS if any(s["config"] == n for s in steps)]
-    seeds = sorted({s["seed"] for s in steps})
-    styles = ["-", "--", ":", "-."]
-    for i, name in enumerate(names):
-        for j, seed in enumerate(seeds):
-            pts = [s for s in steps if s["config"] == name and s["seed"] == seed]
-            if not pts:
-                continue
-            label = name if len(seeds) == 1 else f"{name} seed {seed}"
-            kw = dict(color=f"C{i}", ls=styles[j % len(styles)], marker="o", ms=3, label=label)
-            ax_s.plot([p["step"] for p in pts], [p["reward/mean"] for p in pts], **kw)
-            timed = [p for p in pts if p["timed"]]
-            ax_t.plot([p["timed_wall_s"] for p in timed], [p["reward/mean"] for p in timed], **kw)
-    ax_s.set(xlabel="GRPO step", ylabel="mean sampled reward (T=1)", title="reward per step")
-    ax_t.set(xlabel=f"cumulative step time, s (first {warm} step(s) with compilation left out)",
-             ylabel="mean sampled reward (T=1)", title="reward per wall-clock second")
-    ax_s.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in (ax_s, ax_t):
-        ax.set_ylim(-0.02, 1.02)  # both rewards lie in [0, 1]
-        ax.grid(alpha=0.3)
-    ax_s.legend(fontsize=7)
-    _plot_phases(ax_p, steps, names)
-    cfg = result.get("config", {})
-    device = result.get("environment", {}).get("device")
-    save_figure(fig, png_path,
-                f"GRPO end to end: {cfg.get('task')} at {cfg.get('context')} tokens, "
-                f"{cfg.get('prompts_per_step')}x{cfg.get('group')} samples/step ({device})")
-
-STACKED = ("prefill", "decode", "logprob", "train", "sync")  # disjoint phases of a step
-
-
-def _plot_phases(ax, steps: list[dict], names: list[str]) -> None:
-    """Stacked mean time per phase over the timed steps (every seed) of each configuration; ``other`` is the
-    rest of the step (rewards, batching, the drafter's refresh). Means, not medians: they add up to the step."""
-    timed = {n: [s for s in steps if s["config"] == n and s.get("timed")] for n in names}
-    bottoms = [0.0] * len(names)
-    for i, phase in enumerate(STACKED + ("other",)):
-        vals = []
-        for n in names:
-            if phase == "other":
-                v = mean([s["time/step_s"] - sum(s.get(f"time/{p}_s") or 0.0 for p in STACKED) for s in timed[n]])
-            else:
-                v = mean([s.get(f"time/{phase}_s") or 0.0 for s in timed[n]])
-            vals.append(max(0.0, v or 0.0))
-        ax.bar(range(len(names)), vals, bottom=bottoms, color=f"C{i}", label=phase)
-        bottoms = [b + v for b, v in zip(bottoms, vals)]
-    ax.set_xticks(range(len(names)), [n.replace("_", "\n", 1) for n in names], fontsize=8)
-    ax.set(ylabel="seconds (mean over the timed steps)", title="where a step's time goes")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, axis="y")
+    cfg, device = result.get("config", {}), result.get("environment", {}).get("device")
+    plot_runs(result.get("steps") or [], png_path, warmup=cfg.get("warmup_steps", 1),
+              title=f"GRPO end to end: {cfg.get('task')} at {cfg.get('context')} tokens, "
+                    f"{cfg.get('prompts_per_step')}x{cfg.get('group')} samples/step ({device})")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import re
@@ -28,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 
+from sparrow.rl.runs import mean, median  # noqa: F401 (the benchmarks' summaries)
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "docs" / "benchmarks"
 T0 = time.perf_counter()
@@ -36,18 +37,6 @@ T0 = time.perf_counter()
 def log(msg: str) -> None:
     """A progress line stamped with the seconds since the benchmark started."""
     print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
-
-
-def median(xs) -> float | None:
-    """The median of the finite numbers of ``xs`` (None values skipped); None if there are none."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(xs) if xs else None
-
-
-def mean(xs) -> float | None:
-    """The mean of the finite numbers of ``xs`` (None values skipped); None if there are none."""
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else None
 
 
 def task_model(model_dir: str | None, work: Path, quick: bool) -> str:

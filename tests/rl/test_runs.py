@@ -1,0 +1,62 @@
+"""Run comparison: per-step rows, per-run medians, speedups against the baseline of the same seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparrow.rl.runs import add_speedups, compare, plot_runs, run_summary, step_rows
+
+
+def records(step_s: list[float], rollout_s: list[float], graphs: list[int], reward: float = 0.5) -> list[dict]:
+    out = [{"step": 0, "eval/accuracy": 0.25}]  # the start-of-run evaluation has no step time
+    for i, (s, r, g) in enumerate(zip(step_s, rollout_s, graphs), start=1):
+        out.append({"step": i, "time/step_s": s, "time/rollout_s": r, "time/train_s": s - r, "reward/mean": reward,
+                    "compile/graphs": g, "sync/wire_bytes": 1e6, "sync/dense_bytes": 4e6})
+    out.append({"step": len(step_s), "eval/accuracy": 0.75})
+    return out
+
+
+def test_step_rows_mark_warmup_and_compiling_steps():
+    rows = step_rows("all_off", 0, records([5.0, 2.0, 2.0, 3.0], [4.0, 1.0, 1.0, 2.0], [3, 3, 3, 4]), warmup=1)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["timed"] for r in rows] == [False, True, True, True]
+    assert [r["compiled"] for r in rows] == [None, False, False, True]  # the graph count grew at step 4
+    assert rows[-1]["wall_s"] == pytest.approx(12.0) and rows[-1]["timed_wall_s"] == pytest.approx(7.0)
+
+
+def test_run_summary_medians_over_timed_steps():
+    recs = records([9.0, 2.0, 4.0, 3.0], [8.0, 1.0, 3.0, 2.0], [1, 1, 1, 1])
+    row = run_summary("all_off", 0, step_rows("all_off", 0, recs, warmup=1), recs, setup_s=1.5)
+    assert row["median_step_s"] == pytest.approx(3.0)  # the warm-up step (9 s) is left out
+    assert row["rollout_s"] == pytest.approx(2.0)
+    assert (row["eval_start"], row["eval_final"]) == (0.25, 0.75)
+    assert row["sync_ratio"] == pytest.approx(4.0) and row["setup_s"] == 1.5
+    assert row["compiled_timed_steps"] == 0
+
+
+def test_speedups_pair_runs_of_one_seed_and_report_the_spread():
+    rows, steps = [], []
+    for seed, (off, on) in enumerate([(4.0, 2.0), (6.0, 2.0)]):
+        for name, t in (("all_off", off), ("all_on", on)):
+            st = step_rows(name, seed, records([t] * 3, [t / 2] * 3, [0] * 3), warmup=1)
+            steps += st
+            rows.append(run_summary(name, seed, st))
+    add_speedups(rows)
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 2.0, 1.0, 3.0])
+    summary = {s["config"]: s for s in compare(rows, steps)}
+    assert summary["all_on"]["speedup"] == pytest.approx(5.0 / 2.0)  # pooled medians: 5 s (4 and 6) vs 2 s
+    assert (summary["all_on"]["speedup_min"], summary["all_on"]["speedup_max"]) == pytest.approx((2.0, 3.0))
+    assert summary["all_off"]["rollout_speedup"] == pytest.approx(1.0)
+
+
+def test_a_seed_without_baseline_gets_no_speedup():
+    st = step_rows("all_on", 7, records([2.0, 2.0], [1.0, 1.0], [0, 0]), warmup=0)
+    rows = [run_summary("all_on", 7, st)]
+    add_speedups(rows)
+    assert rows[0]["speedup"] is None and compare(rows, st)[0]["speedup"] is None
+
+
+def test_plot_runs_writes_a_png(tmp_path):
+    steps = step_rows("all_off", 0, records([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], [0, 0, 0]), warmup=1)
+    plot_runs(steps, tmp_path / "runs.png", title="t")
+    assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
