@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.models import tiny_qwen2
-from sparrow.rl import KVRetrieval
+from sparrow.rl import KVRetrieval, hidden_states
 from sparrow.training import (
     ANSWER, EOS, FAMILIES, IGNORED, PROMPT, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
     TrainConfig, Trainer, init_weights, teacher_forced_loss,
@@ -156,3 +157,37 @@ def test_progress_evaluations_move_the_auto_curriculum(monkeypatch):
     assert [e["reason"] for e in stats["curriculum_events"]] == ["accuracy", "accuracy"]
     assert stats["progress"][0]["kv@64"] == 1.0 and stats["final_max_context"] == 256
     assert math.isfinite(stats["train_s"])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64], ids=["chunk1", "chunk5", "whole"])
+@pytest.mark.parametrize("cfg", [LossConfig(prompt_weight=0.5), LossConfig(prompt_weight=0.0, answer_mean="token"),
+                                 LossConfig(prompt_weight=0.1, prompt_tokens="sequence", answer_eos=False)],
+                         ids=["example+prompt", "token", "sequence"])
+def test_chunked_loss_equals_the_whole_logits_loss(chunk, cfg):
+    """The large-vocabulary path (logits of a few positions at a time, recomputed in the backward) gives the
+    loss and every gradient of the whole-logits path up to rounding; it never computes logits of ignored
+    positions (a negative control: a target changed there moves neither)."""
+    from sparrow.models import qwen2
+    from sparrow.training import chunked_teacher_forced_loss
+
+    torch.manual_seed(0)
+    model = qwen2(vocab_size=11, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, intermediate_dim=32,
+                  max_seq_len=16)
+    x = torch.randint(0, 11, (2, 7))
+    whole = teacher_forced_loss(model(x[:, :-1]).float(), x[:, 1:], ROLES, cfg)
+    whole.loss.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    h = hidden_states(model, x[:, :-1])
+    parts = chunked_teacher_forced_loss(model, h, x[:, 1:], ROLES, dataclasses.replace(cfg, logits_chunk=chunk))
+    parts.loss.backward()
+    assert torch.allclose(parts.loss, whole.loss, atol=1e-6) and torch.allclose(parts.answer_rows, whole.answer_rows)
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want[n], atol=1e-6), n
+    ignored = (ROLES == IGNORED).nonzero()[0]
+    y = x.clone()
+    y[ignored[0], ignored[1] + 1] = (y[ignored[0], ignored[1] + 1] + 1) % 11
+    moved = chunked_teacher_forced_loss(model, h, y[:, 1:], ROLES, dataclasses.replace(cfg, logits_chunk=chunk))
+    assert torch.equal(moved.loss, parts.loss)
+    with pytest.raises(ValueError, match="logits_chunk"):
+        LossConfig(logits_chunk=-1)

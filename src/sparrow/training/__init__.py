@@ -57,6 +57,7 @@ from sparrow.training.trainer import (
     OptimizerConfig,
     TrainConfig,
     Trainer,
+    chunked_teacher_forced_loss,
     teacher_forced_loss,
 )
 
@@ -67,5 +68,5 @@ __all__ = [
     "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "accuracy_table", "best_of_seeds", "binomial_se",
     "build_model", "encode_text", "greedy_accuracy", "init_weights", "load_trained_model", "longest_handled",
     "longest_sequence", "model_score", "pick", "read_report", "sampled_accuracy", "save_trained_model",
-    "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "train_tokens", "write_report",
+    "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report",
 ]

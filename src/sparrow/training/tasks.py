@@ -106,6 +106,7 @@ FAMILIES: dict[str, TaskFamily] = {
     "vt1_mq": lambda n: MultiQuery(VariableTracking(n, hops=1)),  # one hop fewer: a variable-tracking curriculum
     "kvl": lambda n: KVListRetrieval(n),  # several keys asked at once: long-tailed responses
     "kvl_long": lambda n: KVListRetrieval(n, max_asked=256),  # responses up to 1K tokens
+    "kvl_4k": lambda n: KVListRetrieval(n, max_asked=1024),  # responses up to 4K tokens (from 16K contexts on)
 }
 # With one question per sequence no run left the copy-any-value plateau (H200: four 5-minute runs, CPU: a
 # dozen); with the multi-question families a 6-layer model of width 384 reached 0.94 kv_retrieval accuracy at
@@ -117,6 +118,7 @@ EVAL_TASKS: dict[str, TaskFamily] = {
     "variable_tracking": lambda n: VariableTracking(n),
     "kv_list": FAMILIES["kvl"],
     "kv_list_long": FAMILIES["kvl_long"],
+    "kv_list_4k": FAMILIES["kvl_4k"],
 }
 
 

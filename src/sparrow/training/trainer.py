@@ -19,7 +19,9 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from sparrow.rl.logprobs import hidden_states
 from sparrow.training.curriculum import Curriculum, CurriculumConfig
 from sparrow.training.data import ANSWER, EOS, IGNORED, PROMPT, Batch, BatchSource
 from sparrow.training.evaluate import EVAL_SEED, autocast, greedy_accuracy
@@ -40,19 +42,25 @@ class LossConfig:
         answer_eos: whether the final ``<eos>`` belongs to the answer term.
         answer_mean: ``"example"`` (the mean of each example's mean: every example counts the same) or
             ``"token"`` (the mean over all answer tokens of the batch).
+        logits_chunk: 0: the model's logits of the whole batch at once; ``N``: the logits of at most ``N``
+            positions at a time, from the final hidden states, recomputed in the backward pass (a large
+            vocabulary: 151,936 ids × 32K positions are 20 GB of fp32 logits). Same loss, other rounding.
 
     Raises:
-        ValueError: a negative weight or an unknown choice.
+        ValueError: a negative weight or chunk, or an unknown choice.
     """
 
     prompt_weight: float = 0.05
     prompt_tokens: str = "prompt"
     answer_eos: bool = True
     answer_mean: str = "example"
+    logits_chunk: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_weight >= 0:
             raise ValueError(f"loss: prompt_weight must be >= 0, got {self.prompt_weight}")
+        if self.logits_chunk < 0:
+            raise ValueError(f"loss: logits_chunk must be >= 0 (0: whole logits), got {self.logits_chunk}")
         if self.prompt_tokens not in PROMPT_TOKENS or self.answer_mean not in ANSWER_MEANS:
             raise ValueError(f"loss: prompt_tokens must be one of {PROMPT_TOKENS} and answer_mean one of "
                              f"{ANSWER_MEANS}, got {self.prompt_tokens!r}, {self.answer_mean!r}")
@@ -196,6 +204,37 @@ def teacher_forced_loss(logits: torch.Tensor, targets: torch.Tensor, roles: torc
     return LossParts(answer_loss + cfg.prompt_weight * prompt, per_row.detach(), prompt.detach())
 
 
+def chunked_teacher_forced_loss(model: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor, roles: torch.Tensor,
+                                cfg: LossConfig) -> LossParts:
+    """:func:`teacher_forced_loss` from the final hidden states ``h`` ``[B, T, E]`` (before the final norm) of a
+    torchtune decoder: the logits of only the positions a term reads, ``cfg.logits_chunk`` positions at a time
+    under activation checkpointing, so no more than ``logits_chunk × vocab`` logits exist in the forward or the
+    backward pass."""
+    answer = roles == ANSWER
+    if cfg.answer_eos:
+        answer |= roles == EOS
+    context = None
+    if cfg.prompt_weight:
+        context = roles == PROMPT if cfg.prompt_tokens == "prompt" else roles != IGNORED
+    need = answer | context if context is not None else answer
+    h_sel, t_sel = h[need], targets[need]
+    parts = [checkpoint(_position_nll, model, h_sel[s:s + cfg.logits_chunk], t_sel[s:s + cfg.logits_chunk],
+                        use_reentrant=False) for s in range(0, h_sel.shape[0], cfg.logits_chunk)]
+    nll_all = h.new_zeros(answer.shape, dtype=torch.float32).masked_scatter(need, torch.cat(parts))
+    nll = nll_all[answer]
+    per_row = nll_all.new_zeros(answer.shape[0]).index_add(0, answer.nonzero()[:, 0], nll) / answer.sum(1).clamp_min(1)
+    answer_loss = per_row.mean() if cfg.answer_mean == "example" else nll.mean()
+    if context is None:
+        return LossParts(answer_loss, per_row.detach(), None)
+    prompt = nll_all[context].mean()
+    return LossParts(answer_loss + cfg.prompt_weight * prompt, per_row.detach(), prompt.detach())
+
+
+def _position_nll(model: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model.output(model.norm(h)).float()  # [n, V]
+    return F.cross_entropy(logits, targets, reduction="none")
+
+
 class Trainer:
     """Trains ``model`` in place on ``source``'s batches (see the module docstring).
 
@@ -242,9 +281,15 @@ class Trainer:
                     else t.to(self.device) for t in (batch.tokens, batch.roles))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        loss_cfg = self.config.loss
         with autocast(self.device):
-            logits = self.model(x[:, :-1])
-        parts = teacher_forced_loss(logits.float(), x[:, 1:], roles, self.config.loss)
+            if loss_cfg.logits_chunk:
+                parts = chunked_teacher_forced_loss(self.model, hidden_states(self.model, x[:, :-1]), x[:, 1:],
+                                                    roles, loss_cfg)
+            else:
+                logits = self.model(x[:, :-1])
+        if not loss_cfg.logits_chunk:
+            parts = teacher_forced_loss(logits.float(), x[:, 1:], roles, loss_cfg)
         self.optimizer.zero_grad(set_to_none=True)
         parts.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm)
