@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import sys
@@ -139,8 +140,10 @@ def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: 
     return cfg
 
 
-def run_recipe(cfg_dict: dict) -> dict:
-    """setup -> train -> cleanup of one recipe config; every logged metrics dict and the phase times."""
+def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
+    """setup -> train -> cleanup of one recipe config; every logged metrics dict and the phase times. With
+    ``fixed_length``, after training: the next step's prompts decoded to exactly that many tokens (no stop token)
+    twice, the second timed (``fixed_rollout_s``): equal work whatever lengths the configuration samples."""
     cfg = OmegaConf.create(cfg_dict)
     _free_memory()  # what an earlier (failed) run left behind
     torch.compiler.reset()  # each run compiles its own steps (and never meets the recompile limit)
@@ -153,6 +156,7 @@ def run_recipe(cfg_dict: dict) -> dict:
         recipe.setup(cfg)
         setup_s = time.perf_counter() - t0
         recipe.train()
+        fixed = fixed_rollout(recipe, fixed_length) if fixed_length else {}
         recipe.cleanup()
         records = list(recipe.metric_logger.records)
     finally:
@@ -160,7 +164,18 @@ def run_recipe(cfg_dict: dict) -> dict:
             recipe.metric_logger.close()
         del recipe
         _free_memory()
-    return {"records": records, "setup_s": setup_s, "run_s": time.perf_counter() - t0}
+    return {"records": records, "setup_s": setup_s, "run_s": time.perf_counter() - t0, **fixed}
+
+
+def fixed_rollout(recipe, length: int) -> dict:
+    prompts = [b["prompt_ids"] for b in next(recipe.data_iter)]
+    params = dataclasses.replace(recipe._sampling_params(), max_new_tokens=length, stop_token_ids=())
+    for _ in range(2):  # the first call meets the no-stop sampling mode (compiled once); the second is timed
+        t = time.perf_counter()
+        gen = recipe.engine.generate(prompts, recipe.group, params)
+        seconds = time.perf_counter() - t
+    return {"fixed_rollout_s": seconds, "fixed_tokens": gen.stats.generated_tokens,
+            "fixed_prefill_s": gen.stats.prefill_s}
 
 
 def _free_memory() -> None:
@@ -216,6 +231,7 @@ def build_parser():
         ("--fit-steps", int, None, "indexer fit steps (default 200; quick 20)"), ("--fit-lr", float, 3e-3, None),
         ("--queries-per-seq", int, None, "default 256; quick 64"),
         ("--indexer-refresh-every", int, 0, "RTPurbo indexer refresh every N steps (0: off)"),
+        ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
         ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start")])
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="join finished results of this script (same settings, other seeds) into one, then stop")
@@ -294,6 +310,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     if args.max_new is None:  # kv_list: room for the longest answer the task can ask for, and <eos>
         kvl = KVListRetrieval(args.context, **({"max_asked": args.max_asked} if args.max_asked else {}))
         args.max_new = kvl.most_asked * (kvl.value_len + 1) + 1
+    if args.fixed_length > args.max_new:
+        raise SystemExit(f"--fixed-length {args.fixed_length} exceeds the engine's max_new_tokens {args.max_new}")
     need = args.context + 1 + args.max_new
     if need > report["model"]["max_seq_len"]:
         raise SystemExit(f"context {args.context} + <bos> + {args.max_new} new tokens does not fit the model's "
@@ -347,7 +365,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             log(f"{tag}: start")
             t = time.perf_counter()
             try:
-                out = run_recipe(run_config(base, name, seed, args, rtpurbo_dir, work))
+                out = run_recipe(run_config(base, name, seed, args, rtpurbo_dir, work), args.fixed_length)
             except Exception as e:  # one failing configuration must not lose the others
                 failed.append({"run": tag, "error": f"{type(e).__name__}: {str(e)[:1000]}",
                                "traceback": traceback.format_exc()[-4000:]})
@@ -359,7 +377,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             steps.extend(st)
             on = CONFIGS[name]
             rows.append(run_summary(name, seed, st, out["records"], rtpurbo=on["rtpurbo"], speculative=on["spec"],
-                                    sparse_sync=on["sparse_sync"], setup_s=out["setup_s"], run_s=out["run_s"]))
+                                    sparse_sync=on["sparse_sync"], setup_s=out["setup_s"], run_s=out["run_s"],
+                                    **{k: v for k, v in out.items() if k.startswith("fixed_")}))
             r = rows[-1]
             log(f"{tag}: median step {r['median_step_s']:.3f} s (prefill {r['prefill_s']:.3f}, decode "
                 f"{r['decode_s']:.3f}, train {r['train_s']:.3f}, sync {r['sync_s']:.3f}), reward "

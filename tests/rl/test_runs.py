@@ -38,11 +38,17 @@ def test_speedups_pair_runs_of_one_seed_and_report_the_spread():
     rows, steps = [], []
     for seed, (off, on) in enumerate([(4.0, 2.0), (6.0, 2.0)]):
         for name, t in (("all_off", off), ("all_on", on)):
-            st = step_rows(name, seed, records([t] * 3, [t / 2] * 3, [0] * 3), warmup=1)
+            recs = records([t] * 3, [t / 2] * 3, [0] * 3)
+            for r in recs[1:-1]:
+                r["rollout/tokens_per_s"] = 100.0 / t
+            st = step_rows(name, seed, recs, warmup=1)
             steps += st
             rows.append(run_summary(name, seed, st))
+    rows[1]["fixed_rollout_s"], rows[0]["fixed_rollout_s"] = 1.0, 3.0
     add_speedups(rows)
     assert [r["speedup"] for r in rows] == pytest.approx([1.0, 2.0, 1.0, 3.0])
+    assert rows[1]["fixed_rollout_speedup"] == pytest.approx(3.0) and "fixed_rollout_speedup" not in rows[3]
+    assert rows[1]["per_token_rollout_speedup"] == pytest.approx(2.0)
     summary = {s["config"]: s for s in compare(rows, steps)}
     assert summary["all_on"]["speedup"] == pytest.approx(5.0 / 2.0)  # pooled medians: 5 s (4 and 6) vs 2 s
     assert (summary["all_on"]["speedup_min"], summary["all_on"]["speedup_max"]) == pytest.approx((2.0, 3.0))

@@ -106,21 +106,29 @@ def run_summary(name: str, seed: int, steps: list[dict[str, Any]], records: list
         sync_dense_mb=mean(x / 1e6 for x in dense if x is not None),
     )
     row["sync_ratio"] = ratio(row["sync_dense_mb"], row["sync_wire_mb"])
+    tps = row["rollout_tokens_per_s"]
+    row["rollout_ms_per_token"] = 1e3 / tps if tps else None  # equal work when the runs sample other lengths
     return row
 
 
 def add_speedups(rows: list[dict[str, Any]], baseline: str = "all_off") -> None:
-    """In place: ``speedup`` = the baseline run's median step time / this run's (same seed), and
-    ``rollout_speedup`` likewise for the rollout phase; None where the seed has no baseline run."""
+    """In place: ``speedup`` = the baseline run's median step time / this run's (same seed); likewise
+    ``rollout_speedup`` for the rollout phase, ``per_token_rollout_speedup`` for rollout time per generated token
+    and ``fixed_rollout_speedup`` for a fixed-length rollout (rows with ``fixed_rollout_s``); None where the seed
+    has no baseline run."""
     base = {r["seed"]: r for r in rows if r["config"] == baseline}
     for r in rows:
         b = base.get(r["seed"])
         r["speedup"] = ratio(b["median_step_s"], r["median_step_s"]) if b else None
         r["rollout_speedup"] = ratio(b["rollout_s"], r["rollout_s"]) if b else None
+        r["per_token_rollout_speedup"] = ratio(b["rollout_ms_per_token"], r["rollout_ms_per_token"]) if b else None
+        if "fixed_rollout_s" in r:  # the same prompts decoded to a fixed length (no stop token): equal work
+            r["fixed_rollout_speedup"] = ratio(b.get("fixed_rollout_s"), r["fixed_rollout_s"]) if b else None
 
 
 SUMMARY_MEANS = ("wall_s", "reward_last_half", "eval_start", "eval_final", "mismatch_kl", "tail_agreement_p5",
-                 "is_clip_frac", "spec_acceptance", "decode_density", "sync_wire_mb")
+                 "is_clip_frac", "spec_acceptance", "decode_density", "sync_wire_mb", "rollout_ms_per_token",
+                 "per_token_rollout_speedup", "fixed_rollout_s", "fixed_rollout_speedup")
 
 
 def compare(rows: list[dict[str, Any]], steps: list[dict[str, Any]], baseline: str = "all_off") -> list[dict[str, Any]]:
