@@ -15,8 +15,8 @@ Runs, each the real command line in its own process, as a user types it:
 Both take the overrides of ``--set`` (e.g. fewer prompts per step) and log through
 :class:`sparrow.rl.JsonlLogger`. Reported per run: every step's metrics (phase times ``time/*``, reward,
 mismatch, sync bytes, acceptance, compile counts), the process's wall clock and its setup (wall clock minus
-the steps: start, loading, compiling and capturing, calibration of the cost model), and the median of each phase
-over the steps after the first. With random weights the rewards mean nothing: this shows the path works and
+the steps: start, loading, compiling and capturing, calibration of the cost model), and the run's summary
+(:func:`sparrow.rl.runs.run_summary`: medians over the steps after the first). With random weights the rewards mean nothing: this shows the path works and
 what the phases cost at the shape.
 
 Usage (GPU): ``python benchmarks/bench_hf_model.py --model DIR --steps 10 --set prompts_per_step=8``.
@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,11 +38,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from runner import REPO, base_parser, print_table, save_figure, write_json  # noqa: E402
+from runner import REPO, base_parser, print_table, write_json  # noqa: E402
 
 from sparrow.rl import read_metrics  # noqa: E402
+from sparrow.rl.runs import mean, plot_runs, run_summary, step_rows  # noqa: E402
 
-PHASES = ["time/prefill_s", "time/decode_s", "time/logprob_s", "time/train_s", "time/sync_total_s"]
 CONFIG = REPO / "recipes" / "configs" / "qwen2_5_0_5b_long_context.yaml"
 
 
@@ -73,20 +72,12 @@ def tune_run(args, name: str, work: Path, calibration: Path | None) -> dict[str,
     if r.returncode != 0:
         print(r.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"{name}: the recipe failed (exit {r.returncode})")
-    steps = [s for s in read_metrics(out / "logs") if "time/step_s" in s]
-    timed = steps[1:] or steps  # the first step pays the first touch of every buffer
-    row = {"config": name, "command": shlex.join(cmd[1:]), "steps_run": len(steps), "wall_s": wall,
-           "setup_s": wall - sum(s["time/step_s"] for s in steps),
-           "median_step_s": statistics.median(s["time/step_s"] for s in timed),
-           "median_rollout_s": statistics.median(s["time/rollout_s"] for s in timed),
-           "compiled_after_setup": steps[-1].get("compile/graphs", 0) - steps[0].get("compile/graphs", 0),
-           "steps": steps}
-    for k in PHASES + ["response/len_mean", "reward/mean", "mismatch_kl", "outside_support_frac",
-                       "spec/acceptance", "sync/wire_bytes", "sync/dense_bytes"]:
-        vals = [s[k] for s in timed if k in s]
-        if vals:
-            row["median_" + k.replace("/", "_")] = statistics.median(vals)
-    return row
+    steps = step_rows(name, 0, read_metrics(out / "logs"), warmup=1)  # the first step pays every first touch
+    row = run_summary(name, 0, steps, command=shlex.join(cmd[1:]), process_s=wall,
+                      setup_s=wall - sum(s["time/step_s"] for s in steps),
+                      compiled_after_setup=steps[-1].get("compile/graphs", 0) - steps[0].get("compile/graphs", 0),
+                      outside_support_frac=mean(s.get("outside_support_frac") for s in steps))
+    return row | {"steps": steps}
 
 
 def calibrate(args, work: Path) -> tuple[Path, float]:
@@ -104,29 +95,7 @@ def calibrate(args, work: Path) -> tuple[Path, float]:
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = doc["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for i, r in enumerate(rows):
-        bottom = 0.0
-        for k in PHASES:
-            v = r.get("median_" + k.replace("/", "_"), 0.0)
-            a.bar(i, v, bottom=bottom, color=f"C{PHASES.index(k)}", label=k[5:-2] if i == 0 else None)
-            bottom += v
-        other = r["median_step_s"] - bottom
-        a.bar(i, max(other, 0.0), bottom=bottom, color="0.7", label="other" if i == 0 else None)
-        b.plot([s["step"] for s in r["steps"]], [s["time/step_s"] for s in r["steps"]], "o-", label=r["config"])
-    a.set_xticks(range(len(rows)), [f"{r['config']}\nsetup {r['setup_s']:.0f} s" for r in rows])
-    a.set(ylabel="median seconds per step", title="phases (steps after the first)")
-    a.legend(fontsize=7)
-    b.set(xlabel="step", ylabel="seconds", title="step time")
-    b.legend(fontsize=8)
-    b.grid(alpha=0.3)
-    save_figure(fig, png, title=doc["config"].get("title"))
+    plot_runs([s for r in doc["rows"] for s in r["steps"]], png, title=doc["config"].get("title", ""))
 
 
 def main() -> None:
@@ -158,8 +127,8 @@ def main() -> None:
             rows.append(tune_run(args, name, work, calibration))
             path = write_json(args.name, config, rows, out_dir=args.out, extra=extra)  # after every run
             plot(json.loads(path.read_text()), path.with_suffix(".png"))
-    print_table(rows, ["config", "steps_run", "wall_s", "setup_s", "median_step_s", "median_rollout_s",
-                       *("median_" + k.replace("/", "_") for k in PHASES), "compiled_after_setup"])
+    print_table(rows, ["config", "steps", "process_s", "setup_s", "median_step_s", "rollout_s", "prefill_s",
+                       "decode_s", "logprob_s", "train_s", "sync_s", "compiled_after_setup"])
 
 
 if __name__ == "__main__":

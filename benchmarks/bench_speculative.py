@@ -4,8 +4,7 @@ Question: on a GRPO rollout batch with long-tailed response lengths and long pro
 speculative path (quantized self-drafter over the shared KV cache, exact rejection sampling) cut rollout latency,
 and does the cost-model toggle keep it from ever being slower than plain decoding at any active batch size?
 A Qwen2.5-0.5B-shaped model (``--model 1.5b``), bf16, trained *in this run* for ``--train-seconds`` on
-:class:`~sparrow.training.MarkovEpisodes` (so that acceptance comes from peaked, structured distributions;
-``--random`` adds a latency-only phase on random weights first). One engine for all runs (compiled steps and
+:class:`~sparrow.training.MarkovEpisodes` (so that acceptance comes from peaked, structured distributions). One engine for all runs (compiled steps and
 CUDA graphs shared): AR, SD with the cost-model toggle, SD always-on; then the three at each batch bucket held
 fixed (``per_batch``). The JSON is rewritten after every run. See docs/benchmarks.md.
 
@@ -183,7 +182,6 @@ def build_parser():
         ("--calib-steps", int, 6, None), ("--model", ["0.5b", "1.5b"], "0.5b", None),
         ("--weight", ["int8", "int4", "fp8", "none"], "int8", "drafter weights")])
     p.add_argument("--lengths", type=int, nargs="+", default=[2, 4, 8], help="adaptive draft-length ladder")
-    p.add_argument("--random", action="store_true", help="also a latency-only phase on random weights first")
     p.add_argument("--compile", action="store_true", help="compile the steps off CUDA too (a slow smoke test)")
     return p
 
@@ -257,13 +255,6 @@ def main(argv: list[str] | None = None) -> None:
         done = [r for r in results if r["phase"] != phase_rows[0]["phase"]] + phase_rows
         write_json(NAME + ("_quick" if args.quick else ""), config, done, args.out, extra=extra)
 
-    if args.random:
-        log("phase 'random' (random weights: latency only; responses capped at 1024 tokens)")
-        try:
-            rparams = SamplingParams(temperature=1.0, max_new_tokens=min(args.max_new, 1024), stop_token_ids=(EOS,))
-            results += run_phase("random", engine, prompts, rparams, args, costs, save, deadline)
-        except Exception:  # noqa: BLE001 - report and continue with the trained phase
-            traceback.print_exc()
     log(f"training for {args.train_seconds:.0f}s (loss floor inside episodes ~{task.entropy():.2f} nats)")
     extra["training"] = train(model, task, args, device)
     gc.collect()
@@ -274,9 +265,9 @@ def main(argv: list[str] | None = None) -> None:
     extra["refresh_s"] = drafter.last_refresh_s
     log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms; phase 'trained'")
     results += run_phase("trained", engine, prompts, params, args, costs, save, deadline)
-    for phase in sorted({r["phase"] for r in results}, key=lambda x: x != "random"):
+    for phase in sorted({r["phase"] for r in results}):
         rs = [r for r in results if r["phase"] == phase]
-        print(f"\nPhase '{phase}' (acceptance {'NOT meaningful: random weights' if phase == 'random' else 'of the trained model'}):")
+        print(f"\nPhase '{phase}':")
         print_table(rs, ["run", "latency_s", "prefill_s", "decode_s", "tokens", "decode_tok_s", "speedup_vs_ar",
                          "latency_reduction", "acceptance", "tokens_per_cycle", "len_p50", "len_max"])
         bt = bucket_table(rs)
