@@ -10,6 +10,10 @@ between runs and the first ``--warmup-steps`` steps (which compile) are left out
 calibrated once, before the runs, on task sequences at ``--context`` (heads by ablation). The JSON is rewritten
 after every finished run; ``--merge`` joins runs of other seeds; ``--deadline-minutes`` skips what would not finish. The summaries and the figure
 come from :mod:`sparrow.rl.runs`. See docs/benchmarks.md for the workload, the reported figures and the commands.
+``--partial`` adds each configuration's partial-rollout twin (``all_off_partial``: the same recipe with
+``partial_rollout`` on, ``--overprovision`` groups in flight beyond a step's, ``--max-staleness``) and writes
+``partial_rollout.json``: step and rollout time against the synchronous run of the same seed, reward per step
+and per second, and the share of trained tokens an older policy sampled (``stale_token_frac``).
 
 Usage (H200): ``python benchmarks/bench_e2e.py --model DIR --steps 6 --deadline-minutes 8.5``;
 CPU smoke run (a tiny model trained for seconds; figures mean nothing): ``python benchmarks/bench_e2e.py --quick``.
@@ -55,6 +59,9 @@ CONFIGS: dict[str, dict[str, bool]] = {
     "rtpurbo_only": {"rtpurbo": True, "spec": False, "sparse_sync": False},
     "spec_only": {"rtpurbo": False, "spec": True, "sparse_sync": False},
     "sparse_sync_only": {"rtpurbo": False, "spec": False, "sparse_sync": True},
+    # partial rollout (--partial adds the twin of each configuration named): the same, unfinished groups carried over
+    "all_off_partial": {"rtpurbo": False, "spec": False, "sparse_sync": False, "partial": True},
+    "all_on_partial": {"rtpurbo": True, "spec": True, "sparse_sync": True, "partial": True},
 }
 TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking",
          "kv_list": "sparrow.rl.KVListRetrieval"}
@@ -137,6 +144,12 @@ def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: 
         cfg["speculative"] = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
     if on["sparse_sync"]:
         cfg["sync"]["codec"] = "auto"
+    if on.get("partial"):  # over-provisioned groups need their rows
+        over = args.prompts_per_step if args.overprovision is None else args.overprovision
+        cfg["partial_rollout"] = {"enabled": True, "overprovision": over, "max_staleness": args.max_staleness}
+        rows = args.group * (args.prompts_per_step + over)
+        prompts = max(cfg["engine"]["max_prompts"], args.prompts_per_step + over)
+        cfg["engine"].update(max_rows=rows, max_prompts=prompts, batch_buckets=batch_buckets(rows, args.bucket_growth))
     return cfg
 
 
@@ -178,6 +191,14 @@ def fixed_rollout(recipe, length: int) -> dict:
             "fixed_prefill_s": gen.stats.prefill_s}
 
 
+def partial_costs(steps: list[dict]) -> dict:
+    """What partial rollout costs, over a run's steps: the mean share of trained tokens sampled by an older
+    policy (``stale_token_frac``) and the groups dropped (0 without partial rollout)."""
+    stale = [1.0 - s["partial/staleness_0"] for s in steps if "partial/staleness_0" in s]
+    return {"stale_token_frac": sum(stale) / len(stale) if stale else None,
+            "dropped_groups": sum(s.get("partial/dropped_groups", 0.0) for s in steps)}
+
+
 def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -202,7 +223,8 @@ def build_parser():
     p = base_parser(__doc__.splitlines()[0], [
         ("--model", str, None, "a trained model's folder (tune run sparrow_sft ... output_dir=DIR)"),
         ("--work-dir", str, None, "calibration, metric logs, the quick model (default: a temp dir)"),
-        ("--device", str, "auto", None), ("--configs", str, ",".join(CONFIGS), "comma list of " + ", ".join(CONFIGS)),
+        ("--device", str, "auto", None), ("--configs", str, ",".join(c for c in CONFIGS if not CONFIGS[c].get("partial")),
+         "comma list of " + ", ".join(CONFIGS)),
         ("--seeds", str, "0", "comma list, e.g. 0,1"), ("--steps", int, None, "GRPO steps per run (default 8; quick 2)"),
         ("--warmup-steps", int, 1, "first steps left out of the timed figures"), ("--task", list(TASKS), "kv_retrieval", None),
         ("--context", _context, None, "prompt characters = tokens (default 8192; quick 256), or 'auto': the longest "
@@ -232,7 +254,11 @@ def build_parser():
         ("--queries-per-seq", int, None, "default 256; quick 64"),
         ("--indexer-refresh-every", int, 0, "RTPurbo indexer refresh every N steps (0: off)"),
         ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
-        ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start")])
+        ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start"),
+        ("--overprovision", int, None, "partial rollout: groups in flight beyond a step's (default: a step's)"),
+        ("--max-staleness", int, 1, "partial rollout: policy versions a group may span")])
+    p.add_argument("--partial", action="store_true", help="add each configuration's partial-rollout twin (all_off, "
+                   "all_on); the JSON is partial_rollout.json")
     p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                    help="join finished results of this script (same settings, other seeds) into one, then stop")
     p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
@@ -283,6 +309,8 @@ def main(argv=None) -> dict:
     if args.compile is None:
         args.compile = device.type == "cuda" and not q
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.partial:
+        names += [f"{n}_partial" for n in names if f"{n}_partial" in CONFIGS and f"{n}_partial" not in names]
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         raise SystemExit(f"unknown configs {unknown} (known: {list(CONFIGS)})")
@@ -336,7 +364,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         prompts_per_step=args.prompts_per_step, max_new=args.max_new, compile=args.compile, quick=args.quick,
         spec_toggle=args.spec_toggle, draft_lengths=args.draft_lengths, draft_weight=args.draft_weight,
         draft_window=args.draft_window, indexer_refresh_every=args.indexer_refresh_every, reward=args.reward,
-        recipe_base=base, work_dir=str(work),
+        recipe_base=base, work_dir=str(work), partial=args.partial, overprovision=args.overprovision,
+        max_staleness=args.max_staleness,
         note="times in seconds: medians over the timed steps (after the warm-up steps, which compile); wall_s sums "
              "the timed steps, wall_s_all every step; evaluation (start and end) is outside the step times; "
              "attention density is recorded only with compile off; single process: sync goes "
@@ -349,11 +378,11 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     failed: list[dict] = []
     durations: list[float] = []
 
-    def save(final: bool) -> None:
+    def save(final: bool) -> Path:
         add_speedups(rows)
         extra = {"summary": compare(rows, steps), "steps": steps, "calibration": calibration, "skipped": skipped, "failed": failed, "train_s": round(train_s, 1),
                  "seconds": round(time.perf_counter() - t_start, 1), "complete": final}
-        write_json(NAME, config_doc, rows, out_dir=out_dir, extra=extra)
+        return write_json("partial_rollout" if args.partial else NAME, config_doc, rows, out_dir=out_dir, extra=extra)
 
     for seed in seeds:
         for name in names:
@@ -378,6 +407,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             on = CONFIGS[name]
             rows.append(run_summary(name, seed, st, out["records"], rtpurbo=on["rtpurbo"], speculative=on["spec"],
                                     sparse_sync=on["sparse_sync"], setup_s=out["setup_s"], run_s=out["run_s"],
+                                    partial=bool(on.get("partial")), **partial_costs(st),
                                     **{k: v for k, v in out.items() if k.startswith("fixed_")}))
             r = rows[-1]
             log(f"{tag}: median step {r['median_step_s']:.3f} s (prefill {r['prefill_s']:.3f}, decode "
@@ -388,7 +418,9 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                 log(f"{tag}: WARNING {r['compiled_timed_steps']} timed step(s) compiled or captured graphs "
                     "(see 'compiled' in the steps)")
             save(final=False)
-    save(final=True)
+    path = save(final=True)
+    if args.partial:  # make_plots.py looks for bench_partial_rollout.py: this figure is drawn here
+        plot(json.loads(path.read_text()), path.with_suffix(".png"))
 
     # -- summarise
     print()
@@ -401,7 +433,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     print()
     summary = compare(rows, steps)
     print_table(summary, ["config", "seeds", "median_step_s", "speedup", "median_rollout_s", "rollout_speedup",
-                          "reward_last_half", "eval_final", "mismatch_kl", "spec_acceptance", "sync_wire_mb"])
+                          "reward_last_half", "eval_final", "mismatch_kl", "spec_acceptance", "sync_wire_mb"]
+                + (["wall_s", "stale_token_frac"] if args.partial else []))
     if skipped:
         print(f"skipped at the deadline: {skipped}")
     if failed:

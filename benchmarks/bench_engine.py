@@ -11,23 +11,34 @@ tokens - prefill time). Sparrow's engine prefills each prompt once for its G row
 ``transformers`` prefills all B rows. Prefix sharing is also measured on its own (Sparrow with and
 without it). Correctness in the same run: greedy tokens and first-step logits of both on one prompt.
 
+Shared-prefix decode (``--shared-prefix both``): the same points through a second engine whose attention reads
+every row's prompt itself (``DenseAttention(shared_prefix=False)``, the kernel before shared-prefix decode), keys
+``off_*``. Each decode step is put against its roofline (:mod:`sparrow.rollout.roofline`: bf16 weights once, each
+group's prompt KV once, each row's generated KV, 2 x parameters FLOPs per row, at ``--bandwidth-tbs`` and
+``--tflops``): ``*_roofline_fraction``. ``breakdown``: one decode step at 1 and 64 rows (8 groups of 8, prompts of
+``--breakdown-len``) under ``torch.profiler``, kernel time per step grouped by kernel name (CPU operators on CPU).
+
 Run (H200): ``python benchmarks/bench_engine.py``; smoke run on CPU: ``python benchmarks/bench_engine.py --quick``.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, median, print_table, save_figure, write_json  # noqa: E402
+from runner import base_parser, copy_bandwidth_gbs, median, print_table, save_figure, write_json  # noqa: E402
 
 import sparrow.models as sm  # noqa: E402
+from sparrow.attention import DenseAttention  # noqa: E402
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
+from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline  # noqa: E402
 from sparrow.training import init_weights  # noqa: E402
 
 NAME = "engine"
@@ -78,22 +89,63 @@ def hf_generate(hf, input_ids, new_tokens):
     return time.perf_counter() - t0
 
 
+def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5) -> dict:
+    """One plain decode step at 1 and 64 rows (``64 // group`` prompts of ``L`` tokens, ``new_tokens // 2``
+    generated) under ``torch.profiler``: per step, the wall time and the time of each kernel name (CUDA kernels;
+    CPU operators' self time without CUDA), largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    cfg = EngineConfig(max_rows=64, max_prompts=64 // group, batch_buckets=(1, 64), max_prompt_len=L,
+                       max_new_tokens=new_tokens, compile=cuda)
+    engine, out = RolloutEngine(model, cfg), {}
+    for rows in (1, 64):
+        ctx = L + new_tokens // 2
+        engine.time_step("decode", rows, context=ctx, steps=2)  # compile and capture outside the profile
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            step_s = engine.time_step("decode", rows, context=ctx, steps=steps)  # steps + 1 runs
+        if cuda:
+            events = [(e.name, e.device_time_total, 1) for e in prof.events() if e.device_type == DeviceType.CUDA]
+        else:
+            events = [(a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()]
+        per_name: dict[str, list[float]] = {}
+        for name, us, n in events:
+            t = per_name.setdefault(name[:120], [0.0, 0.0])
+            t[0], t[1] = t[0] + us / (steps + 1), t[1] + n / (steps + 1)
+        top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+        out[str(rows)] = {"step_ms": step_s * 1e3, "kernel_us_per_step": sum(v[0] for _, v in top),
+                          "kernels": [{"name": k, "us": v[0], "calls": v[1]} for k, v in top[:15]]}
+    return out
+
+
 def main() -> None:
     ap = base_parser(__doc__.split("\n\n")[0], [
         ("--group", int, 8, None), ("--new-tokens", int, 128, None), ("--repeats", int, 3, None),
-        ("--hf-max-tokens", int, 2_200_000, "skip transformers above B*(L+N)")])
+        ("--hf-max-tokens", int, 2_200_000, "skip transformers above B*(L+N)"),
+        ("--shared-prefix", ["both", "auto"], "both", "also measure an engine without shared-prefix decode"),
+        ("--bandwidth-tbs", float, 4.2, "roofline copy bandwidth"), ("--tflops", float, 778.0, "roofline bf16 FLOP/s"),
+        ("--breakdown-len", int, 8192, "prompt length of the per-kernel breakdown (0: skip it)")])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 8192, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
         args.prompt_lens, args.batches, args.new_tokens, args.repeats = [64, 256], [1, 8], 16, 1
-    max_len = max(args.prompt_lens) + args.new_tokens + 8
+        args.breakdown_len = min(args.breakdown_len, 64)
+    max_len = max(args.prompt_lens + [args.breakdown_len]) + args.new_tokens + 8
     model, hf, vocab = build_models(max_len, device, args.quick)
+    models = {"auto": model}  # shared-prefix decode as the engine chooses it; "off": every row reads its prompt
+    if args.shared_prefix == "both":
+        models["off"] = sm.use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False))
     max_b = max(args.batches)
     cfg = EngineConfig(max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
                        max_new_tokens=args.new_tokens, block_steps=16, compile=device == "cuda", prefill_tokens=65536)
-    engine = RolloutEngine(model, cfg)
+    engines = {mode: RolloutEngine(m, cfg) for mode, m in models.items()}
+    engine = engines["auto"]
+    footprint = DecodeFootprint.of(model, torch.bfloat16 if device == "cuda" else None)
+    rates = dict(bandwidth=args.bandwidth_tbs * 1e12, flops=args.tflops * 1e12)
+    extra = {"copy_tbs_measured": copy_bandwidth_gbs() / 1e3 if device == "cuda" else None}
     gen = torch.Generator().manual_seed(0)
 
     # -- correctness in the same run: greedy tokens and first-step logits on one prompt
@@ -118,17 +170,30 @@ def main() -> None:
             prompts = [torch.randint(0, vocab, (L,), generator=gen).tolist() for _ in range(P)]
             row = {"prompt_len": L, "batch": B, "prompts": P, "group": G, "new_tokens": args.new_tokens}
             sp = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=1)
-            engine.generate(prompts, G, sp)  # warm-up: compile / capture this bucket
-            pre, dec, tot = [], [], []
-            for r in range(args.repeats):
-                out = engine.generate(prompts, G, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
-                                                                 seed=2 + r))
-                assert all(s.length == args.new_tokens for s in out)
-                pre.append(out.stats.prefill_s)
-                dec.append(out.stats.decode_s)
-            row["sparrow_prefill_s"] = median(pre)
-            row["sparrow_decode_s"] = median(dec)
-            row["sparrow_decode_tok_s"] = B * (args.new_tokens - 1) / row["sparrow_decode_s"]
+            floor = decode_step_roofline(footprint, [L] * P, [args.new_tokens / 2] * B, **rates)
+            row["roofline_step_ms"] = floor.seconds * 1e3
+            tokens = {}
+            for mode, eng in engines.items():
+                key = "sparrow" if mode == "auto" else mode
+                eng.generate(prompts, G, sp)  # warm-up: compile / capture this bucket
+                pre, dec, step = [], [], []
+                for r in range(args.repeats):
+                    out = eng.generate(prompts, G, SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens,
+                                                                  seed=2 + r))
+                    assert all(s.length == args.new_tokens for s in out)
+                    tokens[mode] = [s.tokens.tolist() for s in out]
+                    pre.append(out.stats.prefill_s)
+                    dec.append(out.stats.decode_s)
+                    step.append(out.stats.decode_s / out.stats.decode_steps)
+                row[f"{key}_prefill_s"] = median(pre)
+                row[f"{key}_decode_s"] = median(dec)
+                row[f"{key}_decode_tok_s"] = B * (args.new_tokens - 1) / row[f"{key}_decode_s"]
+                row[f"{key}_step_ms"] = median(step) * 1e3
+                row[f"{key}_roofline_fraction"] = floor.fraction(median(step))
+            if len(engines) == 2:
+                row["shared_prefix_speedup"] = row["sparrow_decode_tok_s"] / row["off_decode_tok_s"]
+                # bf16 sums in another order: a near-tie may flip a token (and the rest of that sample)
+                row["samples_same_as_off"] = sum(a == b for a, b in zip(tokens["auto"], tokens["off"])) / B
             # prefix sharing on its own: the same rows prefilled once per sample (G identical prompts)
             if P * G <= cfg.num_prefixes and G > 1:
                 out = engine.generate([p for p in prompts for _ in range(G)], 1,
@@ -156,10 +221,24 @@ def main() -> None:
                 row["hf"] = "skipped (memory)"
             rows.append(row)
             print_table([row], list(row))
-            write_json(NAME, vars(args) | {"model": "qwen2_5_0_5b shape, random weights, bf16"}, rows, args.out,
-                       extra={"correctness": check, "cache_gib": engine.cache_nbytes() / 2**30})
+            extra |= {"correctness": check, "cache_gib": engine.cache_nbytes() / 2**30}
+            write_json(NAME, vars(args) | {"model": "qwen2_5_0_5b shape, random weights, bf16"}, rows, args.out, extra)
     print_table(rows, ["prompt_len", "batch", "sparrow_prefill_s", "hf_prefill_s", "sparrow_decode_tok_s",
-                       "hf_decode_tok_s", "decode_speedup", "end_to_end_speedup", "sparrow_prefill_unshared_s"])
+                       "hf_decode_tok_s", "decode_speedup", "end_to_end_speedup", "sparrow_prefill_unshared_s",
+                       "roofline_step_ms", "sparrow_roofline_fraction", "off_roofline_fraction"])
+    if args.breakdown_len:
+        del engine, eng
+        engines.clear()
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        extra["breakdown"] = {mode: kernel_breakdown(m, args.breakdown_len, args.group, args.new_tokens, device)
+                              for mode, m in models.items()}
+        for mode, b in extra["breakdown"].items():
+            for n, r in b.items():
+                print(f"{mode} {n} rows: step {r['step_ms']:.3f} ms, kernels {r['kernel_us_per_step']:.0f} us/step")
+                print_table(r["kernels"][:8], ["us", "calls", "name"])
+        write_json(NAME, vars(args) | {"model": "qwen2_5_0_5b shape, random weights, bf16"}, rows, args.out, extra)
 
 
 def plot(result: dict, png: Path) -> None:
@@ -167,7 +246,7 @@ def plot(result: dict, png: Path) -> None:
 
     rows = result["rows"]
     lens = sorted({r["prompt_len"] for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for L in lens:
         rs = [r for r in rows if r["prompt_len"] == L]
         b = [r["batch"] for r in rs]
@@ -178,10 +257,15 @@ def plot(result: dict, png: Path) -> None:
         axes[1].plot(b, [r["sparrow_prefill_s"] for r in rs], "o-", color=line.get_color(), label=f"Sparrow {L // 1024}K")
         axes[1].plot([r["batch"] for r in hb], [r["hf_prefill_s"] for r in hb], "x--", color=line.get_color(),
                      label=f"transformers {L // 1024}K")
+        for key, style in (("sparrow", "o-"), ("off", "s:")):
+            fr = [r for r in rs if f"{key}_roofline_fraction" in r]
+            axes[2].plot([r["batch"] for r in fr], [r[f"{key}_roofline_fraction"] for r in fr], style,
+                         color=line.get_color(), label=f"{L // 1024}K shared prefix {'auto' if key == 'sparrow' else key}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",
                 title="Decode throughput")
     axes[1].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="prefill time (s)",
                 title="Prefill (G=8 rows share a prompt)")
+    axes[2].set(xscale="log", xlabel="batch (rows)", ylabel="roofline time / step time", title="Decode step vs roofline")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

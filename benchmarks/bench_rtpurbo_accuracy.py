@@ -8,7 +8,12 @@ retrieval and variable tracking at every context first; then calibration at the 
 set and cut for the smaller ones; then each ``--configs`` variant, longest context first (past
 ``--deadline-minutes`` the rest are skipped), with the paired comparison against dense and the density the
 RTPurbo backends measure. Prompts of a row spread over the ``--jitter`` characters below its context, so a
-question ends at every offset inside a selection block. See docs/benchmarks.md.
+question ends at every offset inside a selection block. Beside the calibration, on held-out sequences: how sparse
+the dense attention's own top-p set is against the indexer's, at token, decode-block and prefill granularity, with
+the recall of the dense set (:func:`sparrow.calibrate.selection.measure_selection`; the indexer at its calibrated
+temperature and at 1, over every query and over the last ``--decode-queries`` positions). ``--selection-only
+--model-config YAML`` measures only that, on the model, checkpoint and task of a recipe config (e.g. the tiny GRPO
+model: ``recipes/configs/tiny_kv_retrieval.yaml``). See docs/benchmarks.md.
 
 Usage: ``python benchmarks/bench_rtpurbo_accuracy.py --model DIR``; ``--quick`` (CPU: a tiny model trained for
 seconds, accuracies mean nothing; it checks the pipeline).
@@ -33,11 +38,14 @@ from runner import (  # noqa: E402
 
 triton_interpreter_without_cuda()  # before anything imports triton
 from sparrow.attention.rtpurbo import (  # noqa: E402
-    HeadProfile, RTPurboConfig, collect_selection_stats, rtpurbo_attention, rtpurbo_backends,
+    HeadProfile, IndexerWeights, RTPurboConfig, collect_selection_stats, rtpurbo_attention, rtpurbo_backends,
 )
 from sparrow.calibrate import ablation_scores, fit_indexer, head_scores  # noqa: E402
-from sparrow.calibrate.data import calibration_sequences, fit_sequences, subset_indexer  # noqa: E402
-from sparrow.models import use_attention  # noqa: E402
+from sparrow.calibrate.data import (  # noqa: E402
+    CALIBRATION_SEED, calibration_sequences, fit_sequences, kv_calibration_sequence, subset_indexer,
+)
+from sparrow.calibrate.selection import measure_selection  # noqa: E402
+from sparrow.models import load_model_state, use_attention  # noqa: E402
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
 from sparrow.training import EVAL_SEED, EVAL_TASKS, TOKENIZER, binomial_se, load_trained_model, read_report  # noqa: E402
 
@@ -133,20 +141,40 @@ def sparse_model(model, prof: HeadProfile, weights, c: RTPurboConfig):
     return m
 
 
-def calibrate(model, rt_configs: dict[str, RTPurboConfig], calib_len: int, args) -> tuple[dict, dict]:
+def selection_record(model, prof: HeadProfile, weights, seqs, c: RTPurboConfig, last: int) -> dict:
+    """Densities of the dense top-p sets beside the indexer's, with recall, at the calibrated temperature and at 1,
+    over every query and over each sequence's last ``last`` positions (what decode steps see)."""
+    out = {}
+    for temp, w in (("calibrated", weights), ("t1", IndexerWeights(weights.q, weights.k))):
+        for queries, n in (("all", None), ("decode", last)):
+            r = measure_selection(model, prof, w, seqs, top_p=c.top_p, block=c.decode_block,
+                                  prefill_block=c.prefill_block, last=n)
+            log(f"selection, temperature {temp}, {queries} queries:\n{r.table()}")
+            out[f"{temp}_{queries}"] = {**r.summary(), "heads": [vars(h) for h in r.heads]}
+    return out
+
+
+def calibrate(model, rt_configs: dict[str, RTPurboConfig], calib_len: int, args, kv_task=None) -> tuple[dict, dict]:
     """Profile once, fit one indexer per (block, top_p) for the largest head set; each variant's (profile,
-    indexer, config), and the calibration record."""
+    indexer, config), and the calibration record with the selection measurement. ``kv_task``: calibrate on that
+    multi-key retrieval task alone (a model trained on it only) instead of the evaluation tasks."""
     t = time.perf_counter()
-    seqs = calibration_sequences(calib_len, args.profile_seqs)
+    if kv_task is None:
+        seqs, fseqs = calibration_sequences(calib_len, args.profile_seqs), fit_sequences(calib_len, args.fit_seqs)
+        held = fit_sequences(calib_len, args.selection_seqs, seed=CALIBRATION_SEED + 7)
+    else:
+        seqs, fseqs, held = ([kv_calibration_sequence(kv_task, CALIBRATION_SEED + k, i) for i in range(n)]
+                             for k, n in ((0, args.profile_seqs), (1, args.fit_seqs), (7, args.selection_seqs)))
+        fseqs, held = [x.tokens for x in fseqs], [x.tokens for x in held]
     if args.head_scores == "ablation":  # the smallest window and sinks of the configurations: the strictest test
         scores = ablation_scores(model, seqs, window=min(c.window for c in rt_configs.values()),
                                  sinks=min(c.num_sinks for c in rt_configs.values()))
     else:
         scores = head_scores(model, seqs)
-    meta = {"method": f"{args.head_scores}; task spans (kv pair / question; vt statement / question; vt number / answer)",
-            "num_sequences": len(seqs), "seq_len": calib_len + 1}
+    spans = "kv pair / question" + ("; vt statement / question; vt number / answer" if kv_task is None else "")
+    meta = {"method": f"{args.head_scores}; task spans ({spans})", "num_sequences": len(seqs), "seq_len": calib_len + 1}
     big = HeadProfile.from_scores(scores, max(c.retrieval_ratio for c in rt_configs.values()), meta=meta)
-    fseqs, fits = fit_sequences(calib_len, args.fit_seqs), {}
+    fits = {}
     for c in rt_configs.values():
         key = (c.decode_block, c.top_p)
         if key not in fits:
@@ -166,16 +194,48 @@ def calibrate(model, rt_configs: dict[str, RTPurboConfig], calib_len: int, args)
         record["configs"][name] = {
             "rtpurbo_config": {k: getattr(c, k) for k in c.__dataclass_fields__},
             "retrieval_heads": sorted([list(x) for x in heads]), "num_retrieval_heads": len(heads),
-            **{f"indexer_{k}": avg(k) for k in ("recall", "mass", "density")}, "kl_init": avg("kl_init"),
-            "kl_final": avg("kl_final"), "per_head": [vars(h) for h in hr]}
+            **{f"indexer_{k}": avg(k) for k in ("recall", "mass", "density", "dense_density", "temperature")},
+            "kl_init": avg("kl_init"), "kl_final": avg("kl_final"), "per_head": [vars(h) for h in hr]}
         variants[name] = (prof, subset_indexer(big, prof, w_big), c)
+        record["configs"][name]["selection"] = selection_record(model, prof, variants[name][1], held, c,
+                                                                args.decode_queries)
         log(f"{name}: retrieval kv heads {sorted(heads)}; indexer recall {avg('recall'):.3f}, mass {avg('mass'):.3f}, "
             f"density {avg('density'):.3f}; window {c.window}, top_p {c.top_p}, blocks {c.decode_block}/"
             f"{c.prefill_block}, ret_window {c.ret_window}")
     return variants, record
 
 
+def selection_only(args) -> dict:
+    """``--model-config``: the model (``model:`` + ``checkpoint:``) and multi-key retrieval task (``task:``) of a
+    recipe config, calibrated at the task's context; the selection measurement only, no accuracy."""
+    from safetensors.torch import load_file
+
+    from sparrow.rl.recipe_config import load_config
+    from sparrow.training import build_model
+
+    cfg = load_config(args.model_config)
+    model = build_model(dict(cfg.model))
+    load_model_state(model, load_file(cfg.checkpoint))
+    model.eval().requires_grad_(False)
+    task = build_model(dict(cfg.task))  # any _component_ spec
+    c = RTPurboConfig.for_context(task.context_len, retrieval_ratio=args.ratio, top_p=args.top_p,
+                                  decode_block=args.decode_block, prefill_block=args.prefill_block,
+                                  ret_window=args.ret_window, **({"window": args.window} if args.window else {}))
+    _, record = calibrate(model, {f"ratio={args.ratio}": c}, task.context_len, args, kv_task=task)
+    (name, rec), = record["configs"].items()
+    rows = [dict(config=name, run=k, **h) for k, v in rec["selection"].items() for h in v["heads"]]
+    config_doc = dict(selection_only=True, model=dict(cfg.model), task=repr(task), context=task.context_len,
+                      top_p=c.top_p, decode_block=c.decode_block, prefill_block=c.prefill_block,
+                      decode_queries=args.decode_queries, head_scores=args.head_scores, ratio=args.ratio,
+                      held_out_sequences=args.selection_seqs)
+    write_json(NAME, config_doc, rows, out_dir=args.out or Path(tempfile.mkdtemp(prefix="rtpurbo_selection_")),
+               extra={"calibration": record})
+    return {"rows": rows, "calibration": record}
+
+
 def run(args) -> dict:
+    if args.selection_only:
+        return selection_only(args)
     t_start = time.perf_counter()
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
@@ -301,9 +361,37 @@ def run(args) -> dict:
     return {"rows": rows, "summary": summary, "calibration": calibration, "dense": dense_rows, "out": out_dir}
 
 
+def plot_selection(rows: list[dict], png_path: Path, title: str) -> None:
+    """Density of the dense top-p set and of the indexer's (temperature 1, calibrated), per granularity, with the
+    indexer's recall of the dense set's mass over its bars."""
+    import matplotlib.pyplot as plt
+
+    grans = ("token", "block", "prefill")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for ax, queries in zip(axes[0], ("all", "decode")):
+        for i, (label, temp, key) in enumerate((("dense top-p", "t1", "dense"), ("indexer, T=1", "t1", "indexer"),
+                                                ("indexer, calibrated T", "calibrated", "indexer"))):
+            rs = [r for r in rows if r["run"] == f"{temp}_{queries}"]
+            vals = [sum(r[f"{key}_{g}"] for r in rs) / len(rs) for g in grans]
+            bars = ax.bar([j + 0.27 * (i - 1) for j in range(3)], vals, width=0.27, label=label, color=f"C{i}")
+            for b, g in zip(bars, grans) if key == "indexer" else ():
+                rec = sum(r[f"recall_{g}"] for r in rs) / len(rs)
+                ax.annotate(f"{rec:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                            fontsize=7)
+        ax.set_xticks(range(3), list(grans))
+        ax.set(ylim=(0, 1.1), ylabel="kept / causal (mean over retrieval heads)",
+               title=f"{queries} queries (labels: recall of the dense set's mass)")
+        ax.legend(fontsize=7, loc="upper left")
+    save_figure(fig, png_path, title)
+
+
 def plot(result: dict, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
+    c = result["config"]
+    if c.get("selection_only"):
+        return plot_selection(result["rows"], png_path, f"RTPurbo selection vs the dense top-{c['top_p']} set "
+                                                        f"({c['context']}-token context)")
     rows = result["rows"]
     tasks, configs = sorted({r["task"] for r in rows}), sorted({r["config"] for r in rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
@@ -346,7 +434,12 @@ def build_parser():
         ("--decode-impl", ["auto", "reference", "triton"], "auto", None),
         ("--prefill-impl", ["auto", "reference", "flex"], "reference", "reference: the selection with dense masks"),
         ("--head-scores", ["ablation", "attention"], "ablation", "retrieval heads by the loss when a head is made "
-         "local, or by attention mass")])
+         "local, or by attention mass"),
+        ("--selection-seqs", int, None, "held-out sequences of the selection measurement (default 8; quick 2)"),
+        ("--decode-queries", int, 16, "the selection's decode region: each sequence's last N positions"),
+        ("--model-config", str, None, "with --selection-only: a recipe config naming model, checkpoint and task"),
+        ("--ratio", float, 0.25, "with --selection-only: retrieval-head ratio")])
+    p.add_argument("--selection-only", action="store_true", help="measure the selection only (no accuracy)")
     return p
 
 
@@ -354,11 +447,13 @@ def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     q = args.quick
     for k, v in dict(examples=8 if q else 200, profile_seqs=2 if q else 8, fit_seqs=2 if q else 8,
-                     fit_steps=20 if q else 300, queries_per_seq=64 if q else 256).items():
+                     fit_steps=20 if q else 300, queries_per_seq=64 if q else 256, selection_seqs=2 if q else 8).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.selection_only and not args.model_config:
+        raise SystemExit("--selection-only needs --model-config (a recipe config with model, checkpoint and task)")
     return run(args)
 
 

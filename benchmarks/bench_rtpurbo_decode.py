@@ -7,15 +7,18 @@ two-level cache.
 
 RTPurbo (Triton): indexer query projection, indexer block scores over the cached indexer keys, bisection
 top-p (0.9) selection, split-KV attention over the kept 64-token blocks for the retrieval head, sinks (4) +
-window (8192) from ring buffers for the other heads, and the split merge. Retrieval-head selection density
-is set as in ``bench_rtpurbo_prefill.py`` (a random fraction of blocks carries the indexer mass) and the
-density the selection kept is measured. ``rtpurbo@15%`` is a model with 15% retrieval heads:
-``0.6 t(1 retrieval head) + 0.4 t(0)``.
+window (8192) from ring buffers for the other heads, and the split merge — two pipelines in the same run:
+``staged`` (the projection in PyTorch, then four launches: scores, top-p, attention, merge) and ``fused`` (two:
+scores with the projection; selection, attention and merge). Retrieval-head density is set as in
+``bench_rtpurbo_prefill.py`` (a random ``density / top_p`` fraction of blocks carries the indexer mass), rows say
+whether ``planted`` (1-10%) or ``measured`` (``--density``: numbers or the accuracy JSON, key
+``retrieval_decode_density``), and the density the selection kept is measured. ``rtpurbo@15%`` is a model with
+15% retrieval heads: ``0.6 t(1 retrieval head) + 0.4 t(0)``.
 
 Every callable is timed as a replayed CUDA graph (as the engine runs decode) and eagerly. ``step`` rows time
 the whole backend decode (cache writes + attention) of :class:`RTPurboAttention` and :class:`DenseAttention`.
 
-Usage: ``python benchmarks/bench_rtpurbo_decode.py`` (H200: ~3 min) or ``--quick`` (CPU smoke run).
+Usage: ``python benchmarks/bench_rtpurbo_decode.py [--density 0.55]`` (H200) or ``--quick`` (CPU smoke run).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
+    base_parser, density_arg, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda,
+    write_json,
 )
 
 triton_interpreter_without_cuda()  # before anything imports triton
@@ -41,19 +45,16 @@ from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_tri
 
 NAME = "rtpurbo_decode"
 GEN = 16  # generation-slot capacity: the new token is written at index 0
+TOP_P = 0.9
 
 
 def hot_indexer_keys(B: int, L: int, density: float, block: int, u: torch.Tensor, seed: int) -> torch.Tensor:
-    """[B, 1, L, r]: keys of a random ``density`` fraction of blocks aligned with ``u`` (~all the mass)."""
+    """[B, 1, L, r]: keys of a random ``density / top_p`` fraction of blocks aligned with ``u`` (~all the mass)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    r = u.numel()
-    nb = -(-L // block)
-    hot = torch.rand(B, nb, generator=g) < density
+    hot = torch.rand(B, -(-L // block), generator=g) < min(1.0, density / TOP_P)
     hot[:, 0] = False
-    k = torch.randn(B, 1, L, r, device=u.device, dtype=torch.float32) * 0.05
     tok = hot.repeat_interleave(block, dim=1)[:, :L].to(u.device)
-    k += tok[:, None, :, None] * (12.0 * u)
-    return k
+    return torch.randn(B, 1, L, u.numel(), device=u.device) * 0.05 + tok[:, None, :, None] * (12.0 * u)
 
 
 class Case:
@@ -62,27 +63,17 @@ class Case:
     def __init__(self, L, B, hq, hkv, d, window, block, dtype, dev):
         self.L, self.B, self.hq, self.hkv, self.d = L, B, hq, hkv, d
         torch.manual_seed(0)
-        self.pk = torch.randn(B, hkv, L, d, device=dev, dtype=dtype)
-        self.pv = torch.randn(B, hkv, L, d, device=dev, dtype=dtype)
-        self.gk = torch.randn(B + 1, hkv, GEN, d, device=dev, dtype=dtype)
-        self.gv = torch.randn(B + 1, hkv, GEN, d, device=dev, dtype=dtype)
-        q1 = torch.randn(1, hq, 1, d, device=dev, dtype=dtype)
-        self.q = q1.expand(B, hq, 1, d).contiguous()  # one query for every row: a rank-1 indexer maps it to u
-        self.k_new = torch.randn(B, hkv, 1, d, device=dev, dtype=dtype)
-        self.v_new = torch.randn(B, hkv, 1, d, device=dev, dtype=dtype)
-        self.rs = torch.arange(B, device=dev)
-        self.ps = torch.arange(B, device=dev)
-        self.plen = torch.full((B,), L - 1, device=dev)
-        self.cl = torch.zeros(B, dtype=torch.int64, device=dev)
+        rn = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype)  # noqa: E731
+        self.pk, self.pv, self.gk, self.gv = rn(B, hkv, L, d), rn(B, hkv, L, d), rn(B + 1, hkv, GEN, d), \
+            rn(B + 1, hkv, GEN, d)
+        self.q = rn(1, hq, 1, d).expand(B, hq, 1, d).contiguous()  # one query for every row: the indexer maps it to u
+        self.k_new, self.v_new = rn(B, hkv, 1, d), rn(B, hkv, 1, d)
+        self.rs, self.ps = torch.arange(B, device=dev), torch.arange(B, device=dev)
+        self.plen, self.cl = torch.full((B,), L - 1, device=dev), torch.zeros(B, dtype=torch.int64, device=dev)
         self.window, self.block, self.dtype, self.dev = window, block, dtype, dev
-        self.local = {}
-        for n_ret in (0, 1):
-            hl = hkv - n_ret
-            wp = min(window, L)
-            self.local[n_ret] = (torch.randn(B, hl, 4 + wp, d, device=dev, dtype=dtype),
-                                 torch.randn(B, hl, 4 + wp, d, device=dev, dtype=dtype),
-                                 torch.randn(B + 1, hl, min(window + 64, GEN), d, device=dev, dtype=dtype),
-                                 torch.randn(B + 1, hl, min(window + 64, GEN), d, device=dev, dtype=dtype))
+        wp, wg = min(window, L), min(window + 64, GEN)
+        self.local = {n: (rn(B, hkv - n, 4 + wp, d), rn(B, hkv - n, 4 + wp, d), rn(B + 1, hkv - n, wg, d),
+                          rn(B + 1, hkv - n, wg, d)) for n in (0, 1)}
         g = torch.Generator(device="cpu").manual_seed(1)
         u = torch.randn(16, generator=g)
         self.u = (u / u.norm()).to(dev)
@@ -111,67 +102,63 @@ def bench_case(c: Case, densities, rows, use_graphs: bool) -> None:
     L, B = c.L, c.B
     reps = dict(warmup=3, iters=30 if torch.cuda.is_available() else 2)
 
-    def timed(fn):
+    def add(config, fn, n_ret=0, density=1.0, source="-", kept=1.0, pipeline="-"):
         eager = measure(fn, **reps)["median_ms"]
         graph = measure(graphed(fn), **reps)["median_ms"] if use_graphs else float("nan")
-        return eager, graph
+        rows.append(dict(L=L, B=B, config=config, pipeline=pipeline, n_ret=n_ret, density=density,
+                         density_source=source, ret_density=kept, eager_ms=eager, graph_ms=graph))
 
-    def add(config, n_ret, density, ret_density, eager, graph):
-        rows.append(dict(L=L, B=B, config=config, n_ret=n_ret, density=density, ret_density=ret_density,
-                         eager_ms=eager, graph_ms=graph))
-
-    add("sdpa", 0, 1.0, 1.0, *timed(lambda: F.scaled_dot_product_attention(c.q, c.pk, c.pv, enable_gqa=True)))
-    add("dense_triton", 0, 1.0, 1.0, *timed(lambda: decode_attention_triton(
-        c.q, c.pk, c.pv, c.gk, c.gv, c.rs, c.ps, c.plen, c.cl)))
+    add("sdpa", lambda: F.scaled_dot_product_attention(c.q, c.pk, c.pv, enable_gqa=True))
+    add("dense_triton", lambda: decode_attention_triton(c.q, c.pk, c.pv, c.gk, c.gv, c.rs, c.ps, c.plen, c.cl))
     dense_backend = DenseAttention(LayerShape(0, c.hq, c.hkv, c.d), impl="triton")
     dense_cache = DenseKVCache(c.pk, c.pv, c.gk, c.gv)
     meta = DecodeMeta(c.rs, c.ps, c.plen, c.cl)
-    add("dense_step", 0, 1.0, 1.0, *timed(lambda: dense_backend.decode(c.q, c.k_new, c.v_new, dense_cache, meta)))
+    add("dense_step", lambda: dense_backend.decode(c.q, c.k_new, c.v_new, dense_cache, meta))
 
-    kw = dict(top_p=0.9, block=c.block, num_sinks=4, window=c.window, ret_window=128)
+    kw = dict(top_p=TOP_P, block=c.block, num_sinks=4, window=c.window, ret_window=128)
     for n_ret in (0, 1):
         b = c.backend(n_ret)
         ret, loc, is_ret = b.ret_idx, b.loc_idx, b.head_is_ret
-        for dens in (densities if n_ret else [0.0]):
-            ik = hot_indexer_keys(B, L, dens, c.block, c.u, seed=2) if n_ret else None
-            cache = c.cache(n_ret, ik)
-            del ik
+        wq, qs = b.indexer_q.detach(), b.score_scale
+        for dens, source in (densities if n_ret else [(0.0, "-")]):
+            cache = c.cache(n_ret, hot_indexer_keys(B, L, dens, c.block, c.u, seed=2) if n_ret else None)
+            args = (cache, c.rs, c.ps, c.plen, c.cl, ret, loc, is_ret)
 
-            def attn():
-                q_idx, _ = b.index(c.q, c.k_new)  # the indexer query projection: part of the cost
-                return sparse_decode_triton(c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, ret, loc, is_ret, **kw)
+            def staged():  # the indexer query projection in PyTorch, then the four launches
+                return sparse_decode_triton(c.q, b.index(c.q, c.k_new)[0], *args, fused=False, **kw)
 
-            measured = 0.0
+            def fused():  # the projection inside the score kernel, then one launch
+                return sparse_decode_triton(c.q, None, *args, q_pre=c.q, indexer_q=wq, q_scale=qs, **kw)
+
+            kept = 0.0
             if n_ret:
-                q_idx, _ = b.index(c.q, c.k_new)
-                _, (_, cnt) = sparse_decode_triton(c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, ret, loc, is_ret,
-                                                   return_selection=True, **kw)
-                pos = L - 1
-                kept = cnt.double() * c.block - (c.block - 1 - pos % c.block)
-                measured = float(kept.mean() / L)
-            add("rtpurbo", n_ret, dens, measured, *timed(attn))
-            add("rtpurbo_step", n_ret, dens, measured, *timed(
-                lambda: b.decode(c.q, c.k_new, c.v_new, cache, meta, q_pre=c.q, k_pre=c.k_new)))
+                cnt = sparse_decode_triton(c.q, None, *args, q_pre=c.q, indexer_q=wq, q_scale=qs,
+                                           return_selection=True, **kw)[1][1]
+                kept = float((cnt.double() * c.block - (c.block - 1 - (L - 1) % c.block)).mean() / L)
+            for pipeline, fn in (("staged", staged), ("fused", fused)):
+                add("rtpurbo", fn, n_ret, dens, source, kept, pipeline)
+            add("rtpurbo_step", lambda: b.decode(c.q, c.k_new, c.v_new, cache, meta, q_pre=c.q, k_pre=c.k_new),
+                n_ret, dens, source, kept, "library")
             del cache
 
 
 def summarise(rows: list[dict]) -> list[dict]:
-    """Per (L, B, density): the 15%-model RTPurbo time and speedups over SDPA and the dense Triton kernel."""
+    """Per (L, B, density, pipeline): the 15%-model RTPurbo time and speedups over SDPA and the dense Triton kernel."""
     out = []
     key = "graph_ms" if any(r["graph_ms"] == r["graph_ms"] for r in rows) else "eager_ms"  # NaN-free column
     for (L, B) in sorted({(r["L"], r["B"]) for r in rows}):
         sel = [r for r in rows if r["L"] == L and r["B"] == B]
-        get = lambda cfg, n=None, d=None: next(  # noqa: E731
-            r[key] for r in sel if r["config"] == cfg and (n is None or r["n_ret"] == n) and (d is None or r["density"] == d))
-        sdpa, tri, dstep = get("sdpa"), get("dense_triton"), get("dense_step")
-        t0, s0 = get("rtpurbo", 0), get("rtpurbo_step", 0)
-        for d in sorted({r["density"] for r in sel if r["config"] == "rtpurbo" and r["n_ret"] == 1}):
-            r1 = next(r for r in sel if r["config"] == "rtpurbo" and r["n_ret"] == 1 and r["density"] == d)
-            t15 = 0.6 * r1[key] + 0.4 * t0
-            st15 = 0.6 * get("rtpurbo_step", 1, d) + 0.4 * s0
-            out.append(dict(L=L, B=B, density=d, ret_density=r1["ret_density"], sdpa_ms=sdpa, triton_ms=tri,
-                            rtpurbo15_ms=t15, vs_sdpa=sdpa / t15, vs_triton=tri / t15, step_dense_ms=dstep,
-                            step_rtpurbo15_ms=st15, step_speedup=dstep / st15, timing=key))
+        get = lambda cfg, n=0, d=0.0, p="-": next(  # noqa: E731
+            r[key] for r in sel if (r["config"], r["n_ret"], r["density"], r["pipeline"]) == (cfg, n, d, p))
+        sdpa, tri, dstep = get("sdpa", d=1.0), get("dense_triton", d=1.0), get("dense_step", d=1.0)
+        for r1 in (r for r in sel if r["config"] == "rtpurbo" and r["n_ret"] == 1):
+            d, p = r1["density"], r1["pipeline"]
+            t15 = 0.6 * r1[key] + 0.4 * get("rtpurbo", 0, 0.0, p)
+            st15 = 0.6 * get("rtpurbo_step", 1, d, "library") + 0.4 * get("rtpurbo_step", 0, 0.0, "library")
+            out.append(dict(L=L, B=B, pipeline=p, density=d, density_source=r1["density_source"],
+                            ret_density=r1["ret_density"], sdpa_ms=sdpa, triton_ms=tri, rtpurbo15_ms=t15,
+                            vs_sdpa=sdpa / t15, vs_triton=tri / t15, step_dense_ms=dstep, step_rtpurbo15_ms=st15,
+                            step_speedup=dstep / st15, timing=key))
     return out
 
 
@@ -183,23 +170,28 @@ def check_against_reference(dev, dtype, hq, hkv, d, window) -> float:
     b = c.backend(1)
     cache = c.cache(1, hot_indexer_keys(2, 2048, 0.05, 64, c.u, seed=3))
     q_idx, _ = b.index(c.q, c.k_new)
-    cfg = SparseDecodeConfig(0.9, 64, 4, min(window, 512), 128)
+    cfg = SparseDecodeConfig(TOP_P, 64, 4, min(window, 512), 128)
     args = (c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, b.ret_idx, b.loc_idx, b.head_is_ret, cfg)
-    out = sparse_decode_attention(*args, impl="triton").float()
     ref = sparse_decode_attention(*args, impl="reference").float()
-    return float((out - ref).norm() / ref.norm())
+    proj = dict(q_pre=c.q, indexer_q=b.indexer_q.detach(), q_scale=b.score_scale)
+    outs = [sparse_decode_attention(*args, impl="triton", fused=False),
+            sparse_decode_attention(c.q, None, *args[2:], impl="triton", **proj)]  # the two pipelines timed
+    return max(float((o.float() - ref).norm() / ref.norm()) for o in outs)
 
 
+@torch.no_grad()
 def run(args) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     if args.quick:
-        lengths, batches, hq, hkv, d, window, densities = [1024], [1, 2], 8, 4, 32, 128, [0.1]
+        lengths, batches, hq, hkv, d, window, planted = [1024], [1, 2], 8, 4, 32, 128, [0.1]
         dtype = torch.bfloat16 if cuda else torch.float32
     else:
-        lengths, batches, hq, hkv, d, window, densities = [131072, 1048576], [1, 4, 8, 16], 32, 4, 128, 8192, \
+        lengths, batches, hq, hkv, d, window, planted = [131072, 1048576], [1, 4, 8, 16], 32, 4, 128, 8192, \
             [0.01, 0.02, 0.05, 0.10]
         dtype = torch.bfloat16
+    densities = [(x, "planted") for x in planted] + [(x, "measured") for x in
+                                                      density_arg(args.density, "retrieval_decode_density")]
     if args.batches:
         batches = [int(x) for x in args.batches.split(",")]
     block = 64
@@ -221,13 +213,14 @@ def run(args) -> None:
     ok = [r for r in rows if r["config"] != "error"]
     summary = summarise(ok)
     config = dict(heads=hq, kv_heads=hkv, head_dim=d, dtype=str(dtype), window=window, sinks=4, block=block,
-                  top_p=0.9, indexer_dim=16, quick=args.quick, seconds=time.perf_counter() - t_start,
-                  triton_vs_reference_rel_err=check,
-                  note="rtpurbo@15% = 0.6 t(1 retrieval kv head) + 0.4 t(0); times per layer per decode step")
+                  top_p=TOP_P, indexer_dim=16, quick=args.quick, seconds=time.perf_counter() - t_start,
+                  triton_vs_reference_rel_err=check, density_json=args.density,
+                  note="rtpurbo@15% = 0.6 t(1 retrieval kv head) + 0.4 t(0); times per layer per decode step; "
+                       "density: the retrieval head's target kept fraction (ret_density: measured)")
     write_json(NAME, config, rows, out_dir=args.out, extra={"summary": summary})
     print()
-    print_table(summary, ["L", "B", "density", "ret_density", "sdpa_ms", "triton_ms", "rtpurbo15_ms", "vs_sdpa",
-                          "vs_triton", "step_speedup"])
+    print_table(summary, ["L", "B", "pipeline", "density", "density_source", "ret_density", "sdpa_ms", "rtpurbo15_ms",
+                          "vs_sdpa", "vs_triton", "step_speedup"])
 
 
 def plot(result: dict, png_path: Path) -> None:
@@ -236,9 +229,11 @@ def plot(result: dict, png_path: Path) -> None:
     summ = result.get("summary", [])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, L in zip(axes, sorted({r["L"] for r in summ})[:2]):
-        for d in sorted({r["density"] for r in summ}):
-            pts = sorted((r["B"], r["vs_sdpa"]) for r in summ if r["L"] == L and r["density"] == d)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{d:.0%} density")
+        for d, p in sorted({(r["density"], r.get("pipeline", "staged")) for r in summ}):
+            pts = sorted((r["B"], r["vs_sdpa"]) for r in summ
+                         if r["L"] == L and r["density"] == d and r.get("pipeline", "staged") == p)
+            ax.plot([x[0] for x in pts], [x[1] for x in pts], marker="o", ls="-" if p == "fused" else ":",
+                    label=f"{d:.0%} density, {p}")
         ax.set_xscale("log", base=2)
         ax.set_title(f"context {L // 1024}K")
         ax.set_xlabel("batch (rows)")
@@ -251,6 +246,7 @@ def plot(result: dict, png_path: Path) -> None:
 def main(argv=None) -> None:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (override)")
+    p.add_argument("--density", default=None, help="measured retrieval density: numbers, or an accuracy JSON")
     run(p.parse_args(argv))
 
 

@@ -1,11 +1,18 @@
-"""SparseRL-Sync end-to-end sync time over 1 / 10 / 100 Gbit/s links against sending dense bf16.
+"""SparseRL-Sync of 7B / 32B / 70B bf16 models over 10 / 25 / 100 / 400 Gbit/s links, projected from measurements.
 
-Real AdamW updates of the >= 0.5B-parameter linear stack of ``bench_sync_payload`` (lr 1e-6 and 1e-5,
-two warm-up steps, then one measured step). Sparse sync time = measured ``SyncSender.encode`` + wire
-bytes / link bandwidth + measured ``SyncReceiver.apply_bucket`` (hash verification on). Dense sync time
-= dense bf16 bytes / link bandwidth + one device copy of them on the receiver (measured copy bandwidth).
+Part ``measured``: real AdamW steps of a >= 0.5B-parameter linear stack (``sparrow.sync.synthetic``; fp32 masters,
+synthetic gradients, two warm-up steps, then the measured one) at several learning rates, so that the densities
+bracket 0.5-2 %. Per step: ``SyncSender.encode`` and ``SyncReceiver.apply_bucket`` (``verify="incremental"``,
+running hashes known) timed, the buckets checked bit for bit, and the costs per parameter kept
+(``sparrow.sync.projection.SyncRates``: encode and apply seconds, wire bytes).
 
-Usage: ``python benchmarks/bench_sync_links.py`` (CUDA) or ``--quick`` (tiny, any device).
+Part ``projection`` (``sparrow.sync.projection.project_sync``): those rates interpolated to 0.5 / 1 / 2 % and
+scaled to each model size, against a dense bf16 broadcast (plus one copy on the receiver), a pipelined dense
+transfer (checkpoint-engine style: copy overlapped) and the rate reported for Kimi's checkpoint-engine (1T
+parameters in ~20 s on its cluster).
+
+Usage: ``python benchmarks/bench_sync_links.py`` (CUDA) or ``--quick`` (tiny, any device: densities of the tiny
+model, projected at the measured densities only).
 Writes ``docs/benchmarks/sync_links.json``; ``plot()`` draws ``sync_links.png``.
 """
 
@@ -19,48 +26,42 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_sync_payload import SyntheticGrads, device, linear_stack  # noqa: E402
 from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
 
-from sparrow.sync import SyncReceiver, SyncSender  # noqa: E402
+from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
+from sparrow.sync.projection import SyncRates, project_sync, rates_at  # noqa: E402
+from sparrow.sync.synthetic import adamw_bf16_step  # noqa: E402
 
 NAME = "sync_links"
-LINKS_GBIT = (1, 10, 100)
+LINKS_GBIT = (10, 25, 100, 400)
+MODELS = {"7B": 7_000_000_000, "32B": 32_000_000_000, "70B": 70_000_000_000}
+DENSITIES = (0.005, 0.01, 0.02)
+LRS = (1e-7, 2.5e-7, 6e-7, 1.5e-6)
 
 
-def measure_lr(width: int, layers: int, lr: float, iters: int) -> dict:
-    dev = device()
-    model = linear_stack(width, layers, dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    grads = SyntheticGrads(model)
-    for _ in range(2):
-        grads.fill()
-        opt.step()
-    names = [n for n, _ in model.named_parameters()]
-    prev = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
-    grads.fill()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    new = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
-    del opt, grads
+def measure_step(width: int, layers: int, lr: float, iters: int) -> dict:
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    prev, new = adamw_bf16_step(width, layers, lr, dev)
     sender = SyncSender(prev, codec="auto", bucket_bytes=256 << 20)
 
     def reset_sender() -> None:
-        for n in names:
-            sender.snapshot[n].copy_(prev[n])
-        sender.rehash()  # the snapshot was written by hand: refresh its running hashes (untimed)
+        for n, t in prev.items():
+            sender.snapshot[n].copy_(t)
+        sender.rehash()  # the snapshot was written by hand (untimed)
 
     t_enc = measure(lambda: list(sender.encode(new)), setup=reset_sender, warmup=1, iters=iters)
     reset_sender()
     encoded = list(sender.encode(new))
     buckets = [b for b, _ in encoded]
+    ranges = [(e.name, e.start, e.length) for b in buckets for e in parse_bucket(b).entries]
     rx_t = {n: t.clone() for n, t in prev.items()}
     state: dict = {}
 
     def reset_rx() -> None:
-        for n in names:
-            rx_t[n].copy_(prev[n])
-        state["rx"] = SyncReceiver(rx_t, version=encoded[0][1].base_version)
+        for n, t in prev.items():
+            rx_t[n].copy_(t)
+        state["rx"] = SyncReceiver(rx_t, verify="incremental", version=encoded[0][1].base_version)
+        state["rx"].rehash(ranges)
 
     def apply() -> None:
         for b in buckets:
@@ -69,14 +70,15 @@ def measure_lr(width: int, layers: int, lr: float, iters: int) -> dict:
     t_app = measure(apply, setup=reset_rx, warmup=1, iters=iters)
     reset_rx()
     apply()
-    if not all(torch.equal(rx_t[n].view(torch.int16), new[n].view(torch.int16)) for n in names):
+    if not all(torch.equal(rx_t[n].view(torch.int16), new[n].view(torch.int16)) for n in new):
         raise AssertionError("receiver differs from sender")
     params = sum(t.numel() for t in prev.values())
-    changed = sum(int((prev[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in names)
-    out = {"lr": lr, "params": params, "changed": changed, "density": changed / params,
-           "wire_bytes": sum(b.numel() for b in buckets), "dense_bytes": 2 * params,
-           "encode_ms": t_enc["median_ms"], "apply_ms": t_app["median_ms"]}
-    del model, sender, buckets, encoded, rx_t, state, prev, new
+    changed = sum(int((prev[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in new)
+    wire = sum(b.numel() for b in buckets)
+    out = {"part": "measured", "lr": lr, "params": params, "changed": changed, "density": changed / params,
+           "wire_bytes": wire, "ratio_vs_dense": 2 * params / wire, "encode_ms": t_enc["median_ms"],
+           "apply_ms": t_app["median_ms"], "encode_s_per_param": t_enc["median_ms"] * 1e-3 / params,
+           "apply_s_per_param": t_app["median_ms"] * 1e-3 / params, "payload_bytes_per_param": wire / params}
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return out
@@ -90,45 +92,68 @@ def main() -> None:
     args = p.parse_args()
     quick = args.quick or not torch.cuda.is_available()
     width = args.width or (256 if quick else 4096)
-    layers = args.layers or (4 if quick else 30)
+    layers = args.layers or (4 if quick else 30)  # 30 x 4096^2 = 503M parameters
     iters = args.iters or (3 if quick else 10)
+    lrs = (1e-6, 1e-5) if quick else LRS
     t0 = time.perf_counter()
     copy_gbs = copy_bandwidth_gbs()
-    rows = []
-    for lr in (1e-6, 1e-5):
-        r = measure_lr(width, layers, lr, iters)
-        dense_copy_s = 2 * r["dense_bytes"] / (copy_gbs * 1e9)
-        for link in LINKS_GBIT:
-            bw = link * 1e9 / 8  # bytes / s
-            sparse_s = r["encode_ms"] * 1e-3 + r["wire_bytes"] / bw + r["apply_ms"] * 1e-3
-            dense_s = r["dense_bytes"] / bw + dense_copy_s
-            rows.append({**r, "link_gbit": link, "sparse_s": sparse_s, "dense_s": dense_s,
-                         "transfer_s": r["wire_bytes"] / bw, "speedup": dense_s / sparse_s,
-                         "ratio_vs_dense": r["dense_bytes"] / r["wire_bytes"]})
+    rows = [measure_step(width, layers, lr, iters) for lr in lrs]
+    points = [SyncRates(r["density"], r["encode_s_per_param"], r["apply_s_per_param"], r["payload_bytes_per_param"])
+              for r in rows if r["changed"]]
+    lo, hi = min(pt.density for pt in points), max(pt.density for pt in points)
+    targets = [d for d in DENSITIES if lo <= d <= hi] or sorted(pt.density for pt in points)
+    for model, params in MODELS.items():
+        for d in targets:
+            rates = rates_at(points, d)
+            for link in LINKS_GBIT:
+                pr = project_sync(params, rates, link, copy_gbs=copy_gbs)
+                rows.append({"part": "projection", "model": model, "params": params, "density": d,
+                             "link_gbit": link, "payload_bytes": pr.payload_bytes, "encode_s": pr.encode_s,
+                             "transfer_s": pr.transfer_s, "apply_s": pr.apply_s, "sparse_s": pr.sparse_s,
+                             "dense_s": pr.dense_s, "pipelined_dense_s": pr.pipelined_dense_s,
+                             "checkpoint_engine_s": pr.checkpoint_engine_s, "speedup_vs_dense": pr.speedup_vs_dense,
+                             "speedup_vs_pipelined": pr.speedup_vs_pipelined})
     config = {"width": width, "layers": layers, "params": width * width * layers, "iters": iters, "quick": quick,
-              "links_gbit": list(LINKS_GBIT), "copy_gbs": copy_gbs, "wall_s": time.perf_counter() - t0}
+              "lrs": list(lrs), "links_gbit": list(LINKS_GBIT), "models": MODELS, "densities": targets,
+              "copy_gbs": copy_gbs, "wall_s": time.perf_counter() - t0,
+              "model": "sparse = encode + wire bytes / link + apply (per-parameter rates measured here, no overlap); "
+                       "dense = 2 B/param / link + one device copy; pipelined dense = max(transfer, copy); "
+                       "checkpoint engine: 20 s per 1e12 params as reported, scaled"}
     write_json(NAME, config, rows, out_dir=args.out)
-    print_table(rows, ["lr", "density", "link_gbit", "wire_bytes", "ratio_vs_dense", "encode_ms", "apply_ms",
-                       "transfer_s", "sparse_s", "dense_s", "speedup"])
+    print_table([r for r in rows if r["part"] == "measured"],
+                ["lr", "density", "wire_bytes", "ratio_vs_dense", "encode_ms", "apply_ms"])
+    print_table([r for r in rows if r["part"] == "projection"],
+                ["model", "density", "link_gbit", "sparse_s", "dense_s", "pipelined_dense_s", "checkpoint_engine_s",
+                 "speedup_vs_pipelined"])
 
 
 def plot(result: dict, png_path) -> None:
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
-    lrs = sorted({r["lr"] for r in rows})
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for k, lr in enumerate(lrs):
-        rs = sorted((r for r in rows if r["lr"] == lr), key=lambda r: r["link_gbit"])
-        ax.loglog([r["link_gbit"] for r in rs], [r["sparse_s"] for r in rs], f"C{k}-o",
-                  label=f"sparse, lr {lr:g} ({100 * rs[0]['density']:.1f}% changed)")
-    rs = sorted((r for r in rows if r["lr"] == lrs[0]), key=lambda r: r["link_gbit"])
-    ax.loglog([r["link_gbit"] for r in rs], [r["dense_s"] for r in rs], "k--", label="dense bf16")
-    ax.set_xlabel("link (Gbit/s)")
-    ax.set_ylabel("sync time (s)")
-    ax.set_title(f"weight sync, {result['config']['params'] / 1e6:.3g}M params")
-    ax.legend(fontsize=8)
-    save_figure(fig, png_path, dpi=130)
+    proj = [r for r in result["rows"] if r.get("part") == "projection"]
+    if not proj:
+        print("sync_links: results of the earlier benchmark (no projection); its plot is left as it is")
+        return
+    models = list(result["config"]["models"])
+    dens = sorted({r["density"] for r in proj})
+    d0 = min(dens, key=lambda d: abs(d - 0.01))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rs = sorted((r for r in proj if r["model"] == model and r["density"] == d0), key=lambda r: r["link_gbit"])
+        x = [r["link_gbit"] for r in rs]
+        for d in dens:
+            ax.loglog(x, [r["sparse_s"] for r in sorted((r for r in proj if r["model"] == model and r["density"] == d),
+                                                          key=lambda r: r["link_gbit"])], "-o", ms=3,
+                      label=f"sparse, {100 * d:.1f}% changed")
+        ax.loglog(x, [r["dense_s"] for r in rs], "k--", label="dense broadcast")
+        ax.loglog(x, [r["pipelined_dense_s"] for r in rs], "k:", label="pipelined dense")
+        ax.axhline(rs[0]["checkpoint_engine_s"], color="grey", lw=0.7, label="checkpoint-engine rate (reported)")
+        ax.set_xlabel("link (Gbit/s)")
+        ax.set_title(f"{model} bf16")
+    axes[0][0].set_ylabel("sync time (s)")
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, png_path, title=f"projected from {result['config']['params'] / 1e6:.3g}M-param AdamW steps, "
+                                     f"{result['environment']['device']}", dpi=130)
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
 
-from sparrow.training import init_weights  # noqa: E402
-
 from sparrow.kernels.sync import api as K  # noqa: E402
 from sparrow.sync import empirical_entropy_bits, position_entropy_bits  # noqa: E402
-from sparrow.sync.codecs import SliceJob, encode_slices  # noqa: E402
+from sparrow.sync.codecs import SliceJob, slice_sizes  # noqa: E402
+from sparrow.sync.synthetic import SyntheticGrads, linear_stack, perturb_bits  # noqa: E402
 
 NAME = "sync_payload"
 CODECS = ("dense", "coo", "compact", "auto")
@@ -46,19 +45,6 @@ def sync_device() -> None:
         torch.cuda.synchronize()
 
 
-def perturb(base: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    """``base`` with a ``density`` fraction of bit patterns moved by +-1 (90 %), +-2 (7 %), +-3 (3 %)."""
-    b = base.reshape(-1).view(torch.int16)
-    n = b.numel()
-    u = torch.rand(n, generator=gen, device=base.device)
-    ch = u < density
-    r = torch.rand(n, generator=gen, device=base.device)
-    mag = 1 + (r > 0.90).to(torch.int32) + (r > 0.97).to(torch.int32)
-    sign = torch.where(torch.rand(n, generator=gen, device=base.device) < 0.5, -1, 1)
-    v = (b.to(torch.int32) + torch.where(ch, mag * sign, 0)) & 0xFFFF
-    return (v - ((v >> 15) << 16)).to(torch.int16).view(torch.bfloat16).view(base.shape)
-
-
 def slices(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[SliceJob]:
     jobs = []
     for o, x in zip(old, new):
@@ -71,11 +57,11 @@ def slices(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[SliceJob]:
 def codec_bytes(old: list[torch.Tensor], new: list[torch.Tensor], *, entropy: bool = True) -> dict:
     """Bytes of each codec for the change old -> new (lists of bf16 tensors), bounds, and counts."""
     jobs = slices(old, new)
-    enc = encode_slices(jobs, "compact", with_hash=False)
-    out = {"n": sum(j.old.numel() for j in jobs), "m": sum(e.nchanged for e in enc)}
+    enc = slice_sizes(jobs)
+    out = {"n": sum(j.old.numel() for j in jobs), "m": sum(m for m, _ in enc)}
     for c in ("dense", "coo", "compact"):
-        out[c] = sum(e.sizes[c] for e in enc)
-    out["auto"] = sum(min(e.sizes.values()) for e in enc)
+        out[c] = sum(sz[c] for _, sz in enc)
+    out["auto"] = sum(min(sz.values()) for _, sz in enc)
     if entropy:
         pos_bits = 0.0
         codes = []
@@ -98,7 +84,7 @@ def density_sweep(n: int, densities: list[float], seed: int = 0) -> list[dict]:
     base = (torch.randn(n, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
     rows = []
     for d in densities:
-        new = perturb(base, d, gen)
+        new = perturb_bits(base, d, gen)
         t0 = time.perf_counter()
         b = codec_bytes([base], [new])
         sync_device()
@@ -115,28 +101,6 @@ def density_sweep(n: int, densities: list[float], seed: int = 0) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------
 # real AdamW updates
 # ---------------------------------------------------------------------------------------------------
-
-def linear_stack(width: int, layers: int, dev: torch.device, seed: int = 0) -> torch.nn.Module:
-    """``layers`` bias-free ``Linear(width, width)`` in fp32, weights N(0, 0.02^2)."""
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False, device=dev) for _ in range(layers)])
-    init_weights(model, 0.02)
-    return model
-
-
-class SyntheticGrads:
-    """g_t = 0.5 * direction + noise_t (both N(0, 1e-3^2)); the direction is fixed per tensor."""
-
-    def __init__(self, model: torch.nn.Module, seed: int = 1) -> None:
-        self.params = list(model.parameters())
-        dev = self.params[0].device
-        self.gen = torch.Generator(device=dev).manual_seed(seed)
-        self.dirs = [torch.randn(p.shape, generator=self.gen, device=dev) * 1e-3 for p in self.params]
-
-    def fill(self) -> None:
-        for p, d in zip(self.params, self.dirs):
-            p.grad = 0.5 * d + torch.randn(p.shape, generator=self.gen, device=p.device) * 1e-3
-
 
 def bf16_copies(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach().to(torch.bfloat16) for p in model.parameters()]

@@ -27,7 +27,9 @@ from typing import Any, Callable
 
 import torch
 
-from sparrow.rl.runs import mean, median  # noqa: F401 (the benchmarks' summaries)
+if not torch.cuda.is_available():  # the CPU smoke runs: Triton through its interpreter, set before sparrow imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+from sparrow.rl.runs import mean, median  # noqa: E402, F401 (the benchmarks' summaries)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "docs" / "benchmarks"
@@ -230,6 +232,24 @@ def save_figure(fig, path: Path | str, title: str | None = None, dpi: int = 120)
 
 def load_json(path: Path | str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
+
+
+def density_arg(value: str | None, key: str) -> list[float]:
+    """A benchmark's ``--density``: numbers (``"0.89,0.55"``), or the JSON of ``bench_rtpurbo_accuracy.py`` read by
+    ``key`` — a top-level value, else the largest over its summary / rows at their longest ``context``."""
+    if not value:
+        return []
+    if not value.endswith(".json"):
+        return [float(x) for x in value.split(",")]
+    doc = load_json(value)
+    if key in doc:
+        return [float(doc[key])]
+    rows = [r for part in ("summary", "rows") for r in doc.get(part, [])
+            if isinstance(r, dict) and r.get(key) is not None]
+    if not rows:
+        raise SystemExit(f"{value} has no {key!r}: give the measured density as a number (--density 0.9)")
+    longest = max(r.get("context", 0) for r in rows)
+    return [max(float(r[key]) for r in rows if r.get("context", 0) == longest)]
 
 
 def base_parser(description: str, options: list[tuple] = ()) -> argparse.ArgumentParser:

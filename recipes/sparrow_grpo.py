@@ -13,6 +13,9 @@ With ``shared_prefix: true`` the trainer computes each prompt once per group (on
 group, :func:`sparrow.rl.shared_prefix_logprobs`): the same log-probs and gradients for a fraction of the
 work when prompts are long and responses short; minibatches then hold whole groups.
 
+Partial rollout (``partial_rollout.enabled``): a step trains on the first ``prompts_per_step`` groups to finish and
+the others keep decoding into the next step, across the weight sync (:mod:`sparrow.rl.partial`).
+
 Distributed: ranks ``0 .. trainer_ranks-1`` train (with more than one, the model is sharded with FSDP2
 and each trainer takes an equal share of every minibatch), the other ranks roll out disjoint shares of
 the prompts; rank 0 gathers the whole bf16 weights and sends the sparse sync to the rollout ranks.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import sys
 import time
@@ -42,6 +46,8 @@ from sparrow.models import load_model_state, policy_parameters, use_attention
 from sparrow.rl import (
     GRPOConfig,
     ListSource,
+    PartialRollout,
+    PartialRolloutConfig,
     PromptFormat,
     TaskSource,
     aggregation_weights,
@@ -61,7 +67,10 @@ from sparrow.rl import (
     restore_rng_state,
     save_checkpoint,
     shared_prefix_logprobs,
+    StalenessStats,
     stop_ids,
+    tail_agreement,
+    tail_agreement_by,
 )
 from sparrow.rl.recipe_config import check_config, check_values, parse
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
@@ -108,6 +117,10 @@ class GRPORecipe:
             raise ValueError(f"shared_prefix packs whole groups: a trainer's share of a minibatch ({share} samples) "
                              f"and micro_batch_size ({cfg.micro_batch_size}) must be multiples of group_size "
                              f"({self.group})")
+        self.partial_cfg = PartialRolloutConfig(**(cfg.get("partial_rollout") or {}))
+        if self.partial_cfg.enabled:
+            self.partial_cfg.check(self.prompts_per_step, n_roll)
+        self.partial: PartialRollout | None = None  # this rollout rank's, with partial rollout on
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, cfg: DictConfig) -> None:
@@ -122,6 +135,7 @@ class GRPORecipe:
             self._setup_trainer(cfg, model, ckpt)
         del model
         self._setup_sync(cfg)
+        self._setup_partial_rollout(cfg, ckpt)
         if ckpt is not None:  # last: restore the random state the checkpointed run had at this step
             restore_rng_state(ckpt)
         if self.is_main:
@@ -216,26 +230,81 @@ class GRPORecipe:
 
     def _setup_rollout(self, cfg: DictConfig, model) -> None:
         """The bf16 rollout copy (configured attention), the drafter, the engine compiled and captured for every
-        batch size, and the sync receiver. Version 0 of the sync: the copy holds the trainer's bf16 bits."""
+        batch size, and the sync receiver. Version 0 of the sync: the copy holds the trainer's bf16 bits. Its phases
+        (compilation per kind of step, graph capture, calibration) show as progress bars and are logged as
+        ``setup/*`` with the first step's metrics."""
+        t_setup = time.perf_counter()
         self.rollout_model = copy.deepcopy(model)
         use_attention(self.rollout_model, config.instantiate(cfg.attention))
         self.rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
         # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache, and the
         # toggle that decides when and how far to draft (built on the engine: a cost model measures it)
         spec, self.drafter, engine_cfg = cfg.get("speculative"), None, dict(cfg.engine)
+        lengths: list[int] = []
         if spec is not None:
             self.drafter = QuantizedSelfDrafter(self.rollout_model, config.instantiate(spec.drafter))
             # scratch for the longest draft the toggle can ask for: its ladder and / or its fixed length
-            engine_cfg["max_draft"] = max(list(spec.toggle.get("draft_lengths") or [])
-                                          + [spec.toggle.get("num_draft") or 4])
+            lengths = list(spec.toggle.get("draft_lengths") or []) + [spec.toggle.get("num_draft") or 4]
+            engine_cfg["max_draft"] = max(lengths)
+        # compiled code and calibrations persist under the run's output (engine.compile_cache; null: none), so the
+        # next run of this configuration starts warm
+        engine_cfg.setdefault("compile_cache", str(self.output_dir / "compile_cache"))
+        engine_cfg.setdefault("progress", self.rank == (0 if self.world == 1 else self.trainers))
         self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
+        compiled, params = cfg.engine.get("compile", True), self._sampling_params()
+        cache = self.engine.compile_cache
+        warm = compiled and cache is not None and cache.warm  # an earlier run compiled this configuration
+        if compiled:  # every batch size compiled and captured now, not in a step; the draft lengths of the config
+            self.engine.prepare(params, draft_lengths=lengths)  # first, so a calibration only measures
         if spec is not None:
-            self.engine.toggle = config.instantiate(spec.toggle, engine=self.engine, params=self._sampling_params())
-        if cfg.engine.get("compile", True):  # every batch size compiled and captured now, not in a step
-            self.engine.prepare(self._sampling_params())
+            t0, before = time.perf_counter(), _seconds(self.engine.setup_seconds)
+            self.engine.toggle = config.instantiate(spec.toggle, engine=self.engine, params=params)
+            # the cost model's measurement (or its load from the cache), without what it compiled or captured
+            spent = time.perf_counter() - t0 - (_seconds(self.engine.setup_seconds) - before)
+            self._add_setup_metrics({"setup/calibrate_s": max(0.0, spent)})
+        self._setup_rtpurbo_schedule()
+        if compiled:
+            self.engine.prepare(params)  # whatever else the toggle can ask for
+            if cfg.eval.every:  # the greedy evaluation is a sampling mode of its own
+                self.engine.prepare(self._eval_params())
         # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
         self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
         self.receiver = ssync.SyncReceiver(policy_parameters(self.rollout_model), verify=cfg.sync.verify)
+        self._add_setup_metrics(self.engine.setup_seconds)
+        self._add_setup_metrics({f"setup/graphs_{k}": float(n) for k, n in self.engine.compiled_graphs.items()})
+        self._add_setup_metrics({"setup/rollout_s": time.perf_counter() - t_setup,
+                                 "setup/cache_warm": float(warm)})
+
+    # ------------------------------------------------------------------------------- setup phases
+    def _add_setup_metrics(self, values: dict[str, float]) -> None:
+        """Setup phase seconds (and counts), logged once, with the first step's metrics (``setup/*``)."""
+        self.__dict__.setdefault("setup_metrics", {}).update(values)
+
+    def _take_setup_metrics(self) -> dict[str, float]:
+        """The setup metrics not logged yet (then none: they go out with the first step)."""
+        return self.__dict__.pop("setup_metrics", {})
+
+    def _eval_params(self) -> SamplingParams:
+        """Greedy decoding for the held-out evaluation."""
+        return SamplingParams(temperature=0.0, max_new_tokens=self.sampling["max_new_tokens"],
+                              stop_token_ids=self.stop_ids, vocab_limit=self.vocab_limit)
+
+    @functools.cached_property
+    def schedule(self):
+        """The RTPurbo sparsity schedule (``rtpurbo_schedule``), or None; every rank keeps one (rank 0 measures the
+        tail, the rollout ranks apply the top-p)."""
+        from sparrow.attention.rtpurbo_schedule import SparsitySchedule
+
+        sec = self.cfg.get("rtpurbo_schedule")
+        return None if sec is None else SparsitySchedule(config.instantiate(sec))
+
+    def _setup_rtpurbo_schedule(self) -> None:
+        """The schedule's first top-p tiers into the rollout copy's RTPurbo buffers (in place: graphs stay valid)."""
+        if self.schedule is not None:
+            try:
+                self.schedule.apply(self.rollout_model)
+            except ValueError as e:
+                raise ValueError(f"rtpurbo_schedule needs RTPurbo rollout attention: {e}") from None
 
     def _setup_sync(self, cfg: DictConfig) -> None:
         """The sender on rank 0 (from the trainer's bf16 weights), codec warm-up, the transport."""
@@ -247,17 +316,56 @@ class GRPORecipe:
                                                anchor_every=cfg.sync.anchor_every)
         if cfg.sync.codec != "dense" and self.device.type == "cuda" and (self.is_main or self.is_rollout):
             # the sparse codec's Triton kernels compile now, not inside the first sync that carries changes
+            t0 = time.perf_counter()
             ssync.warmup(weights if self.is_main else policy_parameters(self.rollout_model), codec=cfg.sync.codec,
                          bucket_bytes=cfg.sync.bucket_bytes)
+            self._wait_device()
+            self._add_setup_metrics({"setup/sync_warmup_s": time.perf_counter() - t0})
         self.transport = None
         if self.world == 1:
             self.transport = ssync.InProcessTransport()
         elif self.is_main or self.is_rollout:
             self.transport = ssync.DistributedTransport(src=0, group=self.sync_group, device=self.device)
 
+    def _setup_partial_rollout(self, cfg: DictConfig, ckpt: Path | None) -> None:
+        """The engine stamps tokens with the step's policy version; with ``partial_rollout.enabled`` each rollout
+        rank keeps its share of the groups in flight (:class:`sparrow.rl.PartialRollout`, drawing its share of each
+        batch). On resume the checkpointed groups are queued first and restart (``docs/grpo.md``)."""
+        if not self.is_rollout:
+            return
+        self.engine.set_policy_version(self.step)
+        if not self.partial_cfg.enabled:
+            return
+        n_roll = max(1, self.world - self.trainers)
+        share = self.prompts_per_step // n_roll
+        lo = 0 if self.world == 1 else (self.rank - self.trainers) * share
+
+        def score(row: dict[str, Any], s) -> float:
+            return self.reward_fn(row["answer"], decode_response(self.tokenizer, s.tokens, self.stop_ids))
+
+        self.partial = PartialRollout(self.engine, self.partial_cfg, prompts_per_step=share,
+                                      overprovision=self.partial_cfg.overprovision // n_roll, group=self.group,
+                                      draw=lambda: next(self.data_iter)[lo: lo + share], score=score)
+        saved = json.loads((ckpt / "state.json").read_text()).get("partial") if ckpt is not None else None
+        if saved is not None:  # a synchronous run's checkpoint has none: start from its data position
+            ranks = saved["ranks"]
+            if len(ranks) != n_roll:
+                raise ValueError(f"the checkpoint {ckpt} holds the in-flight groups of {len(ranks)} rollout ranks; "
+                                 f"this run has {n_roll}")
+            mine = ranks[0 if self.world == 1 else self.rank - self.trainers]
+            self.loader.load_state_dict(mine["loader"])
+            self.data_iter = iter(self.loader)
+            self.partial.load_state_dict(mine)
+
     # ------------------------------------------------------------------------------------------- train
-    def _rollout(self, batch: list[dict[str, Any]]):
-        """Generate on this rank's share of the prompts; returns (prompts, samples, rewards)."""
+    def _rollout(self, batch: list[dict[str, Any]] | None):
+        """Generate on this rank's share of the prompts; returns (prompts, samples, rewards). With partial rollout
+        (``batch`` None): the groups this step trains, its ``partial/*`` counters in ``self.partial_metrics``."""
+        if self.partial is not None:
+            eval_next = self.cfg.eval.every and (self.step + 1) % self.cfg.eval.every == 0
+            out = self.partial.step(self.step, self._sampling_params(), drain=bool(eval_next))  # eval: engine free
+            self.partial_metrics = out.metrics
+            return [r["prompt_ids"] for r in out.rows], out.generation, out.rewards
         share = len(batch) // max(1, self.world - self.trainers)
         lo = 0 if self.world == 1 else (self.rank - self.trainers) * share
         mine = batch[lo: lo + share] if self.world > 1 else batch
@@ -303,7 +411,9 @@ class GRPORecipe:
         out.update({"attention/indexer_recall": summary["recall"], "attention/indexer_density": summary["density"]})
         return out
 
-    def _train_on(self, rb) -> dict[str, float]:
+    def _train_on(self, rb, version: int | None = None) -> dict[str, float]:
+        """The step's updates on ``rb``; ``version``: π_old's policy version (the staleness metrics of partial
+        rollout measure token ages from it)."""
         cfg, model = self.cfg, self.model
         if int(rb.tokens.max()) >= self.vocab_limit:  # host tensors: a sample from outside the engine's support
             raise ValueError(f"step {self.step}: token id {int(rb.tokens.max())} is past the tokenizer's "
@@ -322,6 +432,7 @@ class GRPORecipe:
                                  for s in self._micro(range(N))])
         self._wait_device()
         t_logprob = time.perf_counter() - t0
+        pi_old = old if updates > 1 else torch.zeros_like(rb.behaviour_logprobs)  # every token's: the tail statistic
         sums: dict[str, torch.Tensor] = {}  # on the device: one host sync per step, not per micro-batch
         mb_size = N // cfg.minibatches
         T, r = self.trainers, self.rank
@@ -342,6 +453,8 @@ class GRPORecipe:
                     with self._autocast():
                         lp = self._logprobs(sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
                     o = old[ids] if updates > 1 else lp.detach()
+                    if updates == 1:
+                        pi_old[ids] = o
                     loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s],
                                            self.grpo)
                     # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's
@@ -354,6 +467,7 @@ class GRPORecipe:
                 gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
                 sums["grad_norm"] = gn.detach() / T  # the last update's (summed over the trainers below)
                 self.optimizer.step()
+        sums.update(self._tail_sums(rb, pi_old, gather=updates == 1))
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in sums.values()])
         if T > 1:  # every trainer holds its rows' share of each metric
             dist.all_reduce(values, group=self.mesh.get_group())
@@ -361,7 +475,52 @@ class GRPORecipe:
         self._wait_device()
         metrics["time/logprob_s"] = t_logprob
         metrics["time/train_s"] = time.perf_counter() - t0 - t_logprob
+        if version is not None and self.partial_cfg.enabled:  # pi_old is whole on every trainer here
+            metrics.update(self._staleness_metrics(rb, pi_old, version))
         return metrics
+
+    def _staleness_metrics(self, rb, pi_old: torch.Tensor, version: int) -> dict[str, float]:
+        """Partial rollout: the response tokens by version age (π_old's version minus the one that sampled them):
+        their share, IS clip fraction, mismatch KL (:class:`sparrow.rl.StalenessStats`) and the tail agreement
+        (``partial/tail_agreement_age<k>``, :func:`sparrow.rl.tail_agreement_by`)."""
+        age = torch.where(rb.mask, version - rb.versions, 0)
+        out = StalenessStats.of(pi_old, rb.behaviour_logprobs, rb.mask, age, self.grpo,
+                                self.partial_cfg.max_staleness).metrics()
+        tails = tail_agreement_by(age, rb.behaviour_logprobs, pi_old, rb.mask)
+        out.update({f"partial/tail_agreement_age{k}": v for k, v in tails.items()})
+        return out
+
+    def _tail_sums(self, rb, pi_old: torch.Tensor, gather: bool) -> dict[str, torch.Tensor]:
+        """Lower tail of the per-token agreement of the behaviour log-probs with π_old (``sparrow.rl.mismatch``), on
+        the device; per length tier of a sparsity schedule with several. Each trainer holds 1/T of it (the metrics
+        are summed over the trainers)."""
+        T, sched = self.trainers, self.schedule
+        if gather and T > 1:  # each trainer scored its own rows (zeros elsewhere)
+            dist.all_reduce(pi_old, group=self.mesh.get_group())
+        q = sched.config.quantile if sched is not None else 0.05
+        out = {_tail_key(q): tail_agreement(rb.behaviour_logprobs, pi_old, rb.mask, q) / T}
+        if sched is not None and len(sched.config.lengths) > 1:
+            tier = sched.tier_of(torch.arange(rb.max_response_len, device=rb.mask.device)).expand_as(rb.mask)
+            for i in range(len(sched.config.lengths)):
+                sel = rb.mask & (tier == i)
+                out[f"{_tail_key(q)}/tier{i}"] = tail_agreement(rb.behaviour_logprobs, pi_old, sel, q) / T
+        return out
+
+    def _schedule_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Between steps: the sparsity schedule moves RTPurbo's top-p by the tail rank 0 measured (sent to every
+        rank); the rollout ranks write it into their backends."""
+        c = self.schedule.config
+        keys = [_tail_key(c.quantile)] if len(c.lengths) == 1 else \
+            [f"{_tail_key(c.quantile)}/tier{i}" for i in range(len(c.lengths))]
+        t = torch.tensor([metrics.get(k, float("nan")) for k in keys], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.broadcast(t, src=0)
+        tails = t.tolist()
+        tail = tails[0] if len(tails) == 1 else dict(enumerate(tails))
+        if self.is_rollout:
+            return self.schedule.step(tail, self.rollout_model)
+        top = self.schedule.update(tail)
+        return {"rtpurbo/top_p": top[0], **{f"rtpurbo/top_p/tier{i}": v for i, v in enumerate(top) if i}}
 
     def _logprob_fn(self):
         if self.shared_prefix:
@@ -442,9 +601,7 @@ class GRPORecipe:
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out set (rollout side; rank 1 reports in distributed runs)."""
         prompts = [p for p, _ in self.eval_set]
-        out = self.engine.generate(prompts, 1, SamplingParams(
-            temperature=0.0, max_new_tokens=self.sampling["max_new_tokens"], stop_token_ids=self.stop_ids,
-            vocab_limit=self.vocab_limit))
+        out = self.engine.generate(prompts, 1, self._eval_params())
         hits = [self.reward_fn(a, decode_response(self.tokenizer, s.tokens, self.stop_ids))
                 for s, (_, a) in zip(out.samples, self.eval_set)]
         return sum(hits) / len(hits)
@@ -457,26 +614,30 @@ class GRPORecipe:
             self._log_eval()
         while self.step < cfg.total_steps:
             t_step = time.perf_counter()
-            batch = next(self.data_iter)
+            partial = self.partial_cfg.enabled  # the rollout ranks draw their prompts themselves
+            batch = None if partial else next(self.data_iter)
             metrics: dict[str, float] = {}
             t0 = time.perf_counter()
             local = self._rollout(batch) if self.is_rollout else None
+            if local is not None:
+                metrics.update(self._rollout_metrics(local[1]))
+                if partial:
+                    metrics.update(self.partial_metrics)
             if self.world == 1:
                 prompts, gen, rewards = local
                 samples = gen.samples
-                metrics.update(self._rollout_metrics(gen))
             else:
-                if local is not None:
-                    metrics.update(self._rollout_metrics(local[1]))
-                prompts, samples, rewards = exchange_rollouts(batch, local, self.group, self.world, self.rank,
-                                                              self.device, self.sampling["max_new_tokens"],
-                                                              trainers=self.trainers)
+                prompts, samples, rewards = exchange_rollouts(
+                    batch, local, self.group, self.world, self.rank, self.device, self.sampling["max_new_tokens"],
+                    trainers=self.trainers, n_prompts=self.prompts_per_step,
+                    max_prompt_len=self.cfg.engine.max_prompt_len if partial else None)
             metrics["time/rollout_s"] = time.perf_counter() - t0
+            version = self.step  # of the weights that sampled this step's newest tokens, and of π_old
             self.step += 1
             if self.is_trainer:
                 adv = group_advantages(rewards.view(-1, self.group), self.grpo.advantage_scale).flatten()
                 rb = build_rollout_batch(prompts, samples, self.group, rewards, adv, pad_id=self.tokenizer.pad_id)
-                metrics.update(self._train_on(rb))
+                metrics.update(self._train_on(rb, version))
                 lengths = rb.response_len.float()
                 n_tokens = int(rb.response_len.sum())
                 metrics.update({
@@ -493,6 +654,10 @@ class GRPORecipe:
                 t0 = time.perf_counter()
                 self.drafter.refresh()
                 metrics["time/drafter_refresh_s"] = time.perf_counter() - t0
+            if self.is_rollout:  # tokens sampled from here on carry the new version (rows in flight keep theirs)
+                self.engine.set_policy_version(self.step)
+            if self.schedule is not None:  # RTPurbo's top-p follows the tail agreement, between steps
+                metrics.update(self._schedule_step(metrics))
             rc = cfg.get("indexer_refresh")
             if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
                 local_prompts, local_samples = (local[0], local[1].samples)
@@ -509,6 +674,7 @@ class GRPORecipe:
                 self.history.append({"step": self.step, "reward": metrics["reward/mean"],
                                      "wall_s": metrics["time/step_s"], **({"eval": metrics["eval/accuracy"]}
                                                                           if "eval/accuracy" in metrics else {})})
+                metrics.update(self._take_setup_metrics())  # the first step's record carries the setup phases
                 self.metric_logger.log_dict(metrics, step=self.step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}",
@@ -536,11 +702,16 @@ class GRPORecipe:
     # ---------------------------------------------------------------------------------------- save / end
     def save_checkpoint(self) -> None:
         """Rank 0 writes the whole model and optimizer state (gathered from every trainer when sharded, in the
-        same files as an unsharded run: a checkpoint resumes with any number of trainer ranks)."""
+        same files as an unsharded run: a checkpoint resumes with any number of trainer ranks). With partial
+        rollout also every rollout rank's data position and in-flight groups (gathered: every rank joins)."""
+        partial = self._partial_state()
         if not self.is_trainer:
             return
         state = {"data": self.loader.state_dict(), "history": self.history,
                  "config": OmegaConf.to_container(self.cfg, resolve=True)}
+        if partial is not None:
+            state["partial"] = partial
+            state["data"] = partial["ranks"][0]["loader"]  # the data position a synchronous resume continues from
         if self.trainers == 1:
             save_checkpoint(self.output_dir / "checkpoints", self.step, model=self.model, optimizer=self.optimizer,
                             state=state)
@@ -554,6 +725,17 @@ class GRPORecipe:
         if self.is_main:
             save_checkpoint(self.output_dir / "checkpoints", self.step, model_state=weights,
                             optimizer_state=_rekey_optimizer_state(optim, self._param_position()), state=state)
+
+    def _partial_state(self) -> dict[str, Any] | None:
+        """Per rollout rank: its loader state and the data rows of its held groups (restarted on resume)."""
+        if not self.partial_cfg.enabled:
+            return None
+        mine = {"loader": self.loader.state_dict(), **self.partial.state_dict()} if self.is_rollout else None
+        if self.world == 1:
+            return {"ranks": [mine]}
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        return {"ranks": every[self.trainers:]}
 
     def _load_optimizer(self, ckpt: Path) -> None:
         saved = read_optimizer_state(ckpt)
@@ -584,6 +766,15 @@ def _rekey_optimizer_state(sd: dict[str, Any], key: dict) -> dict[str, Any]:
     layout (parameter names) and ``Optimizer.state_dict()``'s (positions), which checkpoints use."""
     return {"state": {key[p]: st for p, st in sd["state"].items()},
             "param_groups": [dict(g, params=[key[p] for p in g["params"]]) for g in sd["param_groups"]]}
+
+
+def _tail_key(q: float) -> str:
+    return f"mismatch/tail_agreement_p{100 * q:g}"  # q = 0.05: mismatch/tail_agreement_p5
+
+
+def _seconds(phases: dict[str, float]) -> float:
+    """The seconds of an engine's setup phases (``setup/*_s``; the cache lookup counts left out)."""
+    return sum(v for k, v in phases.items() if k.endswith("_s"))
 
 
 def _uses_rtpurbo(model, record: bool) -> bool:

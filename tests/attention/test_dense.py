@@ -6,15 +6,17 @@ from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_h
 from tests.helpers import DEVICE, random_tiny
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
-@pytest.mark.parametrize("T", [1, 4], ids=["T1", "T4"])
-def test_cached_decode_equals_full_forward(impl, T):
+@pytest.mark.parametrize("impl,T,shared", [("reference", 1, "auto"), ("reference", 4, True), ("triton", 1, "auto"),
+                                           ("triton", 4, True)],
+                         ids=["reference-T1", "reference-T4-shared", "triton-T1-per-row", "triton-T4-shared"])
+def test_cached_decode_equals_full_forward(impl, T, shared):
     """Prefill two prompts into shared prefix slots, decode blocks of T tokens for three rows: the
-    logits equal a full causal forward over each row's whole sequence."""
+    logits equal a full causal forward over each row's whole sequence (``shared``: through the shared-prefix
+    kernel, rows 1 and 2 one group; T = 4 is a verify step's shape)."""
     from functools import partial
 
     dev = DEVICE if impl == "triton" else torch.device("cpu")  # Triton: CUDA, or the CPU's interpreter
-    model = random_tiny("qwen2", attention=partial(DenseAttention, impl=impl)).to(dev)
+    model = random_tiny("qwen2", attention=partial(DenseAttention, impl=impl, shared_prefix=shared)).to(dev)
     spec = CacheSpec(num_prefixes=3, max_prefix_len=16, num_rows=4, max_gen_len=12)
     caches = [layer.attn.backend.init_cache(spec, dtype=torch.float32, device=dev) for layer in model.layers]
     prompts = [torch.randint(0, 64, (n,)).to(dev) for n in (11, 6)]
@@ -69,3 +71,42 @@ def test_auto_falls_back_where_triton_cannot_run_and_an_explicit_triton_says_why
                 sparse = RTPurboAttention(shape, RTPurboConfig(impl=impl)).validate_configuration(dtype=dtype,
                                                                                                   device=cpu)
                 assert sparse == dense
+
+
+def test_shared_prefix_choice():
+    """``"auto"`` takes the shared-prefix kernel exactly when the metadata groups the rows and Triton runs; True and
+    False decide alone; anything else is refused."""
+    from sparrow.attention.common import shared_prefix_on
+
+    rows = torch.arange(3)
+    plain = DecodeMeta(rows, torch.tensor([0, 0, 1]), torch.tensor([5, 5, 2]), torch.zeros(3, dtype=torch.int64))
+    grouped = plain.grouped()
+    assert grouped.group_start.tolist() == [0, 0, 2] and grouped.grouped() is grouped
+    assert [shared_prefix_on("auto", m, i) for m in (plain, grouped) for i in ("reference", "triton")] == \
+        [False, False, False, True]
+    assert all(shared_prefix_on(True, m, i) for m in (plain, grouped) for i in ("reference", "triton"))
+    assert not any(shared_prefix_on(False, m, "triton") for m in (plain, grouped))
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="shared_prefix"):
+            DenseAttention(LayerShape(0, 4, 2, 16), shared_prefix=bad)
+
+
+def test_engine_with_the_shared_prefix_kernel_matches_the_naive_generator():
+    """A GRPO rollout whose rows finish at different times (groups shrink unevenly) through the shared-prefix
+    Triton kernel (the CPU's interpreter without CUDA): the same tokens as a generator that recomputes every
+    sequence with dense attention."""
+    from functools import partial
+
+    from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
+
+    model = random_tiny("qwen2", std=0.15, attention=partial(DenseAttention, impl="triton", shared_prefix=True))
+    model = model.to(DEVICE)
+    prompts = [[5, 9, 2, 7, 7, 1, 3], [4, 8]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=tuple(range(0, 64, 6)), seed=2)
+    eng = RolloutEngine(model, EngineConfig(max_rows=8, max_prompt_len=16, max_new_tokens=4, compile=False,
+                                            block_steps=1))
+    out = eng.generate(prompts, 3, params)
+    assert len({s.length for s in out}) > 1  # rows left their groups at different steps
+    ref = generate_reference(model, prompts, 3, params)
+    assert [s.tokens.tolist() for s in out] == [s.tokens.tolist() for s in ref]
+    assert max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(out, ref)) < 1e-4

@@ -30,6 +30,7 @@ except ImportError:
 from sparrow.kernels.topp import triton_topp as tp
 from sparrow.kernels.sparse_decode import triton_sparse_decode as sd
 from sparrow.kernels.sparse_prefill import triton_block_scores as bs
+from sparrow.kernels.sparse_prefill import triton_local_merge as lm
 from sparrow.kernels.int8_linear import triton_int8_linear as il
 from sparrow.kernels.decode_attention import triton_decode as dd
 
@@ -47,40 +48,63 @@ def compile_(fn, args, constexprs, **options):
 i64, i32, f32 = "i64", "i32", "fp32"
 P64, P32, PF, PB = "*i64", "*i32", "*fp32", "*bf16"
 for mode, ncol in ((0, 4096), (1, 4096), (2, 1024)):
-    for keep_all in (False, True):
+    for keep_all, top_p in ((False, f32), (True, f32), (False, PF)):  # top_p a launch constant or a tensor
         for one_chunk in (False, True):
             compile_(tp._topp_kernel,
                      dict(SCORES=PF, SEL_IDX=P32, SEL_CNT=P32, A0=P64, A1=P64, NB=i32, stride_s=i32, stride_i=i32,
-                          H_INNER=i32, INNER=i32, top_p=f32),
+                          H_INNER=i32, INNER=i32, TOP_P=top_p, stride_p=i32),
                      dict(MODE=mode, BLOCK=64, QBLOCK=128, SINK_BLOCKS=1, LOCAL_WINDOW=128, CHUNK=ncol, ITERS=32,
-                          KEEP_ALL=keep_all, ONE_CHUNK=one_chunk), num_warps=8)
+                          KEEP_ALL=keep_all, ONE_CHUNK=one_chunk, TOP_P_PTR=top_p == PF), num_warps=8)
 strides = lambda *names: {n: i64 for n in names}
 for T in (1, 2):
-    compile_(sd._score_kernel,
-             dict(QI=PB, PIK=PB, GIK=PB, ROW_SLOT=P64, PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64, BS=PF,
-                  **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
-                            "stride_gs", "stride_gh", "stride_gl", "stride_bn"), H_RET=i32),
-             dict(T=T, R=16, BLOCK=64, BB=8, NUM_SPLITS=128, MIN_BLOCKS=16))
-    # the benchmark shapes (bf16, head_dim 128, 64-token blocks) and the unit tests' (float32 with exact
-    # float32 dots, head_dim 16, 8-token blocks padded to 16 lanes: tl.dot needs K >= 16 on the GPU)
-    for PT, D, QPK, BLOCK, ieee in ((PB, 128, 8, 64, False), (PF, 16, 2, 8, True)):
-        compile_(sd._attn_kernel,
-                 dict(Q=PT, PK=PT, PV=PT, GK=PT, GV=PT, SEL_IDX=P32, SEL_CNT=P32, RET_HEADS=P64, PLK=PT, PLV=PT,
-                      GLK=PT, GLV=PT, LOC_HEADS=P64, ROW_SLOT=P64, PREFIX_SLOT=P64, PREFIX_LEN=P64, CACHED_LEN=P64,
-                      O_PART=PF, LSE_PART=PF,
+    for project in (False, True)[:3 - T]:  # q_idx given, or (T=1) projected from the pre-RoPE queries in the kernel
+        compile_(sd._score_kernel,
+                 dict(QI=PB, QP=PB, WQ=PF, QSCALE=PF, RET_HEADS=P64, PIK=PB, GIK=PB, ROW_SLOT=P64, PREFIX_SLOT=P64,
+                      PREFIX_LEN=P64, CACHED_LEN=P64, BS=PF, COUNTERS=P32,
                       **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
-                                "stride_gs", "stride_gh", "stride_gl", "stride_si", "stride_lps", "stride_lph",
-                                "stride_lpl", "stride_lgs", "stride_lgh", "stride_lgl", "stride_oa", "stride_oh",
-                                "stride_ot", "stride_os", "stride_la", "stride_lh", "stride_lt"),
-                      qk_scale=f32, H_RET=i32),
-                 dict(T=T, QPK=QPK, D=D, IEEE=ieee, RET_BLOCK_M=16, BLOCK=BLOCK, RET_BLOCK_N=max(16, BLOCK), NS_RET=64,
-                      MIN_BLOCKS=4, LOC_BLOCK_M=max(16, QPK * T), LOC_BLOCK_N=64, NS_LOC=32, MIN_CHUNK=256, SINKS=4,
-                      SINK_P2=16, WINDOW=8192, WP=8192, WG=8256), num_warps=8)
+                                "stride_gs", "stride_gh", "stride_gl", "stride_bn", "stride_wh", "stride_wc"),
+                      H_RET=i32, NG=i32),
+                 dict(T=T, R=16, BLOCK=64, BB=8, NUM_SPLITS=128, MIN_BLOCKS=16, PROJECT=project, QPK=8, D=128,
+                      ZERO=project, NG_P2=8))
+    # the benchmark shapes (bf16, head_dim 128, 64-token blocks) and the unit tests' (float32 with exact
+    # float32 dots, head_dim 16, 8-token blocks padded to 16 lanes: tl.dot needs K >= 16 on the GPU) in the staged
+    # pipeline (the top-p kernel's list, a merge launch); at the benchmark shape and T=1 also the fused one
+    # (selection and merge in the launch, top_p on the device)
+    for PT, D, QPK, BLOCK, ieee in ((PB, 128, 8, 64, False), (PF, 16, 2, 8, True)):
+        modes = ((False, False, f32),) + (((True, True, PF),) if D == 128 and T == 1 else ())
+        for select, merge, top_p in modes:
+            compile_(sd._attn_kernel,
+                     dict(Q=PT, PK=PT, PV=PT, GK=PT, GV=PT, BS=PF, SEL_IDX=P32, SEL_CNT=P32, RET_HEADS=P64, PLK=PT,
+                          PLV=PT, GLK=PT, GLV=PT, LOC_HEADS=P64, ROW_SLOT=P64, PREFIX_SLOT=P64, PREFIX_LEN=P64,
+                          CACHED_LEN=P64, O_PART=PF, LSE_PART=PF, OUT=PT, COUNTERS=P32,
+                          **strides("stride_qa", "stride_qh", "stride_qt", "stride_ps", "stride_ph", "stride_pl",
+                                    "stride_gs", "stride_gh", "stride_gl", "stride_si", "stride_bn", "stride_lps",
+                                    "stride_lph", "stride_lpl", "stride_lgs", "stride_lgh", "stride_lgl",
+                                    "stride_oa", "stride_oh", "stride_ot", "stride_os", "stride_la", "stride_lh",
+                                    "stride_lt", "stride_a", "stride_h", "stride_t"),
+                          qk_scale=f32, TOP_P=top_p, stride_tp=i32, H_RET=i32, NB=i32, NG=i32),
+                     dict(T=T, QPK=QPK, D=D, IEEE=ieee, RET_BLOCK_M=16, BLOCK=BLOCK, RET_BLOCK_N=max(16, BLOCK),
+                          NS_RET=64, MIN_BLOCKS=4, LOC_BLOCK_M=max(16, QPK * T), LOC_BLOCK_N=64, NS_LOC=32,
+                          MIN_CHUNK=256, SINKS=4, SINK_P2=16, WINDOW=8192, WP=8192, WG=8256, SELECT=select,
+                          MERGE=merge, CHUNK=4096 if select else 16, ITERS=32, KEEP_ALL=False, SINK_BLOCKS=1,
+                          RET_WINDOW=128, RET_SPL=sd.merge_splits_per_step(16, D),
+                          LOC_SPL=sd.merge_splits_per_step(max(16, QPK * T), D), TOP_P_PTR=top_p == PF),
+                     num_warps=8)
     compile_(sd._merge_kernel,
              dict(O_PART=PF, LSE_PART=PF, OUT=PB, HEAD_IS_RET=P32,
                   **strides("stride_oa", "stride_oh", "stride_ot", "stride_os", "stride_la", "stride_lh",
                             "stride_lt", "stride_a", "stride_h", "stride_t")),
              dict(QPK=8, D=128, NS_RET=64, NS_LOC=32, SPLITS_P2=64))
+# the chunked local prefill's merge at the benchmark shape (bf16, head_dim 128, 4 sinks)
+for PT, D in ((PB, 128),):
+    compile_(lm._local_merge_kernel,
+             dict(Q=PT, KS=PT, VS=PT, OUT=PT, HEAD_MAP=P64, X1_O=PT, X1_L=PF, X2_O=PT, X2_L=PF, X3_O=PT, X3_L=PF,
+                  **strides("stride_qp", "stride_qh", "stride_qs", "stride_kp", "stride_kh", "stride_ks", "stride_op",
+                            "stride_oh", "stride_os", *(f"x{k}_{n}" for k in (1, 2, 3)
+                                                        for n in ("ob", "oh", "or", "lb", "lh", "lr"))),
+                  R0=i32, R=i32, CL=i32, X1_NCH=i32, X2_NCH=i32, X2_FIRST=i32, X3_NCH=i32, HQ=i32, WINDOW=i32,
+                  qk_scale=f32),
+             dict(QPK=8, D=D, BLOCK_M=32 if D > 64 else 64, NS=4, HAS2=True, HAS3=True, FLIP2=True), num_warps=4)
 for PT, BLOCK, ieee in ((PB, 128, False), (PF, 16, True)):
     compile_(bs._block_mass_kernel,
              dict(QI=PT, KI=PT, PLEN=P64, OUT=PF,
@@ -125,4 +149,4 @@ def test_rtpurbo_kernels_compile_sm90():
     if "SKIP" in proc.stdout:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("ok ") == 12 + 2 * (1 + 2 + 1) + 2 + 3 + 7
+    assert proc.stdout.count("ok ") == 18 + (2 + 3 + 1) + (1 + 2 + 1) + 1 + 2 + 3 + 7

@@ -115,6 +115,62 @@ def test_triton_matches_reference(case, top_p):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("case,pipeline", [
+    pytest.param(CASES[0].values[0], dict(fused=False), id="staged-4-launches-Lp63"),
+    pytest.param(CASES[1].values[0], dict(fused=False), id="staged-4-launches-T3"),
+    pytest.param(CASES[1].values[0], dict(fused=True, select_chunk=1), id="fused-with-topp-kernel-list-T3"),
+    pytest.param(CASES[0].values[0], dict(fused=True, ret_splits=8), id="fused-more-splits-than-blocks-Lp63"),
+])
+def test_pipelines_match_reference(case, pipeline):
+    """The staged pipeline, the fused one taking the top-p kernel's list (rows too long to select in registers)
+    and the fused one with most retrieval splits empty all give the reference's output."""
+    cfg = SparseDecodeConfig(top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8)
+    args, _ = _make(**case)
+    ref = sparse_decode_attention(*args, cfg, impl="reference")
+    kw = dict(ret_splits=3, local_splits=2, ret_min_blocks=1, local_min_chunk=8) | pipeline
+    out = sparse_decode_triton(*to_device(args), top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8, **kw)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_indexer_queries_projected_in_the_score_kernel():
+    """q_idx=None: the score kernel projects the pre-RoPE queries (times a per-head scale) itself; the reference
+    projects them the same way, which is the backend's grouping (heads ``h * q_per_kv + g``, dims ``g * D + d``)."""
+    from sparrow.kernels.sparse_decode.reference import project_indexer_queries
+
+    cfg = SparseDecodeConfig(top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8)
+    args, _ = _make(A=2, Hkv=3, ret=(0, 2), qpk=2, T=2, D=16, P=2, Lp=63, R=3, Lg=20)
+    q, _, cache, rs, ps, pl, cl, ret, loc, is_ret = args
+    g = torch.Generator().manual_seed(5)
+    q_pre, wq = torch.randn(q.shape, generator=g), torch.randn(2, 2 * 16, 16, generator=g) * 0.2
+    scale = torch.tensor([0.5, 2.0])
+    explicit = torch.stack([torch.stack([torch.cat([q_pre[a, h * 2 + gg, t] for gg in range(2)]) @ wq[i] * scale[i]
+                                         for t in range(2)]) for a in range(2) for i, h in enumerate((0, 2))])
+    proj = project_indexer_queries(q_pre, wq, ret, scale)
+    assert torch.allclose(proj, explicit.view(2, 2, 2, 16), atol=1e-5)
+    ref = sparse_decode_attention(q, proj, cache, rs, ps, pl, cl, ret, loc, is_ret, cfg, impl="reference")
+    wrong = sparse_decode_attention(q, proj.flip(1), cache, rs, ps, pl, cl, ret, loc, is_ret, cfg, impl="reference")
+    assert rel_err(wrong, ref) > 1e-3  # the selection depends on the queries: the check below can fail
+    dev = to_device((q, cache, rs, ps, pl, cl, ret, loc, is_ret, q_pre, wq, scale))
+    out = sparse_decode_attention(dev[0], None, *dev[1:9], cfg, impl="triton", q_pre=dev[9], indexer_q=dev[10],
+                                  q_scale=dev[11])
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_per_row_top_p_on_the_device():
+    """A [A] top_p tensor read by the fused selection: each row's own mass (1.0 keeps every block)."""
+    args, _ = _make(A=2, Hkv=2, ret=(0, 1), qpk=2, T=2, D=16, P=2, Lp=90, R=3, Lg=30)
+    cfg = SparseDecodeConfig(top_p=torch.tensor([0.5, 1.0]), block=8, num_sinks=4, window=24, ret_window=8)
+    ref, sel_ref = sparse_decode_attention(*args, cfg, impl="reference", return_selection=True)
+    dcfg = SparseDecodeConfig(to_device(cfg.top_p), 8, 4, 24, 8)
+    out, (idx, cnt) = sparse_decode_attention(*to_device(args), dcfg, impl="triton", return_selection=True)
+    from sparrow.kernels.topp.api import blocks_to_mask
+
+    mask = blocks_to_mask(*to_device((idx, cnt), "cpu"), idx.shape[1]).view(sel_ref.shape)
+    assert torch.equal(mask, sel_ref) and rel_err(out, ref) < 1e-5
+    nb = ((args[5] + args[6])[:, None] + torch.arange(2)) // 8 + 1  # [A, T] causal blocks
+    assert (sel_ref[1].sum(-1) == nb[1]).all() and (sel_ref[0].sum(-1) < nb[0]).any()
+
+
 def test_selection_reported_by_both_impls_agrees():
     cfg = SparseDecodeConfig(top_p=0.5, block=8, num_sinks=4, window=24, ret_window=8)
     args, _ = _make(A=2, Hkv=2, ret=(0, 1), qpk=2, T=2, D=16, P=2, Lp=90, R=3, Lg=30)
@@ -177,7 +233,8 @@ def test_custom_op_schema_fake_and_compiled_graph():
     ref = sparse_decode_attention(*args, cfg, impl="reference")
     dargs = to_device(args)
     q, q_idx, cache, *meta = dargs
-    torch.library.opcheck(_sparse_decode_op, (q, q_idx, *cache, *meta, 0.6, 8, 4, 24, 8, 0.25),
+    top_p = torch.tensor(0.6, device=q.device)  # the op reads top_p on the device
+    torch.library.opcheck(_sparse_decode_op, (q, q_idx, *cache, *meta, top_p, 8, 4, 24, 8, 0.25),
                           test_utils=("test_schema", "test_faketensor"))
 
     def step(q, q_idx, row_slot, prefix_slot, prefix_len, cached_len):

@@ -5,12 +5,14 @@ import torch.nn.functional as F
 from sparrow.kernels.sparse_prefill import (
     SparsePrefillConfig,
     local_block_mask,
+    local_chunked,
+    local_prefill_attention,
     prefill_block_scores,
     retrieval_block_mask,
     sparse_prefill_attention,
 )
 from sparrow.kernels.sparse_prefill.api import select_prefill_blocks
-from sparrow.kernels.sparse_prefill.reference import local_token_mask
+from sparrow.kernels.sparse_prefill.reference import local_prefill_reference, local_token_mask
 from sparrow.kernels.topp.api import blocks_to_mask
 from tests.helpers import rel_err, to_device
 
@@ -89,8 +91,10 @@ def test_retrieval_block_mask_from_selection():
     assert torch.equal(m.to_dense()[:, 0].bool(), blocks_to_mask(idx, cnt, nb).view(2, nb, nb))
 
 
-def test_flex_matches_reference():
-    """Block-sparse FlexAttention (compiled on the CPU, ~30 s) against dense masks + SDPA."""
+@pytest.mark.parametrize("local_impl", ["flex", "chunked"])
+def test_flex_matches_reference(local_impl):
+    """Block-sparse FlexAttention (compiled on the CPU) for the retrieval head, the local heads by FlexAttention
+    or by the chunked path, against dense masks + SDPA."""
     torch.manual_seed(0)
     P, Hkv, qpk, S, D = 2, 3, 2, 200, 16
     q, k, v = torch.randn(P, Hkv * qpk, S, D), torch.randn(P, Hkv, S, D), torch.randn(P, Hkv, S, D)
@@ -100,7 +104,99 @@ def test_flex_matches_reference():
     cfg = SparsePrefillConfig(top_p=0.5, block=32, num_sinks=4, window=50, ret_window=20)
     ref = sparse_prefill_attention(q, k, v, qi, ki, plen, ret, loc, cfg, impl="reference", score_impl="reference")
     out = sparse_prefill_attention(*to_device((q, k, v, qi, ki, plen, ret, loc)), cfg, impl="flex",
-                                   score_impl="triton").cpu()
+                                   score_impl="triton", local_impl=local_impl).cpu()
     for p in range(P):
         n = int(plen[p])
         assert rel_err(out[p, :, :n], ref[p, :, :n]) < 1e-5
+
+
+# (P, Hq, Hkv, S, D, sinks, window): chunks of window - 1 tokens, with and without a partial last chunk
+LOCAL_CASES = [
+    pytest.param((1, 2, 1, 1, 16, 4, 8), id="single-row"),
+    pytest.param((2, 3, 1, 63, 16, 0, 8), id="S63-sink0-qpk3"),
+    pytest.param((1, 4, 2, 100, 16, 4, 20), id="S100-tail5"),
+    pytest.param((1, 2, 2, 257, 32, 4, 64), id="S257-4-chunks-and-tail"),
+    pytest.param((2, 4, 2, 126, 16, 4, 64), id="S126-no-tail"),
+    pytest.param((1, 4, 2, 40, 16, 4, 200), id="window-beyond-S"),
+    pytest.param((1, 2, 1, 70, 16, 4, 1), id="window1"),
+    pytest.param((1, 2, 1, 70, 16, 4, 2), id="window2"),
+    pytest.param((1, 2, 1, 70, 16, 7, 5), id="sinks-beyond-window"),
+]
+
+
+def _qkv(P, Hq, Hkv, S, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(P, Hq, S, D, generator=g), torch.randn(P, Hkv, S, D, generator=g),
+            torch.randn(P, Hkv, S, D, generator=g))
+
+
+@pytest.mark.parametrize("case", LOCAL_CASES)
+def test_local_chunked_matches_reference(case):
+    P, Hq, Hkv, S, D, sinks, window = case
+    q, k, v = _qkv(P, Hq, Hkv, S, D)
+    ref = local_prefill_attention(q, k, v, num_sinks=sinks, window=window, impl="reference")
+    out = local_prefill_attention(*to_device((q, k, v)), num_sinks=sinks, window=window, impl="chunked").cpu()
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", [LOCAL_CASES[3], LOCAL_CASES[8]])
+def test_local_chunked_bf16_error_close_to_eager_bf16(case):
+    P, Hq, Hkv, S, D, sinks, window = case
+    q, k, v = _qkv(P, Hq, Hkv, S, D, seed=1)
+    exact = local_prefill_reference(q.double(), k.double(), v.double(), num_sinks=sinks, window=window)
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    eager = local_prefill_reference(qb, kb, vb, num_sinks=sinks, window=window)
+    out = local_prefill_attention(*to_device((qb, kb, vb)), num_sinks=sinks, window=window, impl="chunked")
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, exact) < 2.0 * rel_err(eager, exact)
+
+
+@pytest.mark.parametrize("S,window", [(257, 64), (126, 64), (70, 1), (40, 200)])
+def test_local_chunked_computes_exactly_the_window_band(S, window, monkeypatch):
+    """The dense pieces cover each query's window once: the query-key pairs they compute (a causal L x L piece
+    computes L (L + 1) / 2) sum to the band's, ``sum_i min(i + 1, window)`` — no fully masked tile, no padding."""
+    pairs = []
+    inner = local_chunked.attention_with_lse
+
+    def counting(q, k, v, *, causal, scale):
+        B, H, L, _ = q.shape
+        pairs.append(B * H * (L * (L + 1) // 2 if causal else L * k.shape[2]))
+        return inner(q, k, v, causal=causal, scale=scale)
+
+    monkeypatch.setattr(local_chunked, "attention_with_lse", counting)
+    q, k, v = _qkv(1, 2, 1, S, 16)
+    out = local_prefill_attention(*to_device((q, k, v)), num_sinks=4, window=window, impl="chunked").cpu()
+    band = sum(min(i + 1, window) for i in range(S))
+    assert sum(pairs) == (2 * band if S > window else 0)  # S <= window: one plain causal call, nothing counted
+    assert rel_err(out, local_prefill_reference(q, k, v, num_sinks=4, window=window)) < 1e-5
+
+
+def test_attention_with_lse_matches_logsumexp():
+    """The dense kernel with its log-sum-exp, whatever backend serves it (D=12: no fused kernel, the fallback)."""
+    for D in (12, 16):
+        for causal in (True, False):
+            q, k, v = _qkv(2, 4, 2, 33, D)
+            if not causal:
+                k, v = k[:, :, :20], v[:, :, :20]
+            out, lse = local_chunked.attention_with_lse(q, k, v, causal=causal, scale=0.3)
+            s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+            if causal:
+                s = s.masked_fill(torch.ones(33, 33, dtype=torch.bool).triu(1), float("-inf"))
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.3, enable_gqa=True)
+            assert rel_err(out, ref) < 1e-5 and (lse - torch.logsumexp(s, -1)).abs().max() < 1e-4
+
+
+def test_local_and_prefill_validation():
+    q, k, v = _qkv(1, 4, 2, 10, 16)
+    with pytest.raises(ValueError, match="impl"):
+        local_prefill_attention(q, k, v, num_sinks=4, window=8, impl="flex")
+    with pytest.raises(ValueError, match="window"):
+        local_prefill_attention(q, k, v, num_sinks=4, window=0)
+    with pytest.raises(ValueError, match="Hkv"):
+        local_prefill_attention(q, k[:, :, :5], v, num_sinks=4, window=8)
+    with pytest.raises(ValueError, match="head_dim"):
+        local_prefill_attention(q[..., :12], k[..., :12], v[..., :12], num_sinks=4, window=8, impl="chunked")
+    cfg = SparsePrefillConfig(top_p=0.5, block=16, num_sinks=4, window=8, ret_window=16)
+    with pytest.raises(ValueError, match="local_impl"):
+        sparse_prefill_attention(q, k, v, None, None, torch.tensor([10]), torch.zeros(0, dtype=torch.long),
+                                 torch.tensor([0, 1]), cfg, local_impl="dense")

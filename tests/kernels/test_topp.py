@@ -141,3 +141,40 @@ def test_block_list_round_trip_and_validation():
         topp_select(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long), 0.0, block=1)
     with pytest.raises(ValueError, match="expected"):
         topp_select(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long), 0.5, block=1)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_device_top_p_selects_as_the_same_float_does(impl):
+    """top_p as a float32 tensor (0-dim, or one per row; 1 among them) selects exactly what each row's float
+    selects; the Triton kernel reads it on the device (a CUDA graph follows in-place updates), in explicit and
+    decode modes."""
+    from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
+
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(5, 40, generator=g) * 3
+    q_hi = torch.randint(40, 160, (5,), generator=g)
+    ps = [0.3, 0.9, 1.0, 0.6, 0.75]
+    dev = DEVICE if impl == "triton" else torch.device("cpu")
+    args = to_device((s, q_hi - 5, q_hi), dev)
+    kw = dict(block=4, sink_blocks=1, local_window=6, impl=impl)
+    per_row = topp_select_dense(*args, torch.tensor(ps, device=dev), **kw).cpu()
+    for n, p in enumerate(ps):
+        one = topp_select_dense(*args, p, **kw).cpu()
+        assert torch.equal(per_row[n], one[n]), (n, p)
+    same = topp_select_dense(*args, torch.tensor(0.75, device=dev), **kw).cpu()
+    assert torch.equal(same, topp_select_dense(*args, 0.75, **kw).cpu())
+    with pytest.raises(ValueError, match="float32"):
+        topp_select(*args, torch.tensor([0.5, 0.5], device=dev), block=4, impl=impl)
+    if impl == "triton":  # decode rows (a * H + h) * T + t read the top-p of their cache row a
+        A, H, T = 2, 2, 1
+        prefix_len, cached_len = to_device((torch.tensor([100, 60]), torch.tensor([3, 9])), dev)
+        bs = args[0][: A * H * T].contiguous()
+        tp = torch.tensor([0.4, 0.95], device=dev)
+        idx, cnt = topp_select_triton(bs, prefix_len, cached_len, tp, mode=MODE_DECODE, block=4, sink_blocks=1,
+                                      local_window=6, inner=T, h_inner=H * T)
+        for a in range(A):
+            ref_idx, ref_cnt = topp_select_triton(bs, prefix_len, cached_len, float(tp[a]), mode=MODE_DECODE,
+                                                  block=4, sink_blocks=1, local_window=6, inner=T, h_inner=H * T)
+            for n in range(a * H * T, (a + 1) * H * T):
+                assert int(cnt[n]) == int(ref_cnt[n])
+                assert torch.equal(idx[n, : int(cnt[n])], ref_idx[n, : int(cnt[n])])

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from sparrow.rl import GRPOConfig, aggregation_weights, group_advantages, grpo_loss, importance_weights
+from sparrow.rl import (GRPOConfig, StalenessStats, aggregation_weights, group_advantages, grpo_loss,
+                        importance_weights)
 
 
 def test_group_advantages():
@@ -132,3 +133,54 @@ def test_kl_to_reference():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GRPOConfig(**kwargs)
+
+
+def _aged_batch():
+    logp, old, behav, adv, mask = _batch()
+    old = old.clone()
+    old[1, 1] = float("-inf")  # a token outside pi_old's support
+    age = torch.tensor([[0, 0, 1, 1, 2], [1, 1, 1, 0, 0], [2, 0, 0, 0, 0], [0, 1, 2, 2, 9]])  # 9: past the mask
+    return logp, old, behav, adv, mask, age
+
+
+def test_staleness_stats_match_the_per_token_definition():
+    """Per version age: token share, tokens whose weight pi_old / mu exceeds C, mismatch KL (k3) over the tokens
+    inside the support; brute-force loops over the tokens, and at a single age grpo_loss's own is_clip_frac and
+    mismatch_kl."""
+    cfg = GRPOConfig(is_threshold=1.3)
+    _, old, behav, _, mask, age = _aged_batch()
+    got = StalenessStats.of(old, behav, mask, age, cfg, max_age=2).metrics()
+    tok = {k: [] for k in range(3)}
+    for i, t in zip(*torch.nonzero(mask, as_tuple=True)):
+        tok[int(age[i, t])].append((float(old[i, t]), float(behav[i, t])))
+    total = sum(len(v) for v in tok.values())
+    for k, pairs in tok.items():
+        inside = [(o, b) for o, b in pairs if math.isfinite(o)]
+        assert math.isclose(got[f"partial/staleness_{k}"], len(pairs) / total)
+        assert math.isclose(got[f"partial/is_clip_frac_age{k}"],
+                            sum(math.exp(o - b) > 1.3 for o, b in inside) / len(pairs))
+        kl = sum(math.exp(o - b) - (o - b) - 1 for o, b in inside) / len(inside)
+        assert math.isclose(got[f"partial/mismatch_kl_age{k}"], kl, rel_tol=1e-6)
+    logp, old, behav, adv, mask = _batch()
+    _, m = grpo_loss(logp, old, behav, adv, mask, aggregation_weights(mask, cfg), cfg)
+    one = StalenessStats.of(old, behav, mask, torch.zeros_like(mask, dtype=torch.int64), cfg, 0).metrics()
+    assert math.isclose(one["partial/is_clip_frac_age0"], float(m["is_clip_frac"]), rel_tol=1e-6)
+    assert math.isclose(one["partial/mismatch_kl_age0"], float(m["mismatch_kl"]), rel_tol=1e-5)
+
+
+def test_staleness_stats_add_over_micro_batches_and_check_inputs():
+    cfg = GRPOConfig()
+    _, old, behav, _, mask, age = _aged_batch()
+    whole = StalenessStats.of(old, behav, mask, age, cfg, 2)
+    parts = [StalenessStats.of(old[s], behav[s], mask[s], age[s], cfg, 2) for s in (slice(0, 1), slice(1, 4))]
+    summed = parts[0] + parts[1]
+    assert torch.equal(whole.tokens, summed.tokens) and torch.equal(whole.over, summed.over)
+    assert torch.allclose(whole.kl, summed.kl)
+    assert torch.equal(StalenessStats.from_tensor(whole.as_tensor()).tokens, whole.tokens)
+    assert float(whole.tokens.sum()) == float(mask.sum())  # every response token in one bin
+    with pytest.raises(ValueError, match="integer"):
+        StalenessStats.of(old, behav, mask, age.float(), cfg, 2)
+    with pytest.raises(ValueError, match="one shape"):
+        StalenessStats.of(old, behav, mask, age[:, :2], cfg, 2)
+    with pytest.raises(ValueError, match="max_age"):
+        StalenessStats.of(old, behav, mask, age, cfg, -1)

@@ -52,6 +52,10 @@ def _cfg(*overrides: str):
     pytest.param(["prompt={system: be brief}"], "prompt.system needs prompt.chat: true", id="system-without-chat"),
     pytest.param(["task=null"], "needs a task or a dataset", id="no-data"),
     pytest.param(["dataset=d.jsonl"], "both a task and a dataset", id="task-and-data"),
+    pytest.param(["rtpurbo_schedule={_component_: sparrow.attention.rtpurbo_schedule.SparsityScheduleConfig, "
+                  "treshold: 0.9}"], "SparsityScheduleConfig takes no argument 'treshold'", id="schedule-arg"),
+    pytest.param(["rtpurbo_schedule={_component_: sparrow.attention.rtpurbo_schedule.SparsityScheduleConfig, "
+                  "lengths: [8, 64]}"], "lengths must start at 0", id="schedule-lengths"),
 ])
 def test_bad_values_are_refused_naming_the_key(overrides, match):
     cfg = _cfg(*overrides)

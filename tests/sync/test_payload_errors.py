@@ -82,9 +82,10 @@ def test_wrong_base_is_detected_by_hash_and_undone(encoded):
     assert "resync" in msg
 
 
-def _craft(base, codec, nchanged, body: torch.Tensor) -> Payload:
+def _craft(base, codec, nchanged, body: torch.Tensor, extra: dict | None = None) -> Payload:
     """A payload with valid checksums but a malicious body."""
-    return Payload.from_bytes(Payload(codec, base.dtype, tuple(base.shape), nchanged, body).to_bytes())
+    extra = extra if extra is not None else ({"span_log2": 10} if codec == "compact" else {})
+    return Payload.from_bytes(Payload(codec, base.dtype, tuple(base.shape), nchanged, body, extra=extra).to_bytes())
 
 
 def test_out_of_range_and_unordered_indices_rejected_before_write():
@@ -94,12 +95,12 @@ def test_out_of_range_and_unordered_indices_rejected_before_write():
         body = torch.cat([torch.tensor(idx, dtype=torch.int32).view(torch.uint8), vals])
         p = _craft(base, "coo", 2, body)
         _untouched_after(lambda: sync.apply_(base, p), base, CorruptPayloadError)
-    # compact body whose block metadata points past the tensor
+    # compact body whose block header claims more changes than the block holds
     b2, n2 = make_pair(torch.bfloat16, 100, 0.2, seed=2)
     good = sync.encode(b2, n2, codec="compact")
     words = good.data.view(torch.int32).clone()
-    words[0] = 100  # p_first out of range
-    p = _craft(b2, "compact", good.nchanged, words.view(torch.uint8))
+    words[0] = 100  # the first block's rank offset must be 0
+    p = _craft(b2, "compact", good.nchanged, words.view(torch.uint8), good.extra)
     _untouched_after(lambda: sync.apply_(b2, p), b2, CorruptPayloadError)
 
 

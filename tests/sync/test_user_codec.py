@@ -260,7 +260,7 @@ def _mixed_bucket(b0: dict, b1: dict) -> torch.Tensor:
         return combine_hash(K.hash_bits(bits(t).reshape(-1), 0))
 
     ents = [(EntryMeta("a", torch.bfloat16, (b0["a"].numel(),), 0, b0["a"].numel(), "compact", 0, 0, pa.nchanged,
-                       pa.target_hash, h(b0["a"])), pa.data),
+                       pa.target_hash, h(b0["a"]), span_log2=pa.extra["span_log2"]), pa.data),
             (EntryMeta("u", torch.float16, (b0["u"].numel(),), 0, b0["u"].numel(), "xor-delta", 0, 0, pu.nchanged,
                        h(b1["u"]), h(b0["u"]), {"codec": pu.codec, "target_hash": None, "extra": pu.extra}),
              pu.data)]
@@ -348,10 +348,10 @@ def test_bad_user_payload_rejected_before_the_snapshot_moves(how):
     state = _state(torch.bfloat16)
     sender = SyncSender(state, codec=_BadPayload(how), bucket_bytes=4096)
     before = {n: bits(t).clone() for n, t in sender.snapshot.items()}
-    hashes = list(sender._hash)
+    hashes = sender.slice_hashes()
     with pytest.raises((ValueError, TypeError), match="codec 'xor-delta' on w\\[0:"):
         list(sender.encode(_changed(state, 1)))
-    assert sender.version == 0 and sender._hash == hashes
+    assert sender.version == 0 and sender.slice_hashes() == hashes
     assert all(torch.equal(bits(sender.snapshot[n]), b) for n, b in before.items())
 
 

@@ -48,9 +48,7 @@ def test_warmup_takes_tensors_up_to_max_bytes(monkeypatch):
 
 
 def test_warmup_syncs_reach_every_path_of_auto(monkeypatch):
-    # the last sync changes more than AUTO_DENSE_FRACTION of each tensor (auto's dense path), the first a few
-    from sparrow.sync.codecs import AUTO_DENSE_FRACTION
-
+    # the first sync changes a few elements, the last nearly all (blocks with several chunks of changes)
     seen = []
     real = ssync.warmup.__globals__["SyncSender"]
 
@@ -62,7 +60,7 @@ def test_warmup_syncs_reach_every_path_of_auto(monkeypatch):
 
     monkeypatch.setitem(ssync.warmup.__globals__, "SyncSender", Spy)
     ssync.warmup(_state("cpu"))
-    assert len(seen) == 3 and seen[0] < 0.01 and seen[-1] > AUTO_DENSE_FRACTION
+    assert len(seen) == 3 and seen[0] < 0.01 and seen[-1] > 0.85
 
 
 def test_warmup_catches_a_receiver_that_does_not_apply(monkeypatch):

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from sparrow.kernels.decode_attention import prefix_groups
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -86,19 +88,33 @@ class PrefillMeta(NamedTuple):
 class DecodeMeta(NamedTuple):
     """Per-decode-step metadata for ``A`` active rows, each feeding ``T`` new tokens.
 
-    row_slot:    [A] int64 — generation slot of each row (the scratch slot for padding rows).
-    prefix_slot: [A] int64 — prefix slot holding the row's prompt.
-    prefix_len:  [A] int64 — prompt length of the row.
-    cached_len:  [A] int64 — generated tokens of the row already in its generation slot. The new
-                 tokens are written at ``cached_len .. cached_len + T - 1`` and sit at absolute
-                 positions ``prefix_len + cached_len + t``; token ``t`` attends to the whole prefix,
-                 the cached tokens and new tokens ``0..t``.
+    row_slot:     [A] int64 — generation slot of each row (the scratch slot for padding rows).
+    prefix_slot:  [A] int64 — prefix slot holding the row's prompt.
+    prefix_len:   [A] int64 — prompt length of the row.
+    cached_len:   [A] int64 — generated tokens of the row already in its generation slot. The new
+                  tokens are written at ``cached_len .. cached_len + T - 1`` and sit at absolute
+                  positions ``prefix_len + cached_len + t``; token ``t`` attends to the whole prefix,
+                  the cached tokens and new tokens ``0..t``.
+    prefix_order: [A] int64 or None — the rows sorted by prompt (prefix slot, then length; stable), and
+    group_start:  [A] int64 or None — the sorted position where each sorted position's group of rows that
+                  share a prompt begins (:func:`sparrow.kernels.decode_attention.prefix_groups`, built on the
+                  device from ``prefix_slot`` / ``prefix_len``). With them, a backend's shared-prefix decode reads
+                  each prompt once for its whole group; None: no grouping (see :meth:`grouped`).
     """
 
     row_slot: torch.Tensor
     prefix_slot: torch.Tensor
     prefix_len: torch.Tensor
     cached_len: torch.Tensor
+    prefix_order: torch.Tensor | None = None
+    group_start: torch.Tensor | None = None
+
+    def grouped(self) -> "DecodeMeta":
+        """This metadata with the rows' grouping by prompt (built on the device when absent; no host sync)."""
+        if self.prefix_order is not None and self.group_start is not None:
+            return self
+        return self._replace(**dict(zip(("prefix_order", "group_start"),
+                                        prefix_groups(self.prefix_slot, self.prefix_len))))
 
 
 class AttentionBackend(nn.Module, abc.ABC):

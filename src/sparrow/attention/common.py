@@ -1,6 +1,6 @@
 """What the dense and RTPurbo backends share: writes into the two-level cache (prefix slots + generation
-slots), exact causal attention, the decode kernel ``impl="auto"`` stands for, and the reasons a configuration
-cannot run.
+slots), exact causal attention, the decode kernel ``impl="auto"`` stands for, when decode takes the shared-prefix
+path, and the reasons a configuration cannot run.
 
 Cache writes are ``index_put_`` with index tensors built on the device (no host sync, fixed shapes: they
 run inside compiled, CUDA-graphed decode steps). One index serves every tensor written at the same
@@ -10,9 +10,12 @@ positions (a head group's K, V and indexer keys).
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from sparrow.attention.base import DecodeMeta
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,6 +86,25 @@ def decode_impl(impl: str, head_dim: int, device: torch.device) -> str:
     if impl != "auto":
         return impl
     return "triton" if device.type == "cuda" and triton_head_dim(head_dim) else "reference"
+
+
+SharedPrefix = bool | Literal["auto"]  # a backend's shared_prefix option
+
+
+def check_shared_prefix(value: object, owner: str) -> None:
+    """ValueError unless ``value`` is True, False or ``"auto"`` (``owner`` names the option in the message)."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"{owner} shared_prefix must be True, False or 'auto', got {value!r}")
+
+
+def shared_prefix_on(option: SharedPrefix, meta: DecodeMeta, impl: str) -> bool:
+    """Whether a decode call takes the shared-prefix path (each prompt read once for the rows that share it):
+    always for ``True``, never for ``False``; ``"auto"``: when the metadata carries the rows' grouping (the engine's
+    steps build it) and the Triton kernels run (on the eager reference the two paths cost the same). A static
+    choice: it reads no device value."""
+    if option == "auto":
+        return meta.prefix_order is not None and impl == "triton"
+    return bool(option)
 
 
 def configuration_reasons(*, dtype: torch.dtype, device: torch.device | str, impl: str, head_dim: int) -> list[str]:

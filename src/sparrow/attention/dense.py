@@ -8,10 +8,11 @@ import torch
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
 from sparrow.attention.common import (
-    causal_attention, configuration_reasons, decode_impl, train_attention, write_prefix, write_rows,
+    SharedPrefix, causal_attention, check_shared_prefix, configuration_reasons, decode_impl, shared_prefix_on,
+    train_attention, write_prefix, write_rows,
 )
 from sparrow.kernels.common.impl import IMPLS, Impl
-from sparrow.kernels.decode_attention import decode_attention
+from sparrow.kernels.decode_attention import cascade_decode_attention, decode_attention
 
 # write_prefix, write_rows, decode_impl and train_attention are imported from here by other packages (the
 # speculative drafter's windowed attention): they live in sparrow.attention.common
@@ -36,21 +37,31 @@ class DenseAttention(AttentionBackend):
 
     Training and prefill use :func:`torch.nn.functional.scaled_dot_product_attention` (flash on GPU).
     Decode uses :func:`sparrow.kernels.decode_attention.decode_attention`: a split-KV Triton kernel on
-    CUDA, an eager PyTorch reference elsewhere (``impl`` overrides).
+    CUDA, an eager PyTorch reference elsewhere (``impl`` overrides); on the shared-prefix path
+    :func:`~sparrow.kernels.decode_attention.cascade_decode_attention`, which reads each prompt once for all
+    the rows of its GRPO group (see ``docs/rollout.md``).
 
     Args:
         shape: the layer's head layout.
         impl: decode kernel, ``"auto" | "reference" | "triton"``.
+        shared_prefix: ``"auto"`` (the shared-prefix kernel when the metadata groups the rows by prompt, as the
+            engine's steps do, and Triton runs), ``True`` (always; the grouping built per call when absent) or
+            ``False`` (every row reads its prompt itself, the kernel before shared-prefix decode).
+
+    Raises:
+        ValueError: an unknown ``impl`` or ``shared_prefix``.
     """
 
-    def __init__(self, shape: LayerShape, *, impl: Impl = "auto") -> None:
+    def __init__(self, shape: LayerShape, *, impl: Impl = "auto", shared_prefix: SharedPrefix = "auto") -> None:
         super().__init__(shape)
         if impl not in IMPLS:
             raise ValueError(f"DenseAttention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+        check_shared_prefix(shared_prefix, "DenseAttention")
         self.impl = impl
+        self.shared_prefix = shared_prefix
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, impl={self.impl}"
+        return f"{super().extra_repr()}, impl={self.impl}, shared_prefix={self.shared_prefix}"
 
     def validate_configuration(self, *, dtype: torch.dtype, device: torch.device) -> list[str]:
         return configuration_reasons(dtype=dtype, device=device, impl=self.impl, head_dim=self.shape.head_dim)
@@ -77,8 +88,10 @@ class DenseAttention(AttentionBackend):
     def decode(self, q, k, v, cache: DenseKVCache, meta: DecodeMeta, *, q_pre=None, k_pre=None):
         # q: [A, Hq, T, D]; k, v: [A, Hkv, T, D]
         write_rows(cache.gen_k, cache.gen_v, k, v, meta.row_slot, meta.cached_len)
-        return decode_attention(
-            q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v,
-            meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len,
-            impl=decode_impl(self.impl, self.shape.head_dim, q.device), validate=False,
-        )
+        impl = decode_impl(self.impl, self.shape.head_dim, q.device)
+        rows = (q, cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v,
+                meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len)
+        if shared_prefix_on(self.shared_prefix, meta, impl):
+            meta = meta.grouped()
+            return cascade_decode_attention(*rows, meta.prefix_order, meta.group_start, impl=impl, validate=False)
+        return decode_attention(*rows, impl=impl, validate=False)

@@ -4,8 +4,11 @@ sink + sliding-window attention for every other head.
 Per layer, a :class:`HeadProfile` (from calibration, see :mod:`sparrow.calibrate`) marks some kv heads as
 *retrieval* heads (their query heads follow them). For those, the backend keeps the full KV plus 16-dim
 *indexer keys* (a low-rank projection of the pre-RoPE keys); each query (decode) or query block (prefill)
-scores the key blocks with its indexer query, keeps the smallest set of blocks holding ``top_p`` of the
-indexer's softmax mass plus the sink block and a short local window, and attends to them exactly. Every
+scores the key blocks with its indexer query (divided by the head's calibrated temperature), keeps the smallest
+set of blocks holding ``top_p`` of the indexer's softmax mass plus the sink block and a short local window, and
+attends to them exactly. ``top_p`` lives in device buffers (per generation-length tier, see
+:meth:`RTPurboAttention.set_selection`) that the kernels read, so a schedule can change it between steps without
+recompiling or re-capturing CUDA graphs. Every
 other kv head attends only to ``num_sinks`` sink tokens and a ``window``-token sliding window, held in
 ring buffers whose size does not grow with the context.
 
@@ -41,10 +44,12 @@ from torch import nn
 
 from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
 from sparrow.attention.common import (
-    causal_attention, configuration_reasons, decode_impl, prefix_index, put, row_index, train_attention,
+    SharedPrefix, causal_attention, check_shared_prefix, configuration_reasons, decode_impl, prefix_index, put,
+    row_index, shared_prefix_on, train_attention,
 )
 from sparrow.attention.rtpurbo_stats import SelectionStats, summarize
 from sparrow.kernels.common.impl import IMPLS, Impl
+from sparrow.kernels.decode_attention import cascade_local_attention
 from sparrow.kernels.sparse_decode import SparseDecodeCache, SparseDecodeConfig, sparse_decode_attention
 from sparrow.kernels.sparse_prefill import PrefillImpl, SparsePrefillConfig, sparse_prefill_attention
 from sparrow.kernels.sparse_prefill.api import PREFILL_IMPLS
@@ -77,6 +82,10 @@ class RTPurboConfig:
             every head (the caches are written exactly as by the sparse prefill; decode stays sparse): selecting
             blocks costs more than it saves on short prompts (measured in ``docs/benchmarks.md``). ``0``: always
             sparse.
+        shared_prefix: local heads' decode reads each prompt's sinks + window once for all the rows that share it
+            (:func:`sparrow.kernels.decode_attention.cascade_local_attention`; retrieval heads keep their own
+            selection per query): ``"auto"`` (when the metadata groups rows by prompt and Triton runs), ``True``
+            or ``False``.
     """
 
     retrieval_ratio: float = 0.15
@@ -91,8 +100,10 @@ class RTPurboConfig:
     impl: Impl = "auto"
     prefill_impl: PrefillImpl = "auto"
     dense_prefill_below: int = 0
+    shared_prefix: SharedPrefix = "auto"
 
     def __post_init__(self) -> None:
+        check_shared_prefix(self.shared_prefix, "RTPurboConfig")
         if not 0.0 <= self.retrieval_ratio <= 1.0:
             raise ValueError(f"retrieval_ratio must be in [0, 1], got {self.retrieval_ratio}")
         if not 0.0 < self.top_p <= 1.0:
@@ -194,10 +205,12 @@ class HeadProfile:
 class IndexerWeights:
     """Indexer projections per layer: ``q[layer]`` [H_ret, q_per_kv * head_dim, r] (the pre-RoPE queries of a
     kv head's query group, concatenated) and ``k[layer]`` [H_ret, head_dim, r] (its pre-RoPE keys), for the
-    layer's retrieval heads in ascending kv-head order."""
+    layer's retrieval heads in ascending kv-head order; ``temperature[layer]`` [H_ret] float32 divides each head's
+    scores before the selection (calibrated by :func:`sparrow.calibrate.fit_indexer`; a missing layer: 1)."""
 
     q: dict[int, torch.Tensor] = field(default_factory=dict)
     k: dict[int, torch.Tensor] = field(default_factory=dict)
+    temperature: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def dim(self) -> int | None:
@@ -242,8 +255,14 @@ class RTPurboAttention(AttentionBackend):
         indexer: projections for this layer's retrieval heads (an :class:`IndexerWeights` or a
             ``(q, k)`` pair); None initialises them to a truncated identity (calibrate before use).
 
-    Parameters ``indexer_q`` [H_ret, q_per_kv * D, r] and ``indexer_k`` [H_ret, D, r].
+    Parameters ``indexer_q`` [H_ret, q_per_kv * D, r] and ``indexer_k`` [H_ret, D, r]. Float32 buffers that keep
+    their dtype when the module is cast (``model.to(torch.bfloat16)``) and move with it: ``score_scale`` [H_ret]
+    (1 / the calibrated temperature), and the selection's top-p table ``top_p_lengths`` [K] int64 /
+    ``top_p_values`` [K] (:meth:`set_selection`; ``K = SELECTION_TIERS``).
     """
+
+    SELECTION_TIERS = 8
+    _FLOAT32_BUFFERS = ("score_scale", "top_p_values")
 
     def __init__(self, shape: LayerShape, config: RTPurboConfig | None = None,
                  profile: HeadProfile | Sequence[int] | None = None,
@@ -274,32 +293,95 @@ class RTPurboAttention(AttentionBackend):
         eye = torch.eye(d, r) if r <= d else F.pad(torch.eye(d), (0, r - d))
         self.indexer_q = nn.Parameter(eye.repeat(qpk, 1).div(qpk * math.sqrt(d)).expand(hr, qpk * d, r).clone())
         self.indexer_k = nn.Parameter(eye.expand(hr, d, r).clone())
+        self.register_buffer("score_scale", torch.ones(hr), persistent=False)
+        self.register_buffer("top_p_lengths", torch.zeros(self.SELECTION_TIERS, dtype=torch.int64), persistent=False)
+        self.register_buffer("top_p_values", torch.zeros(self.SELECTION_TIERS), persistent=False)
+        self.set_selection(config.top_p)
         if indexer is not None:
+            temp = None
             if isinstance(indexer, IndexerWeights):
                 if hr and shape.layer_idx not in indexer.q:
                     raise ValueError(f"indexer has no weights for layer {shape.layer_idx}")
                 wq, wk = indexer.q.get(shape.layer_idx), indexer.k.get(shape.layer_idx)
+                temp = indexer.temperature.get(shape.layer_idx)
             else:
                 wq, wk = indexer
             if hr:
-                self.load_indexer(wq, wk)
+                self.load_indexer(wq, wk, temp)
         self._stats: SelectionStats | None = None
+
+    def _apply(self, fn, recurse=True):
+        # the selection's float32 buffers follow the module's device but never its dtype: a bf16 rollout copy
+        # must not round top_p = 0.9 to 0.8984 or a temperature to 3 significant digits
+        kept = {n: self._buffers.pop(n) for n in self._FLOAT32_BUFFERS}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = self.ret_idx.device
+            for n, t in kept.items():
+                self._buffers[n] = t.to(device)
+        return self
 
     # -- indexer --------------------------------------------------------------------------------------
     @property
     def num_retrieval(self) -> int:
         return len(self.retrieval_heads)
 
-    def load_indexer(self, wq: torch.Tensor, wk: torch.Tensor) -> None:
-        """Copy ``wq`` [H_ret, q_per_kv * D, r] and ``wk`` [H_ret, D, r] into the indexer (ValueError on other
-        shapes)."""
+    def load_indexer(self, wq: torch.Tensor, wk: torch.Tensor, temperature: torch.Tensor | None = None) -> None:
+        """Copy ``wq`` [H_ret, q_per_kv * D, r], ``wk`` [H_ret, D, r] and ``temperature`` [H_ret] (None: 1) into the
+        indexer, in place (compiled steps and CUDA graphs keep reading the same storage).
+
+        Raises: ValueError on other shapes or a temperature that is not positive and finite.
+        """
         if tuple(wq.shape) != tuple(self.indexer_q.shape) or tuple(wk.shape) != tuple(self.indexer_k.shape):
             raise ValueError(f"indexer shapes {tuple(wq.shape)}, {tuple(wk.shape)} do not fit layer "
                              f"{self.shape.layer_idx}: expected {tuple(self.indexer_q.shape)}, "
                              f"{tuple(self.indexer_k.shape)}")
+        t = torch.ones(self.num_retrieval) if temperature is None else temperature.detach().float().cpu()
+        if t.shape != (self.num_retrieval,) or not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise ValueError(f"layer {self.shape.layer_idx}: temperature must be {self.num_retrieval} positive "
+                             f"finite values, got {t.tolist()}")
         with torch.no_grad():
             self.indexer_q.copy_(wq)
             self.indexer_k.copy_(wk)
+            self.score_scale.copy_(1.0 / t)
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        """[H_ret] float32 on the host: the temperature each retrieval head's indexer scores are divided by."""
+        return 1.0 / self.score_scale.detach().cpu()
+
+    def set_selection(self, top_p: float | Sequence[float], lengths: Sequence[int] = (0,)) -> None:
+        """Set the selection's top-p in place: ``top_p[i]`` for the rows that have generated at least
+        ``lengths[i]`` tokens (and fewer than ``lengths[i + 1]``); prefill uses ``top_p[0]``. A host-to-device copy
+        between steps: the compiled decode step and its CUDA graphs read the new values without recompiling.
+
+        Raises: ValueError when ``lengths`` does not start at 0 and increase strictly, the two differ in length,
+        hold more than :attr:`SELECTION_TIERS` tiers, or a top-p is outside (0, 1].
+        """
+        values = [float(top_p)] if isinstance(top_p, (int, float)) else [float(v) for v in top_p]
+        lengths = [int(n) for n in lengths]
+        if len(values) != len(lengths) or not 1 <= len(values) <= self.SELECTION_TIERS:
+            raise ValueError(f"set_selection needs 1..{self.SELECTION_TIERS} top-p values, one per length, got "
+                             f"{values} for lengths {lengths}")
+        if lengths[0] != 0 or any(b <= a for a, b in zip(lengths, lengths[1:])):
+            raise ValueError(f"lengths must start at 0 and increase strictly, got {lengths}")
+        if not all(0.0 < v <= 1.0 for v in values):
+            raise ValueError(f"top_p values must be in (0, 1], got {values}")
+        pad = self.SELECTION_TIERS - len(values)
+        with torch.no_grad():  # unused tiers start past any generation and repeat the last value
+            self.top_p_lengths.copy_(torch.tensor(lengths + [torch.iinfo(torch.int64).max] * pad))
+            self.top_p_values.copy_(torch.tensor(values + values[-1:] * pad, dtype=torch.float32))
+
+    def selection(self) -> tuple[list[float], list[int]]:
+        """The current ``(top_p values, lengths)`` of :meth:`set_selection` (reads the buffers back to the host)."""
+        n = int((self.top_p_lengths < torch.iinfo(torch.int64).max).sum())
+        return self.top_p_values[:n].tolist(), self.top_p_lengths[:n].tolist()
+
+    def row_top_p(self, generated: torch.Tensor) -> torch.Tensor:
+        """[A] float32 top-p of rows that have generated ``generated`` [A] tokens (device ops only)."""
+        tier = (generated[:, None] >= self.top_p_lengths[None, :]).sum(-1) - 1
+        return self.top_p_values[tier]
 
     def group_queries(self, q_pre: torch.Tensor) -> torch.Tensor:
         """[B, Hq, S, D] pre-RoPE queries -> [B, H_ret, S, q_per_kv * D] (each retrieval head's group)."""
@@ -311,6 +393,7 @@ class RTPurboAttention(AttentionBackend):
     def index(self, q_pre: torch.Tensor, k_pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer queries and keys [B, H_ret, S, r] from pre-RoPE q [B, Hq, S, D] and k [B, Hkv, S, D]."""
         q_idx = torch.einsum("bhsc,hcr->bhsr", self.group_queries(q_pre), self.indexer_q.to(q_pre.dtype))
+        q_idx = q_idx * self.score_scale.to(q_idx.dtype)[None, :, None, None]  # the calibrated temperature
         return q_idx, self.index_keys(k_pre)
 
     def index_keys(self, k_pre: torch.Tensor) -> torch.Tensor:
@@ -351,12 +434,13 @@ class RTPurboAttention(AttentionBackend):
 
     # -- inference -----------------------------------------------------------------------------------
     def _prefill_cfg(self) -> SparsePrefillConfig:
-        c = self.config
-        return SparsePrefillConfig(c.top_p, c.prefill_block, c.num_sinks, c.window, c.ret_window)
+        c = self.config  # a prompt has generated nothing: the first tier's top-p, read on the device
+        return SparsePrefillConfig(self.top_p_values[0], c.prefill_block, c.num_sinks, c.window, c.ret_window)
 
-    def _decode_cfg(self) -> SparseDecodeConfig:
-        c = self.config
-        return SparseDecodeConfig(c.top_p, c.decode_block, c.num_sinks, c.window, c.ret_window)
+    def _decode_cfg(self, meta: DecodeMeta) -> SparseDecodeConfig:
+        c = self.config  # each row's top-p by its generated length, from the buffers: no value baked into a graph
+        return SparseDecodeConfig(self.row_top_p(meta.cached_len), c.decode_block, c.num_sinks, c.window,
+                                  c.ret_window)
 
     def prefill(self, q, k, v, cache: RTPurboCache, meta: PrefillMeta, *, q_pre=None, k_pre=None):
         if self.num_retrieval and (q_pre is None or k_pre is None):
@@ -407,17 +491,48 @@ class RTPurboAttention(AttentionBackend):
             kl, vl = k[:, self.loc_idx], v[:, self.loc_idx]
             put(row_index(kl, meta.row_slot, meta.cached_len, ring=cache.gen_lk.shape[2]), (cache.gen_lk, kl),
                 (cache.gen_lv, vl))
-        res = sparse_decode_attention(
-            q, q_idx, cache, meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len, self.ret_idx,
-            self.loc_idx, self.head_is_ret, self._decode_cfg(), impl=self._kernel_impl(q.device), validate=False,
-            return_selection=self._stats is not None,
-        )
+        impl = self._kernel_impl(q.device)
+        if self.local_heads and shared_prefix_on(c.shared_prefix, meta, impl):
+            res = self._decode_shared_prefix(q, q_idx, cache, meta.grouped(), impl)
+        else:
+            res = sparse_decode_attention(
+                q, q_idx, cache, meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len, self.ret_idx,
+                self.loc_idx, self.head_is_ret, self._decode_cfg(meta), impl=impl, validate=False,
+                return_selection=self._stats is not None,
+            )
         if self._stats is None:
             return res
         out, sel = res
         self._stats.record_decode(sel, meta, T, block=c.decode_block, num_sinks=c.num_sinks, window=c.window,
                                   num_retrieval=self.num_retrieval, num_local=len(self.local_heads))
         return out
+
+    def _decode_shared_prefix(self, q, q_idx, cache: RTPurboCache, meta: DecodeMeta, impl: str):
+        """Decode with the local heads on the shared-prefix kernel (a group's sinks + prompt window read once) and
+        the retrieval heads on the sparse kernel, as :meth:`decode` otherwise does in one call; the outputs go
+        back in head order. Returns what ``sparse_decode_attention`` would (with the selection when recording)."""
+        A, Hq, T, D = q.shape
+        s, c = self.shape, self.config
+        q5 = q.view(A, s.num_kv_heads, s.q_per_kv, T, D)
+        ol = cascade_local_attention(
+            q5[:, self.loc_idx].reshape(A, -1, T, D), cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv,
+            meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len, meta.prefix_order, meta.group_start,
+            num_sinks=c.num_sinks, window=c.window, impl=impl, validate=False)
+        out = q5.new_zeros(q5.shape).index_copy(1, self.loc_idx, ol.view(A, -1, s.q_per_kv, T, D))
+        sel = None
+        if self.num_retrieval:
+            hr = self.num_retrieval
+            none = cache.prefix_lk[:, :0], cache.prefix_lv[:, :0], cache.gen_lk[:, :0], cache.gen_lv[:, :0]
+            res = sparse_decode_attention(
+                q5[:, self.ret_idx].reshape(A, -1, T, D), q_idx, cache._replace(**dict(zip(
+                    ("prefix_lk", "prefix_lv", "gen_lk", "gen_lv"), none))), meta.row_slot, meta.prefix_slot,
+                meta.prefix_len, meta.cached_len, torch.arange(hr, device=q.device), self.loc_idx[:0],
+                self.head_is_ret[self.ret_idx], self._decode_cfg(meta), impl=impl, validate=False,
+                return_selection=self._stats is not None)
+            orr, sel = res if self._stats is not None else (res, None)
+            out = out.index_copy(1, self.ret_idx, orr.view(A, hr, s.q_per_kv, T, D))
+        out = out.view(A, Hq, T, D)
+        return out if self._stats is None else (out, sel)
 
     def _kernel_impl(self, device: torch.device) -> str:
         """The decode kernels and prefill block scoring ``config.impl`` stands for on ``device``."""

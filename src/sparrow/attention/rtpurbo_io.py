@@ -1,9 +1,13 @@
 """RTPurbo calibration files beside a checkpoint: save, load, and an attention factory from a directory.
 
-``<dir>/rtpurbo.json``: ``{"format": "sparrow-rtpurbo", "version": 1, "indexer_dim", "profile"
+``<dir>/rtpurbo.json``: ``{"format": "sparrow-rtpurbo", "version": 2, "indexer_dim", "profile"
 (HeadProfile.to_dict), "config" (RTPurboConfig fields, or null), "report"}``.
-``<dir>/rtpurbo_indexer.safetensors``: ``layers.<l>.indexer_q`` [H_ret, q_per_kv * D, r] and
-``layers.<l>.indexer_k`` [H_ret, D, r] (float32) for every layer with retrieval heads.
+``<dir>/rtpurbo_indexer.safetensors``: ``layers.<l>.indexer_q`` [H_ret, q_per_kv * D, r],
+``layers.<l>.indexer_k`` [H_ret, D, r] and ``layers.<l>.temperature`` [H_ret] (float32) for every layer with
+retrieval heads.
+
+Versions: 1 had no temperatures (its files load with temperature 1, the selection they were made for); 2 adds
+them. A file of a later version than this reader knows is refused.
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ import json
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from sparrow.attention.base import LayerShape
 from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights, RTPurboAttention, RTPurboConfig, rtpurbo_attention
 
 PROFILE_FILE = "rtpurbo.json"
 INDEXER_FILE = "rtpurbo_indexer.safetensors"
 FORMAT = "sparrow-rtpurbo"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+TENSOR_KINDS = ("indexer_q", "indexer_k", "temperature")
 
 __all__ = ["INDEXER_FILE", "PROFILE_FILE", "load_rtpurbo", "rtpurbo_from_checkpoint", "save_rtpurbo"]
 
@@ -28,8 +36,8 @@ def save_rtpurbo(directory: str | Path, profile: HeadProfile, indexer: IndexerWe
                  config: RTPurboConfig | None = None, report: dict | None = None) -> Path:
     """Write the profile (JSON) and indexer (safetensors) into ``directory`` (created if needed); returns it.
 
-    Raises: ValueError when the indexer lacks a layer the profile has retrieval heads in, or covers another
-    number of heads.
+    Raises: ValueError when the indexer lacks a layer the profile has retrieval heads in, covers another
+    number of heads, or has a temperature that is not positive and finite.
     """
     from safetensors.torch import save_file
 
@@ -45,6 +53,12 @@ def save_rtpurbo(directory: str | Path, profile: HeadProfile, indexer: IndexerWe
     for l in sorted(indexer.q):
         tensors[f"layers.{l}.indexer_q"] = indexer.q[l].detach().float().contiguous().cpu()
         tensors[f"layers.{l}.indexer_k"] = indexer.k[l].detach().float().contiguous().cpu()
+        t = indexer.temperature.get(l)
+        t = torch.ones(indexer.q[l].shape[0]) if t is None else t.detach().float().cpu()
+        if t.shape != (indexer.q[l].shape[0],) or not bool(torch.isfinite(t).all() and (t > 0).all()):
+            raise ValueError(f"layer {l}: temperature must be {indexer.q[l].shape[0]} positive finite values, "
+                             f"got {t.tolist()}")
+        tensors[f"layers.{l}.temperature"] = t.contiguous()
     save_file(tensors, str(d / INDEXER_FILE), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
     doc = {"format": FORMAT, "version": FORMAT_VERSION, "indexer_dim": indexer.dim,
            "profile": profile.to_dict(), "config": dataclasses.asdict(config) if config else None,
@@ -59,7 +73,8 @@ def load_rtpurbo(directory: str | Path, *, with_config: bool = False):
     """Read what :func:`save_rtpurbo` wrote: ``(profile, indexer)``, or ``(profile, indexer, config)``
     with ``with_config`` (config None when none was saved).
 
-    Raises: FileNotFoundError when either file is missing; ValueError on a foreign or inconsistent file.
+    Raises: FileNotFoundError when either file is missing; ValueError on a foreign or inconsistent file, or a
+    version this reader does not know.
     """
     from safetensors.torch import load_file
 
@@ -71,18 +86,26 @@ def load_rtpurbo(directory: str | Path, *, with_config: bool = False):
     doc = json.loads(pj.read_text())
     if doc.get("format") != FORMAT:
         raise ValueError(f"{pj} is not a Sparrow RTPurbo profile (format {doc.get('format')!r})")
+    version = doc.get("version")
+    if version not in READABLE_VERSIONS:
+        raise ValueError(f"{pj} has format version {version!r}; this Sparrow reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))} (a newer Sparrow wrote it?)")
     profile = HeadProfile.from_dict(doc["profile"])
     tensors = load_file(str(st))
     indexer = IndexerWeights()
+    kinds = TENSOR_KINDS if version >= 2 else TENSOR_KINDS[:2]
     for name, t in tensors.items():
         parts = name.split(".")
-        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in ("indexer_q", "indexer_k"):
-            raise ValueError(f"unexpected tensor {name!r} in {st}")
-        (indexer.q if parts[2] == "indexer_q" else indexer.k)[int(parts[1])] = t
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in kinds:
+            raise ValueError(f"unexpected tensor {name!r} in {st} (format version {version})")
+        into = {"indexer_q": indexer.q, "indexer_k": indexer.k, "temperature": indexer.temperature}[parts[2]]
+        into[int(parts[1])] = t
     for l in range(profile.num_layers):
         n = len(profile.retrieval_heads(l))
         if n and (l not in indexer.q or indexer.q[l].shape[0] != n):
             raise ValueError(f"{st} does not match the profile at layer {l}")
+        if n and version >= 2 and (l not in indexer.temperature or indexer.temperature[l].shape != (n,)):
+            raise ValueError(f"{st}: layer {l} needs a temperature for each of its {n} retrieval heads")
     if not with_config:
         return profile, indexer
     cfg = doc.get("config")

@@ -7,7 +7,8 @@ Example::
 builds the model the Hugging Face directory ``DIR`` describes (``sparrow.models.from_hf``; with
 ``--model NAME`` the named builder instead, checked against ``config.json`` when the weights load), loads the
 weights, profiles retrieval heads on one repeated-span sequence (``--profile-seqs``), fits the indexer on
-``--num-seqs`` sequences, prints per-head recall / density, and writes ``rtpurbo.json`` and
+``--num-seqs`` sequences and calibrates its temperature (``--no-temperature``: 1), prints per-head recall / density
+beside the dense top-p set's density, and writes ``rtpurbo.json`` and
 ``rtpurbo_indexer.safetensors`` into ``--out`` (default: the checkpoint directory).
 """
 
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queries-per-seq", type=int, default=256)
     p.add_argument("--top-p", type=float, default=0.9, help="selection the report measures")
     p.add_argument("--block", type=int, default=64, help="selection block the report measures")
+    p.add_argument("--no-temperature", action="store_true",
+                   help="leave the indexer's temperature at 1 (default: calibrated on held-out queries)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32", choices=sorted(DTYPES))
     p.add_argument("--seed", type=int, default=0)
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     fit_seqs = repeat_span_sequences(args.num_seqs, args.seq_len, vocab, span=args.span, seed=args.seed + 1)
     indexer, report = fit_indexer(model, profile, fit_seqs, steps=args.steps, dim=args.indexer_dim, lr=args.lr,
                                   queries_per_seq=args.queries_per_seq, top_p=args.top_p, block=args.block,
-                                  seed=args.seed, progress=progress)
+                                  calibrate_temperature=not args.no_temperature, seed=args.seed, progress=progress)
     print(report.table())
     out = args.out or (args.checkpoint if args.checkpoint.is_dir() else args.checkpoint.parent)
     config = RTPurboConfig.for_context(model.max_seq_len, retrieval_ratio=args.ratio, indexer_dim=args.indexer_dim,

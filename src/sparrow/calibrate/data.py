@@ -39,11 +39,7 @@ def calibration_sequences(context: int, n: int, seed: int = CALIBRATION_SEED) ->
     out = []
     kv, vt = KVRetrieval(context), VariableTracking(context)
     for i in range(n):
-        ex = kv.example(seed, i)
-        p = ex.prompt
-        key = p[p.rindex("?") + 1:-1]
-        span = len(key) + 1 + len(ex.answer)
-        out.append(CalibrationSequence(_tokens(p, ex.answer), 1 + p.index(key + "="), len(p) - len(key), span))
+        out.append(kv_calibration_sequence(kv, seed, i))
         ex = vt.example(seed, i)
         p = ex.prompt
         var = p[p.rindex("?") + 1:-1]
@@ -51,6 +47,16 @@ def calibration_sequences(context: int, n: int, seed: int = CALIBRATION_SEED) ->
         out.append(CalibrationSequence(toks, 1 + p.index(var + "="), len(p) - len(var), len(var) + 1))
         out.append(CalibrationSequence(toks, 2 + p.index("=" + ex.answer + ";"), 1 + len(p), len(ex.answer)))
     return out
+
+
+def kv_calibration_sequence(task: KVRetrieval, seed: int, index: int) -> CalibrationSequence:
+    """Example ``index`` of a multi-key retrieval task (any key / value lengths) as ``<bos> prompt answer`` with
+    its repeated span marked: the asked ``key=value`` pair in the context, and ``key=`` + the answer at the end."""
+    ex = task.example(seed, index)
+    p = ex.prompt
+    key = p[p.rindex("?") + 1:-1]
+    span = len(key) + 1 + len(ex.answer)
+    return CalibrationSequence(_tokens(p, ex.answer), 1 + p.index(key + "="), len(p) - len(key), span)
 
 
 def fit_sequences(context: int, n: int, seed: int = CALIBRATION_SEED + 1) -> list[torch.Tensor]:
@@ -67,7 +73,8 @@ def fit_sequences(context: int, n: int, seed: int = CALIBRATION_SEED + 1) -> lis
 
 
 def subset_indexer(big: HeadProfile, small: HeadProfile, weights: IndexerWeights) -> IndexerWeights:
-    """The indexer of ``small``'s retrieval heads, taken from ``weights`` fitted for ``big``'s (a superset).
+    """The indexer of ``small``'s retrieval heads (weights and temperatures), taken from ``weights`` fitted for
+    ``big``'s (a superset).
 
     Raises:
         ValueError: a retrieval head of ``small`` that ``big`` does not have.
@@ -81,4 +88,6 @@ def subset_indexer(big: HeadProfile, small: HeadProfile, weights: IndexerWeights
             raise ValueError(f"layer {layer}: heads {hs} are not among the fitted {hb}")
         idx = torch.tensor([hb.index(h) for h in hs])
         out.q[layer], out.k[layer] = weights.q[layer][idx], weights.k[layer][idx]
+        if layer in weights.temperature:
+            out.temperature[layer] = weights.temperature[layer][idx]
     return out

@@ -9,9 +9,17 @@ and ``k_j`` is the pre-RoPE key (``r = 16`` dims by default).
    the SVD of ``C_q^{1/2} M C_k^{1/2}`` whitened back (a PCA that weighs the directions q and k share).
 2. Distillation with the model frozen: minimise the forward KL from the head's true attention
    distribution (post-RoPE, averaged over the query group) to the indexer's softmax, over sampled queries.
+3. Temperature calibration: forward KL makes a low-rank student *mass-covering* — its softmax is flatter than
+   the attention where it cannot rank exactly, so the top ``p`` of the indexer's mass holds more of the
+   attention's mass, in more blocks, than the attention's own top-p set. Each head gets the sharpest temperature
+   ``T`` (scores divided by ``T``) at which the indexer's top-p blocks still hold, on held-out queries, as much of
+   the attention's mass as the attention's own top-p blocks do (``mass_target``): the indexer's selection is then
+   as large as it must be to be as good as the dense one, and no larger. An indexer that ranks exactly keeps
+   ``T = 1``; one that is over-confident gets ``T > 1``.
 
-The report gives, per head, on held-out queries: recall of the dense top-p block set (fraction of its
-blocks the indexer's top-p selection keeps), the teacher mass that selection covers, and its density.
+The report gives, per head, on held-out queries: the density of the dense attention's own top-p block set, and,
+for the indexer's top-p selection at the calibrated temperature (and at temperature 1), its density, the
+teacher mass it covers, and its recall of the dense set (fraction of those blocks it keeps).
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from sparrow.models.attention import attention_modules
 
 @dataclass
 class HeadReport:
+    """One retrieval head on held-out queries (block granularity, no forced blocks)."""
+
     layer: int
     kv_head: int
     recall: float  # fraction of the dense top-p blocks kept by the indexer's top-p selection
@@ -40,6 +50,10 @@ class HeadReport:
     density: float  # kept blocks / causal blocks
     kl_init: float
     kl_final: float
+    dense_density: float = float("nan")  # the dense attention's own top-p set: its blocks / causal blocks
+    temperature: float = 1.0  # the calibrated temperature (recall, mass, density above are at it)
+    density_t1: float = float("nan")  # the indexer's density at temperature 1
+    mass_t1: float = float("nan")  # ... and the teacher mass it covers
 
 
 @dataclass
@@ -55,17 +69,19 @@ class IndexerReport:
 
     def summary(self) -> dict:
         return {"steps": self.steps, "top_p": self.top_p, "block": self.block, "num_heads": len(self.heads),
-                "recall": self.mean("recall"), "mass": self.mean("mass"), "density": self.mean("density"),
-                "kl_init": self.mean("kl_init"), "kl_final": self.mean("kl_final")}
+                **{k: self.mean(k) for k in ("recall", "mass", "density", "dense_density", "temperature",
+                                             "density_t1", "mass_t1", "kl_init", "kl_final")}}
 
     def table(self) -> str:
-        rows = [f"{'layer':>5} {'kv':>3} {'recall':>7} {'mass':>6} {'density':>8} {'KL init':>8} {'KL final':>9}"]
+        cols = [("recall", 7), ("mass", 6), ("density", 8), ("dense_density", 8), ("temperature", 6),
+                ("density_t1", 8), ("mass_t1", 7), ("kl_init", 8), ("kl_final", 8)]
+        names = {"dense_density": "dense", "temperature": "T", "density_t1": "dens@T1", "mass_t1": "mass@T1",
+                 "kl_init": "KL init", "kl_final": "KL final"}
+        rows = [f"{'layer':>5} {'kv':>3} " + " ".join(f"{names.get(c, c):>{w}}" for c, w in cols)]
         for h in self.heads:
-            rows.append(f"{h.layer:>5} {h.kv_head:>3} {h.recall:>7.3f} {h.mass:>6.3f} {h.density:>8.3f} "
-                        f"{h.kl_init:>8.3f} {h.kl_final:>9.3f}")
+            rows.append(f"{h.layer:>5} {h.kv_head:>3} " + " ".join(f"{getattr(h, c):>{w}.3f}" for c, w in cols))
         s = self.summary()
-        rows.append(f"{'mean':>9} {s['recall']:>7.3f} {s['mass']:>6.3f} {s['density']:>8.3f} {s['kl_init']:>8.3f} "
-                    f"{s['kl_final']:>9.3f}")
+        rows.append(f"{'mean':>9} " + " ".join(f"{s[c]:>{w}.3f}" for c, w in cols))
         return "\n".join(rows)
 
 
@@ -186,23 +202,53 @@ def _topp_blocks(prob: torch.Tensor, pos: torch.Tensor, block: int, top_p: float
     return topp_mask_reference(mass.clamp_min(1e-30).log(), valid, top_p), valid
 
 
-def _evaluate(d: _HeadData, wq, wk, idx: list[tuple[int, torch.Tensor]], block: int, top_p: float):
-    rec, mass, dens, n = 0.0, 0.0, 0.0, 0
-    for si, rows in idx:
-        pos = d.qpos[si][rows]
-        teacher = d.teacher[si][rows]
-        student = _student_logp(wq, wk, d.qg[si][rows], d.k[si], pos).exp()
-        t_sel, valid = _topp_blocks(teacher, pos, block, top_p)
-        s_sel, _ = _topp_blocks(student, pos, block, top_p)
-        S = teacher.shape[1]
-        nb = s_sel.shape[1]
-        tmass = torch.nn.functional.pad(teacher, (0, nb * block - S)).view(-1, nb, block).sum(-1)
-        rec += float(((t_sel & s_sel).sum(-1).float() / t_sel.sum(-1).clamp_min(1)).sum())
-        mass += float((tmass * s_sel).sum(-1).sum())
-        dens += float((s_sel.sum(-1).float() / valid.sum(-1).clamp_min(1)).sum())
-        n += rows.numel()
-    n = max(n, 1)
-    return rec / n, mass / n, dens / n
+class _EvalSet:
+    """A head's held-out queries, prepared once: the teacher's block masses and top-p blocks, the indexer's raw
+    scores; :meth:`at` evaluates the indexer's selection at a temperature."""
+
+    def __init__(self, d: _HeadData, wq, wk, idx: list[tuple[int, torch.Tensor]], block: int, top_p: float):
+        self.block, self.top_p, self.parts = block, top_p, []
+        for si, rows in idx:
+            pos = d.qpos[si][rows]
+            teacher = d.teacher[si][rows]
+            t_sel, valid = _topp_blocks(teacher, pos, block, top_p)
+            S = teacher.shape[1]
+            nb = t_sel.shape[1]
+            tmass = torch.nn.functional.pad(teacher, (0, nb * block - S)).view(-1, nb, block).sum(-1)
+            scores = (d.qg[si][rows] @ wq) @ (d.k[si] @ wk).T  # [Nq, S]
+            causal = torch.arange(S, device=scores.device)[None, :] <= pos[:, None]
+            self.parts.append((pos, scores.masked_fill(~causal, float("-inf")), tmass, t_sel, valid))
+        self.n = max(sum(p[0].numel() for p in self.parts), 1)
+
+    def dense_density(self) -> float:
+        return sum(float((t.sum(-1).float() / v.sum(-1).clamp_min(1)).sum()) for _, _, _, t, v in self.parts) / self.n
+
+    def dense_mass(self) -> float:
+        """Mean teacher mass of the dense top-p blocks (at least ``top_p``: the last block overshoots)."""
+        return sum(float((m * t).sum()) for _, _, m, t, _ in self.parts) / self.n
+
+    def at(self, temperature: float) -> tuple[float, float, float]:
+        """(recall of the dense top-p blocks, teacher mass covered, density) of the indexer's top-p selection with
+        its scores divided by ``temperature``."""
+        rec = mass = dens = 0.0
+        for pos, scores, tmass, t_sel, valid in self.parts:
+            student = torch.softmax(scores / temperature, -1)
+            s_sel, _ = _topp_blocks(student, pos, self.block, self.top_p)
+            rec += float(((t_sel & s_sel).sum(-1).float() / t_sel.sum(-1).clamp_min(1)).sum())
+            mass += float((tmass * s_sel).sum(-1).sum())
+            dens += float((s_sel.sum(-1).float() / valid.sum(-1).clamp_min(1)).sum())
+        return rec / self.n, mass / self.n, dens / self.n
+
+
+TEMPERATURES = tuple(float(t) for t in torch.logspace(-3, 3, 37, base=2.0))  # 1/8 .. 8, 6 steps per octave
+
+
+def fit_temperature(evals: _EvalSet, target: float) -> float:
+    """The sharpest temperature of :data:`TEMPERATURES` whose selection still covers ``target`` of the teacher's
+    mass on average (the flattest one when none does: the most mass this indexer can cover)."""
+    covered = {t: evals.at(t)[1] for t in TEMPERATURES}
+    ok = [t for t in TEMPERATURES if covered[t] >= target]
+    return min(ok) if ok else max(TEMPERATURES, key=lambda t: (covered[t], t))
 
 
 def _kl_on(d: _HeadData, wq, wk, idx) -> float:
@@ -228,6 +274,8 @@ def fit_indexer(
     block: int = 64,
     holdout: float = 0.2,
     init: IndexerWeights | None = None,
+    calibrate_temperature: bool = True,
+    mass_target: float | None = None,
     seed: int = 0,
     progress: bool = False,
 ) -> tuple[IndexerWeights, IndexerReport]:
@@ -242,10 +290,17 @@ def fit_indexer(
         dim: indexer dimension. queries_per_seq: queries sampled per sequence (the rest of the positions
             only serve as keys). holdout: fraction of sampled queries kept out of training for the report.
         init: start from these weights instead of the statistics-based initialisation (indexer refresh).
-        top_p, block: the selection the report measures recall and density for.
+        top_p, block: the selection the report measures recall and density for, and the temperature is fitted to.
+        calibrate_temperature: fit each head's temperature (module docstring, step 3) on the held-out queries;
+            False leaves it at 1. mass_target: the teacher mass the calibrated selection covers on average
+            (default: what the dense top-p blocks cover on the same queries).
 
-    Returns: (weights, report).
+    Returns: (weights, report); ``weights.temperature`` holds the temperatures.
+
+    Raises: ValueError when ``mass_target`` is outside (0, 1].
     """
+    if mass_target is not None and not 0.0 < mass_target <= 1.0:
+        raise ValueError(f"mass_target must be in (0, 1], got {mass_target}")
     mods = attention_modules(model)
     hq, hkv, D = mods[0].num_heads, mods[0].num_kv_heads, mods[0].head_dim
     qpk = hq // hkv
@@ -303,16 +358,24 @@ def fit_indexer(
             if progress and hasattr(it, "set_postfix"):
                 it.set_postfix(kl=float(loss) / len(keys))
 
+    temps = {}
+    for key in keys:
+        wq, wk = (p.detach() for p in params[key])
+        with torch.no_grad():
+            ev = _EvalSet(heads[key], wq, wk, eval_idx[key], block, top_p)
+            target = ev.dense_mass() if mass_target is None else mass_target
+            temps[key] = fit_temperature(ev, target) if calibrate_temperature else 1.0
+            rec, mass, dens = ev.at(temps[key])
+            _, mass1, dens1 = ev.at(1.0)
+            report.heads.append(HeadReport(key[0], key[1], rec, mass, dens, kl0[key],
+                                           _kl_on(heads[key], wq, wk, eval_idx[key]), dense_density=ev.dense_density(),
+                                           temperature=temps[key], density_t1=dens1, mass_t1=mass1))
     out = IndexerWeights()
     for layer in sorted({l for l, _ in keys}):
         hs = profile.retrieval_heads(layer)
         out.q[layer] = torch.stack([params[(layer, h)][0].detach().float().cpu() for h in hs])
         out.k[layer] = torch.stack([params[(layer, h)][1].detach().float().cpu() for h in hs])
-    for key in keys:
-        wq, wk = (p.detach() for p in params[key])
-        rec, mass, dens = _evaluate(heads[key], wq, wk, eval_idx[key], block, top_p)
-        report.heads.append(HeadReport(key[0], key[1], rec, mass, dens, kl0[key],
-                                       _kl_on(heads[key], wq, wk, eval_idx[key])))
+        out.temperature[layer] = torch.tensor([temps[(layer, h)] for h in hs], dtype=torch.float32)
     return out, report
 
 
@@ -327,6 +390,7 @@ def indexer_from_model(model: nn.Module) -> tuple[HeadProfile, IndexerWeights]:
         if b.num_retrieval:
             w.q[l] = b.indexer_q.detach().float().cpu()
             w.k[l] = b.indexer_k.detach().float().cpu()
+            w.temperature[l] = b.temperature
     return HeadProfile(ret.float(), ret), w
 
 
@@ -335,20 +399,21 @@ def refresh_indexer(model: nn.Module, sequences: Sequence, *, steps: int = 20, l
     """A few distillation steps on a model with RTPurbo backends, in place, from its current indexer.
 
     For RL: as the policy drifts, the rollout model's indexer is re-fitted to its current attention
-    (call every N training steps on a few of the latest rollouts' token sequences).
+    (call every N training steps on a few of the latest rollouts' token sequences), and its temperatures
+    re-calibrated at the backends' configured ``top_p`` and decode block.
     """
     profile, current = indexer_from_model(model)
+    c = rtpurbo_backends(model)[0].config
     weights, report = fit_indexer(model, profile, sequences, steps=steps, dim=current.dim or 16, lr=lr,
-                                  queries_per_seq=queries_per_seq, init=current, seed=seed, progress=progress)
-    for l, b in enumerate(rtpurbo_backends(model)):
-        if b.num_retrieval:
-            b.load_indexer(weights.q[l].to(b.indexer_q), weights.k[l].to(b.indexer_k))
+                                  queries_per_seq=queries_per_seq, init=current, top_p=c.top_p,
+                                  block=c.decode_block, seed=seed, progress=progress)
+    apply_indexer(model, weights)
     return report
 
 
 def apply_indexer(model: nn.Module, indexer: IndexerWeights) -> None:
-    """Copy ``indexer`` into the model's RTPurbo backends."""
+    """Copy ``indexer`` (weights and temperatures) into the model's RTPurbo backends, in place."""
     for l, m in enumerate(attention_modules(model)):
         b = m.backend
         if isinstance(b, RTPurboAttention) and b.num_retrieval:
-            b.load_indexer(indexer.q[l].to(b.indexer_q), indexer.k[l].to(b.indexer_k))
+            b.load_indexer(indexer.q[l].to(b.indexer_q), indexer.k[l].to(b.indexer_k), indexer.temperature.get(l))

@@ -16,6 +16,12 @@ All three are log-probs of the *processed* distribution (vocabulary limit, tempe
 sampled token can lie outside π_old's support: top-p / top-k under the trainer's weights drop a token that the
 rollout copy's nucleus held. Its importance weight π_old/μ is exactly 0, so such a token carries no loss; the
 fraction is logged (``outside_support_frac``).
+
+Partial rollout (tokens of one sequence sampled by several policy versions, the older ones stale): ``behav`` holds,
+per token, the log-prob under the version that sampled it, and π_old is the proximal policy of the decoupled PPO
+objective: the trust region is taken around π_old (the ratio π_θ/π_old) while w = π_old/μ, per token, corrects
+for the sampling having been done by older (and sparser) policies. This is the loss above, unchanged; what grows
+with staleness is the spread of w, which :class:`StalenessStats` breaks down by version age.
 """
 
 from __future__ import annotations
@@ -175,3 +181,78 @@ def grpo_loss(
             "kl_ref": kl_ref,
         }
     return loss, metrics
+
+
+@dataclass
+class StalenessStats:
+    """Counts and sums over response tokens by version age ``k = 0 .. K-1`` (the version of π_old minus the
+    version that sampled the token), on the device; add the stats of micro-batches, then read :meth:`metrics`.
+
+    Attributes:
+        tokens: [K] float64 response tokens of each age.
+        over: [K] of those, tokens whose per-token weight π_old/μ exceeds ``is_threshold`` (truncated or masked
+            by the loss with ``is_level: token``).
+        outside: [K] tokens outside π_old's support (weight 0).
+        kl: [K] sum over the tokens inside the support of the k3 estimate of KL(μ ‖ π_old).
+    """
+
+    tokens: torch.Tensor
+    over: torch.Tensor
+    outside: torch.Tensor
+    kl: torch.Tensor
+
+    @classmethod
+    def of(cls, old: torch.Tensor, behav: torch.Tensor, mask: torch.Tensor, age: torch.Tensor, cfg: GRPOConfig,
+           max_age: int) -> StalenessStats:
+        """old, behav: [N, L] log π_old and log μ; mask: [N, L] bool response tokens; age: [N, L] integer version
+        ages (read where ``mask``). No host sync.
+
+        Raises:
+            ValueError: mismatched shapes, a non-integer ``age`` or ``max_age`` < 0. Ages outside
+                ``[0, max_age]`` are not checked here (that would read the device): they count in no bin.
+        """
+        if not old.shape == behav.shape == mask.shape == age.shape:
+            raise ValueError(f"old, behav, mask and age must have one shape, got {tuple(old.shape)}, "
+                             f"{tuple(behav.shape)}, {tuple(mask.shape)}, {tuple(age.shape)}")
+        if age.is_floating_point() or age.dtype == torch.bool:
+            raise ValueError(f"age must be an integer tensor, got {age.dtype}")
+        if max_age < 0:
+            raise ValueError(f"max_age must be >= 0, got {max_age}")
+        sel = (mask & (age >= 0) & (age <= max_age)).flatten().double()  # the tokens binned
+        idx = age.clamp(0, max_age).flatten()
+        outside = ~torch.isfinite(old)
+        d = (old - behav).masked_fill(~mask | outside, 0.0).flatten().double()
+        over = (d.clamp(max=60.0).exp() > cfg.is_threshold).double()
+
+        def binned(x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(max_age + 1, dtype=torch.float64, device=old.device).index_add_(0, idx, x * sel)
+
+        return cls(binned(torch.ones_like(sel)), binned(over), binned(outside.flatten().double()),
+                   binned(d.exp() - d - 1.0))
+
+    def __add__(self, other: StalenessStats) -> StalenessStats:
+        return StalenessStats(self.tokens + other.tokens, self.over + other.over, self.outside + other.outside,
+                              self.kl + other.kl)
+
+    def as_tensor(self) -> torch.Tensor:
+        """[4, K] float64 (tokens, over, outside, kl): one tensor to all-reduce or read back."""
+        return torch.stack([self.tokens, self.over, self.outside, self.kl])
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> StalenessStats:
+        return cls(*t.unbind(0))
+
+    def metrics(self, prefix: str = "partial") -> dict[str, float]:
+        """``{prefix}/staleness_<k>`` (fraction of the response tokens of age k), and for each age that has tokens
+        ``{prefix}/is_clip_frac_age<k>`` and ``{prefix}/mismatch_kl_age<k>`` (as ``grpo_loss``'s, over those
+        tokens). One read of the device."""
+        tokens, over, outside, kl = self.as_tensor().tolist()
+        total = sum(tokens)
+        out = {}
+        for k, n in enumerate(tokens):
+            out[f"{prefix}/staleness_{k}"] = n / total if total else 0.0
+            if n:
+                out[f"{prefix}/is_clip_frac_age{k}"] = over[k] / n
+                inside = n - outside[k]
+                out[f"{prefix}/mismatch_kl_age{k}"] = kl[k] / inside if inside else 0.0
+        return out

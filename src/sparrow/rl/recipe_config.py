@@ -34,11 +34,13 @@ INDEXER_REFRESH_KEYS = {"every", "steps", "sequences"}
 COMPONENTS: dict[str, tuple[str, ...]] = {
     "tokenizer": (), "task": (), "reward": (), "model": (), "attention": (), "optimizer": ("params",),
     "metric_logger": (), "speculative.drafter": (), "speculative.toggle": ("engine", "params"),
+    "rtpurbo_schedule": (),
 }
 
 
 def _recipe_keys() -> dict[str, Any]:
     from sparrow.rl.grpo import GRPOConfig
+    from sparrow.rl.partial import PartialRolloutConfig
     from sparrow.rollout.engine import EngineConfig
 
     return {
@@ -55,13 +57,14 @@ def _recipe_keys() -> dict[str, Any]:
         "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "shared_prefix": None,
         "total_steps": None, "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None,
         "init_std": None, "trainer_ranks": None, "speculative": SPECULATIVE_KEYS,
-        "indexer_refresh": INDEXER_REFRESH_KEYS,
+        "indexer_refresh": INDEXER_REFRESH_KEYS, "rtpurbo_schedule": COMPONENT,
+        "partial_rollout": {f.name for f in dataclasses.fields(PartialRolloutConfig)},
     }
 
 
 RECIPE_KEYS: dict[str, Any] = _recipe_keys()
 OPTIONAL = {"name", "model_dir", "task", "dataset", "prompt", "checkpoint", "init_std", "speculative",
-            "indexer_refresh", "trainer_ranks", "shared_prefix"}
+            "indexer_refresh", "trainer_ranks", "shared_prefix", "rtpurbo_schedule", "partial_rollout"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any] = RECIPE_KEYS,
@@ -132,6 +135,7 @@ def check_values(cfg: DictConfig) -> None:
                          f"({cfg.engine.max_new_tokens})")
     if cfg.get("prompt") is not None and cfg.prompt.get("system") is not None and not cfg.prompt.get("chat"):
         raise ValueError("prompt.system needs prompt.chat: true (a system message is part of the chat format)")
+    _check_partial_rollout(cfg)
     rc = cfg.get("indexer_refresh")
     if rc is not None:
         missing = sorted(INDEXER_REFRESH_KEYS - set(rc))
@@ -152,6 +156,28 @@ def check_values(cfg: DictConfig) -> None:
             raise ValueError(f"speculative.toggle.draft_lengths must be positive integers, got {list(lengths)}")
     for key, passed in COMPONENTS.items():
         check_component_args(cfg, key, passed)
+    if has_component(cfg, "rtpurbo_schedule"):  # a config dataclass: building it checks the values
+        from torchtune import config as tt_config
+
+        tt_config.instantiate(cfg.rtpurbo_schedule)
+
+
+def _check_partial_rollout(cfg: DictConfig) -> None:
+    """The ``partial_rollout`` section: its dataclass's checks, those against the batch (one rollout rank; the recipe
+    checks its own count), and an importance correction for the stale tokens it creates."""
+    from sparrow.rl.grpo import GRPOConfig
+    from sparrow.rl.partial import PartialRolloutConfig
+
+    sec = cfg.get("partial_rollout")
+    if sec is None:
+        return
+    pr = PartialRolloutConfig(**sec)
+    if not pr.enabled:
+        return
+    pr.check(cfg.prompts_per_step)
+    if pr.max_staleness and GRPOConfig(**cfg.loss).is_level == "none":
+        raise ValueError("partial_rollout with max_staleness > 0 samples tokens from older policies: it needs an "
+                         "importance correction (loss.is_level token or sequence, not none)")
 
 
 def check_component_args(cfg: DictConfig, key: str, passed: Collection[str] = ()) -> None:

@@ -127,8 +127,8 @@ def add_speedups(rows: list[dict[str, Any]], baseline: str = "all_off") -> None:
 
 
 SUMMARY_MEANS = ("wall_s", "reward_last_half", "eval_start", "eval_final", "mismatch_kl", "tail_agreement_p5",
-                 "is_clip_frac", "spec_acceptance", "decode_density", "sync_wire_mb", "rollout_ms_per_token",
-                 "per_token_rollout_speedup", "fixed_rollout_s", "fixed_rollout_speedup")
+                 "stale_token_frac", "is_clip_frac", "spec_acceptance", "decode_density", "sync_wire_mb",
+                 "rollout_ms_per_token", "per_token_rollout_speedup", "fixed_rollout_s", "fixed_rollout_speedup")
 
 
 def compare(rows: list[dict[str, Any]], steps: list[dict[str, Any]], baseline: str = "all_off") -> list[dict[str, Any]]:

@@ -1,16 +1,18 @@
 """The rollout engine: batched sampling with shared prompt prefixes, continuous batching and exact
 self-speculative decoding.
 
-Reading order: :meth:`RolloutEngine.generate` (the host loop) -> :meth:`_admit` (prefill new prompts, sample
-their first tokens) -> :meth:`_decode_block` (a block of steps on the active rows, then the block's one host
-sync: which rows finished). A block runs one of two programs, replayed as one CUDA graph per batch bucket:
+Reading order: :meth:`RolloutSession.run` (the host loop; :meth:`RolloutEngine.generate` is one session run to
+the end) -> :meth:`_admit` (prefill new prompts, sample their first tokens) -> :meth:`_decode_block` (a block of
+steps on the active rows, then the block's one host sync: which rows finished). A block runs one of two
+programs, replayed as one CUDA graph per batch bucket:
 
 * a plain step, :meth:`_decode_step`: one token for every active row;
 * with a drafter, when the toggle says so, a speculative *cycle*: ``k`` :meth:`_draft_step` s (one draft
   token per row, from the drafter, over the target's caches) and one :meth:`_verify_step` (the target over
   ``[last token, d_1..d_k]``, exact rejection sampling: 1..k+1 tokens per row).
 
-Both end in :meth:`_emit`, the one place where a row's tokens, log-probs, length and done flag change. Steps
+Both end in :meth:`_emit`, the one place where a row's tokens, log-probs, version stamps, length and done flag
+change. Steps
 are compiled with ``fullgraph=True`` (one compiled step for every batch bucket; a verify step for every draft
 length) and never synchronise with the host.
 
@@ -19,18 +21,33 @@ Layout. Every distinct prompt is prefilled once into a *prefix slot*; its ``n_sa
 block boundary, and new prompts are admitted into the freed slots, so a step's cost follows the number of
 active rows. Device state: :class:`~sparrow.rollout.state.RowState` per generation slot,
 :class:`~sparrow.rollout.state.DraftState` for the cycle's scratch.
+
+Resumable generation. A :class:`RolloutSession` (:meth:`RolloutEngine.start`) holds groups across calls: each
+:meth:`RolloutSession.run` decodes until enough groups have finished and returns them, leaving the unfinished
+rows, their caches and prefix slots in place for the next call. Between calls the weights may change in place
+(a weight sync; :meth:`RolloutEngine.set_policy_version` names the new version): rows continue over the KV that
+the earlier weights cached, and every token carries the version that sampled it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import json
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Collection, Literal, Sequence
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 from torchtune.modules import TransformerDecoder
+from tqdm import tqdm
 
 from sparrow.attention.base import CacheSpec, PrefillMeta
+from sparrow.compile_cache import CompileCache, cache_counters, module_signature
 from sparrow.models.attention import attention_modules
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
 from sparrow.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
@@ -84,6 +101,12 @@ class EngineConfig:
         compile_backend: ``torch.compile`` backend (``"inductor"``; ``"eager"`` checks graph capture only).
         max_draft: longest speculative draft (0 without a drafter); generation slots keep this many extra
             positions of scratch for the verify pass.
+        dynamic_batch: compile each kind of step once for every batch bucket and draft length (their sizes are
+            symbolic, ``docs/rollout.md``); ``False`` compiles one static step per bucket and draft length (the
+            reference the dynamic one is tested against, bit for bit).
+        compile_cache: a directory for compiled code and cost-model calibrations, reused by later engines of the
+            same compile key (:class:`sparrow.compile_cache.CompileCache`); ``None``: Inductor's own caches.
+        progress: show progress bars over compilation, graph capture and calibration.
     """
 
     max_rows: int = 64
@@ -98,8 +121,16 @@ class EngineConfig:
     share_prefix: bool = True
     compile_backend: str = "inductor"
     max_draft: int = 0
+    dynamic_batch: bool = True
+    compile_cache: str | None = None
+    progress: bool = False
 
     def __post_init__(self) -> None:
+        if self.compile_cache is not None:
+            if not isinstance(self.compile_cache, (str, os.PathLike)) or not str(self.compile_cache):
+                raise ValueError(f"EngineConfig.compile_cache must be a directory path or None, got "
+                                 f"{self.compile_cache!r}")
+            object.__setattr__(self, "compile_cache", str(self.compile_cache))
         if self.max_draft < 0:
             raise ValueError(f"EngineConfig.max_draft must be >= 0, got {self.max_draft}")
         for name in ("max_rows", "max_prompt_len", "max_new_tokens", "block_steps", "prefill_tokens"):
@@ -134,8 +165,13 @@ class EngineConfig:
 class Sample:
     """One generated sequence.
 
+    prompt_index: the prompt's index in :meth:`RolloutEngine.generate`'s list (in a :class:`RolloutSession`: its
+        group id, the order it was added in). sample_index: the sample's index within its group.
     tokens: [L] int64 generated tokens (the stop token included when ``finish_reason == "stop"``).
-    logprobs: [L] float32 log-probability of each token under the distribution it was sampled from.
+    logprobs: [L] float32 log-probability of each token under the distribution it was sampled from (the weights
+        of the version that sampled it).
+    versions: [L] int32 the policy version that sampled each token (:meth:`RolloutEngine.set_policy_version`);
+        None for samples not made by the engine.
     """
 
     prompt_index: int
@@ -143,6 +179,7 @@ class Sample:
     tokens: torch.Tensor
     logprobs: torch.Tensor
     finish_reason: FinishReason
+    versions: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -172,6 +209,15 @@ class GenerationStats:
     def decode_tokens_per_s(self) -> float:
         return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
+    def __add__(self, other: GenerationStats) -> GenerationStats:
+        """The stats of two calls together (sums; per-key sums of the histograms)."""
+        out = {}
+        for f in self.__dataclass_fields__:
+            x, y = getattr(self, f), getattr(other, f)
+            out[f] = ({k: x.get(k, 0) + y.get(k, 0) for k in sorted(x.keys() | y.keys())} if isinstance(x, dict)
+                      else x + y)
+        return GenerationStats(**out)
+
     @property
     def acceptance_rate(self) -> float:
         """Accepted / proposed draft tokens (0 when nothing was proposed)."""
@@ -185,7 +231,8 @@ class GenerationStats:
 
 @dataclass
 class Generation:
-    """Result of :meth:`RolloutEngine.generate`: samples in prompt-major order, plus timing stats."""
+    """Result of :meth:`RolloutEngine.generate` or :meth:`RolloutSession.run`: samples in prompt-major (group-major)
+    order, plus the call's timing stats."""
 
     samples: list[Sample]
     stats: GenerationStats
@@ -198,6 +245,215 @@ class Generation:
 
     def __getitem__(self, i: int) -> Sample:
         return self.samples[i]
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """Where one open group of a :class:`RolloutSession` stands.
+
+    group: its id (groups are numbered in the order they were added, from 0). admitted_version: the policy version
+    that prefilled its prompt and sampled its first tokens (None while it waits for slots). lengths: tokens each
+    sample has emitted so far (0 while waiting; a finished sample keeps its final length).
+    """
+
+    group: int
+    admitted_version: int | None
+    lengths: tuple[int, ...]
+
+
+class RolloutSession:
+    """Generation that can stop and resume: groups of ``n_samples`` samples are added, :meth:`run` decodes until
+    enough of them have finished and returns those, and the unfinished rows keep their generation slots, caches
+    and prefix slots for the next :meth:`run`. Made by :meth:`RolloutEngine.start`; :meth:`RolloutEngine.generate`
+    is one session run to the end.
+
+    A group's noise stream is its id (sample ``j`` of group ``g`` is stream ``g * n_samples + j`` under the
+    session's seed), so what a sample draws does not depend on when it was admitted, on how the session's runs were
+    cut, or on what runs beside it: the groups of a session whose weights never change draw exactly the tokens of
+    one :meth:`RolloutEngine.generate` of all its prompts. Weights may change between runs (updated in place, so
+    compiled steps and CUDA graphs stay valid): running rows continue over the KV the earlier weights cached, and
+    :meth:`RolloutEngine.set_policy_version` stamps the tokens sampled after the change with the new version.
+
+    Several sessions may be open on one engine: they share its slots (a session admits a group when ``n_samples``
+    generation slots and its prefix slots are free) and each run makes its own sampling parameters current.
+    """
+
+    def __init__(self, engine: RolloutEngine, n_samples: int, params: SamplingParams) -> None:
+        self.engine = engine
+        self.n_samples = n_samples
+        self.params = params
+        self._prompts: dict[int, torch.Tensor] = {}  # open group -> prompt
+        self._pending: list[int] = []  # groups waiting for slots, in order
+        self._next = 0
+        self._owner: dict[int, tuple[int, int, int]] = {}  # row -> (group, sample, prefix slot)
+        self._prefix_refs: dict[int, int] = {}  # prefix slot -> rows still reading it
+        self._active: list[int] = []  # rows decoding, ascending
+        self._done: dict[int, dict[int, Sample]] = {}  # running group -> its samples that finished
+        self._admitted: dict[int, int] = {}  # running group -> policy version at admission
+        self._closed = False
+
+    # ----------------------------------------------------------------------------------- groups
+    def add(self, prompts: Sequence[Sequence[int] | torch.Tensor]) -> list[int]:
+        """Queue ``prompts`` (token id sequences, each non-empty) as groups of ``n_samples``; returns their ids.
+
+        Raises:
+            ValueError: as :meth:`RolloutEngine.generate` for the prompts; RuntimeError: the session is closed.
+        """
+        self._check_open()
+        toks = self.engine._validate(prompts, self.n_samples, self.params)
+        ids = list(range(self._next, self._next + len(toks)))
+        self._next += len(toks)
+        self._prompts.update(zip(ids, toks))
+        self._pending.extend(ids)
+        return ids
+
+    @property
+    def open_groups(self) -> list[int]:
+        """Groups added and not yet returned or dropped (waiting or running), ascending."""
+        return sorted(self._prompts)
+
+    def progress(self) -> list[GroupProgress]:
+        """Every open group's :class:`GroupProgress` (host bookkeeping, exact after every block: no device read)."""
+        out = []
+        rows = {(g, j): r for r, (g, j, _) in self._owner.items()}
+        for g in self.open_groups:
+            if g not in self._admitted:
+                out.append(GroupProgress(g, None, (0,) * self.n_samples))
+                continue
+            done = self._done.get(g, {})
+            lengths = tuple(done[j].length if j in done else self.engine._ngen.get(rows[(g, j)], 1)
+                            for j in range(self.n_samples))
+            out.append(GroupProgress(g, self._admitted[g], lengths))
+        return out
+
+    def drop(self, groups: Collection[int]) -> None:
+        """Abandon open ``groups``: waiting ones leave the queue, running ones free their slots now (what they
+        sampled is discarded).
+
+        Raises:
+            ValueError: a group that is not open.
+        """
+        self._check_open()
+        missing = sorted(set(groups) - set(self._prompts))
+        if missing:
+            raise ValueError(f"groups {missing} are not open in this session")
+        e, gone = self.engine, set(groups)
+        self._pending = [g for g in self._pending if g not in gone]
+        rows = [r for r, (g, _, _) in self._owner.items() if g in gone]
+        if rows:
+            e.rows.idle(torch.tensor(rows, dtype=torch.int64, device=e.device))
+            self._release(rows)
+        for g in gone:
+            del self._prompts[g]
+            self._done.pop(g, None)
+            self._admitted.pop(g, None)
+
+    def close(self) -> None:
+        """Drop every open group and give the slots back; the session cannot be used afterwards."""
+        if not self._closed:
+            self.drop(list(self._prompts))
+            self._closed = True
+
+    # -------------------------------------------------------------------------------------- run
+    @torch.no_grad()
+    def run(self, min_groups: int | None = None, *, finish: Collection[int] = (), admit: bool = True) -> Generation:
+        """Decode until at least ``min_groups`` groups have finished during this call (None: until every open group
+        has, or with ``admit=False`` every running one) and every group of ``finish`` has; check after every block.
+
+        Args:
+            min_groups: groups to finish before returning.
+            finish: open groups that must finish before returning (waiting ones are admitted first).
+            admit: admit waiting groups into free slots (``False``: only the running rows decode).
+
+        Returns:
+            :class:`Generation` of the groups that finished during the call, ascending by group id (each group's
+            samples by sample index), and the call's stats. Unfinished groups stay open.
+
+        Raises:
+            ValueError: ``min_groups`` above what the session can finish, or ``finish`` naming a group that is
+                not open (or waits, with ``admit=False``). RuntimeError: the session is closed, or waiting
+                groups cannot be admitted because other sessions hold the slots.
+        """
+        self._check_open()
+        e, n = self.engine, self.n_samples
+        reachable = len(self._prompts) if admit else len(self._prompts) - len(self._pending)
+        if min_groups is not None and not 0 <= min_groups <= reachable:
+            raise ValueError(f"min_groups ({min_groups}) must lie in [0, {reachable}]: the groups this session can "
+                             "finish" + ("" if admit else " without admitting new ones"))
+        finish = set(finish)
+        bad = sorted(g for g in finish if g not in self._prompts or (not admit and g in self._pending))
+        if bad:
+            raise ValueError(f"groups {bad} cannot finish in this run: not open" + ("" if admit else " or waiting"))
+        target = reachable if min_groups is None else min_groups
+        e._set_params(self.params)
+        stats = GenerationStats()
+        finished: dict[int, list[Sample]] = {}
+        per_prompt = 1 if e.config.share_prefix else n  # prefix slots a group takes
+        admitted_rows = 0
+        while (admit and self._pending) or self._active:
+            if len(finished) >= target and not finish & self._prompts.keys():
+                break
+            batch = []
+            while admit and self._pending and len(e._free_rows) >= n and len(e._free_prefixes) >= per_prompt:
+                g = self._pending.pop(0)
+                rows = [e._free_rows.pop(0) for _ in range(n)]
+                slots = [e._free_prefixes.pop(0) for _ in range(per_prompt)]
+                for j, r in enumerate(rows):
+                    slot = slots[j % per_prompt]
+                    self._owner[r] = (g, j, slot)
+                    self._prefix_refs[slot] = self._prefix_refs.get(slot, 0) + 1
+                self._admitted[g] = e.policy_version
+                batch.append((g, rows, slots))
+            if batch:
+                t0 = time.perf_counter()
+                e._admit(batch, self._prompts, n, stats)
+                stats.prefill_s += e._elapsed(t0)
+                admitted_rows += n * len(batch)
+                self._active = sorted(self._active + [r for _, rows, _ in batch for r in rows])
+            if not self._active:
+                raise RuntimeError(
+                    f"the engine has {len(e._free_rows)} free generation slots and {len(e._free_prefixes)} free "
+                    f"prefix slots, too few for a group of {n}: other open rollout sessions hold the rest")
+            # a block of steps on the active rows, then one host sync to retire finished rows
+            t0 = time.perf_counter()
+            done = e._decode_block(self._active, [self._prompts[self._owner[r][0]].numel() for r in self._active],
+                                   stats)
+            stats.decode_s += e._elapsed(t0)
+            if done:
+                self._retire(done, finished)
+        samples = [s for g in sorted(finished) for s in finished[g]]
+        stats.generated_tokens = admitted_rows + sum(stats.block_tokens.values())
+        return Generation(samples, stats)
+
+    def _retire(self, rows: list[int], finished: dict[int, list[Sample]]) -> None:
+        """Collect finished ``rows`` and free their slots; a group whose last sample finished moves to
+        ``finished`` and leaves the session."""
+        for s in self.engine._collect(rows, [self._owner[r][:2] for r in rows], self.params):
+            done = self._done.setdefault(s.prompt_index, {})
+            done[s.sample_index] = s
+            if len(done) == self.n_samples:
+                finished[s.prompt_index] = [done[j] for j in range(self.n_samples)]
+                del self._done[s.prompt_index], self._prompts[s.prompt_index], self._admitted[s.prompt_index]
+        self._release(rows)
+
+    def _release(self, rows: list[int]) -> None:
+        e = self.engine
+        for r in rows:
+            slot = self._owner.pop(r)[2]
+            e._ngen.pop(r, None)
+            e._free_rows.append(r)
+            self._prefix_refs[slot] -= 1
+            if self._prefix_refs[slot] == 0:
+                del self._prefix_refs[slot]
+                e._free_prefixes.append(slot)
+        e._free_rows.sort()
+        e._free_prefixes.sort()
+        gone = set(rows)
+        self._active = [r for r in self._active if r not in gone]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this rollout session is closed")
 
 
 class RolloutEngine:
@@ -243,6 +499,14 @@ class RolloutEngine:
         self._pool = None  # one CUDA-graph memory pool: the graphs never run concurrently
         self._ngen: dict[int, int] = {}  # host view of each active row's n_gen, refreshed at every block sync
         self._alpha_seen = 0.8  # acceptance seen so far (sizes speculative blocks; decisions are the toggle's)
+        self._compiled: dict[str, int] = {}  # step kind -> graphs compiled for it (every mode)
+        self._setup_s: dict[str, float] = {}  # setup phase -> seconds (compilation, capture, warm-up)
+        self._compile_cache = None  # the CompileCache of config.compile_cache, made on first use
+        self._backed: set[str] = set()  # steps compiled with backed dynamic sizes (see _symbolic)
+        spec = self.cache_spec
+        self._free_rows = list(range(spec.num_rows))  # generation slots no session holds, ascending
+        self._free_prefixes = list(range(spec.num_prefixes))  # prefix slots no session holds, ascending
+        self._policy_version = 0
 
     @property
     def captured_graphs(self) -> int:
@@ -287,6 +551,7 @@ class RolloutEngine:
         self.caches = [a.backend.init_cache(spec, dtype=self.dtype, device=dev) for a in self.attn]
         R = spec.num_rows + 1  # + the scratch slot of padding rows
         self.rows = RowState.allocate(R, c.max_new_tokens + c.max_draft + 1, dev)
+        self.rows.policy_version.fill_(self._policy_version)
         if self._drafter is not None:
             self.drafts = DraftState.allocate(R, c.max_draft, self.vocab_size, dev)
 
@@ -321,7 +586,10 @@ class RolloutEngine:
         for, :meth:`ToggleController.draft_lengths`, or ``draft_lengths``), so that no block of a later
         :meth:`generate` in that mode compiles. Without it the first block at each batch size (and draft
         length) pays for compilation and capture inside the generation that meets it. Every step runs on the
-        scratch row alone: nothing a generation reads changes. Returns the seconds it took.
+        scratch row alone: nothing a generation reads changes. Kind by kind: the first bucket compiles the kind's
+        step (with ``dynamic_batch``, once for all of them), the others capture their graphs from it
+        (``EngineConfig.progress`` shows each). Returns the seconds it took; :attr:`setup_seconds` holds them by
+        phase.
 
         Raises:
             TypeError: ``params`` is not :class:`SamplingParams`.
@@ -329,30 +597,47 @@ class RolloutEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        t0 = time.perf_counter()
+        t0, lookups = time.perf_counter(), cache_counters()
         self._set_params(params)
         ks: tuple[int, ...] = ()
         if self._drafter is not None:
             ks = tuple(self._toggle.draft_lengths() if draft_lengths is None else draft_lengths)
             ks = tuple(sorted({min(int(k), self.config.max_draft) for k in ks if k >= 1}))
         self.rows.done[self.scratch] = True
-        for b in self.config.buckets:
-            slots = torch.full((b,), self.scratch, dtype=torch.int64, device=self.device)
-            runs = [self._runner("decode", b)]  # captured here on CUDA; run once so that compilation happens here too
-            if self._drafter is not None:
-                runs += [self._runner("draft", b)] + [self._runner("cycle", b, k) for k in ks]
-            for run in runs:
-                run(slots)
+        kinds = [("decode", 0)] + ([("draft", 0)] + [("cycle", k) for k in ks] if self._drafter is not None else [])
+        plan = [(kind, b, k) for kind, k in kinds for b in self.config.buckets]
+        with tqdm(plan, desc="rollout engine", disable=not self.config.progress, leave=False,
+                  dynamic_ncols=True) as bar:
+            for kind, b, k in bar:
+                bar.set_description(self._describing(kind, b, k))
+                self._warm(kind, b, k, torch.full((b,), self.scratch, dtype=torch.int64, device=self.device))
         self._synchronize()
+        self._add_lookups(lookups)
         return time.perf_counter() - t0
+
+    def _describing(self, kind: StepKind, bucket: int, k: int) -> str:
+        """What preparing ``(kind, bucket, k)`` does, for the progress bar."""
+        step = {"decode": "decode step", "draft": "draft step", "cycle": f"verify step (draft length {k})"}[kind]
+        name = "verify" if kind == "cycle" else kind
+        if self._graphed and (kind, bucket, k) in self._mode.graphs:
+            return f"{step}, bucket {bucket}: captured"
+        if name not in self._mode.steps or not self.config.dynamic_batch:
+            return f"compiling the {step}" + ("" if self.config.dynamic_batch else f" for bucket {bucket}")
+        return f"capturing the {step} graph, bucket {bucket}" if self._graphed else f"{step}, bucket {bucket}"
+
+    def _add_lookups(self, before: dict[str, int]) -> None:
+        for k, v in cache_counters().items():
+            if v > before[k]:
+                self._add_setup(f"setup/{k}", v - before[k])
 
     def time_step(self, kind: StepKind, bucket: int, *, context: int, k: int = 0, steps: int = 8,
                   params: SamplingParams | None = None) -> float:
         """Seconds per step of ``steps`` runs of one kind of step (``decode``: a plain step; ``draft``: one draft
         step; ``cycle``: ``k`` draft steps and a verify step) at batch ``bucket`` and context ``context``, through
-        the same compiled step / CUDA graph a generation uses (compiled and captured before the timing). Rows
-        ``0 .. bucket-1`` stand in at that context (prompt part in distinct prefix slots), done, so the steps
-        change no row's length; they are left idle. For the cost model of the speculative toggle.
+        the same compiled step / CUDA graph a generation uses (compiled and captured before the timing, counted in
+        :attr:`setup_seconds`). Rows ``0 .. bucket-1`` stand in at that context (prompt part in distinct prefix
+        slots), done, so the steps change no row's length; they are left idle. For the cost model of the
+        speculative toggle.
 
         Raises:
             ValueError: a kind the engine cannot run (a draft without a drafter, ``k`` out of ``1..max_draft``),
@@ -380,9 +665,12 @@ class RolloutEngine:
         r.sample_id[rows] = rows
         r.last_token[rows] = 0
         r.done[rows] = True
-        run = self._runner(kind, bucket, k if kind == "cycle" else 0)
-        run(rows)  # compile / capture outside the timing
+        lookups = cache_counters()
+        run = self._warm(kind, bucket, k if kind == "cycle" else 0, rows)  # compile / capture outside the timing
+        if self._graphed:
+            run(rows)  # a first replay, untimed too
         self._synchronize()
+        self._add_lookups(lookups)
         t0 = time.perf_counter()
         for _ in range(steps):
             run(rows)
@@ -397,6 +685,10 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------ validation
     def _validate(self, prompts: Sequence, n_samples: int, params: SamplingParams) -> list[torch.Tensor]:
+        self._validate_sampling(n_samples, params)
+        return self._validate_prompts(prompts, params)
+
+    def _validate_sampling(self, n_samples: int, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if n_samples < 1:
@@ -409,6 +701,8 @@ class RolloutEngine:
                 f"({self.config.max_new_tokens}); raise EngineConfig.max_new_tokens"
             )
         params.validate_vocab(self.vocab_size)
+
+    def _validate_prompts(self, prompts: Sequence, params: SamplingParams) -> list[torch.Tensor]:
         if len(prompts) == 0:
             raise ValueError("no prompts given")
         out = []
@@ -437,7 +731,7 @@ class RolloutEngine:
         self, prompts: Sequence[Sequence[int] | torch.Tensor], n_samples: int = 1,
         params: SamplingParams | None = None,
     ) -> Generation:
-        """Sample ``n_samples`` completions of every prompt.
+        """Sample ``n_samples`` completions of every prompt (a :class:`RolloutSession` run to the end).
 
         Args:
             prompts: token id sequences (lists or 1-D tensors), each non-empty.
@@ -452,64 +746,44 @@ class RolloutEngine:
             ValueError: empty prompt list or prompt, token ids outside the vocabulary, a prompt longer than
                 the model's context or the engine's ``max_prompt_len``, ``max_new_tokens`` above capacity,
                 stop tokens outside the vocabulary, ``n_samples`` < 1 or above ``max_rows``.
+            RuntimeError: open sessions hold so many slots that not one group fits beside them.
+        """
+        session = self.start(n_samples, params)
+        try:
+            session.add(prompts)
+            return session.run()
+        finally:
+            session.close()
+
+    def start(self, n_samples: int = 1, params: SamplingParams | None = None) -> RolloutSession:
+        """A :class:`RolloutSession` sampling groups of ``n_samples`` with ``params`` (the seed is the session's:
+        every group's noise stream is its id under it).
+
+        Raises:
+            TypeError / ValueError: as :meth:`generate` for ``n_samples`` and ``params``.
         """
         params = params or SamplingParams()
-        toks = self._validate(prompts, n_samples, params)
-        self._set_params(params)
-        self._n_samples = n_samples
-        self._ngen.clear()
-        stats = GenerationStats()
-        spec = self.cache_spec
-        n = n_samples
-        pending = list(range(len(toks)))
-        free_rows = list(range(spec.num_rows))
-        free_prefixes = list(range(spec.num_prefixes))
-        prefix_refs: dict[int, int] = {}  # prefix slot -> rows still reading it
-        row_owner: dict[int, tuple[int, int, int]] = {}  # row -> (prompt, sample, prefix slot)
-        active: list[int] = []
-        results: dict[int, Sample] = {}
-        per_prompt = 1 if self.config.share_prefix else n  # prefix slots a prompt takes
+        self._validate_sampling(n_samples, params)
+        return RolloutSession(self, n_samples, params)
 
-        while pending or active:
-            # admit as many waiting prompts as free slots allow
-            admit = []
-            while pending and len(free_rows) >= n and len(free_prefixes) >= per_prompt:
-                pi = pending.pop(0)
-                rows = [free_rows.pop(0) for _ in range(n)]
-                slots = [free_prefixes.pop(0) for _ in range(per_prompt)]
-                for j, r in enumerate(rows):
-                    slot = slots[j % per_prompt]
-                    row_owner[r] = (pi, j, slot)
-                    prefix_refs[slot] = prefix_refs.get(slot, 0) + 1
-                admit.append((pi, rows, slots))
-            if admit:
-                t0 = time.perf_counter()
-                self._admit(admit, toks, n, stats)
-                stats.prefill_s += self._elapsed(t0)
-                active = sorted(active + [r for _, rows, _ in admit for r in rows])
-            if not active:  # pragma: no cover - admission always succeeds when nothing is active
-                raise RuntimeError("the engine cannot admit a prompt: capacity too small")
-            # a block of steps on the active rows, then one host sync to retire finished rows
-            t0 = time.perf_counter()
-            finished = self._decode_block(active, [toks[row_owner[r][0]].numel() for r in active], stats)
-            stats.decode_s += self._elapsed(t0)
-            if finished:
-                self._collect(finished, row_owner, results)
-                for r in finished:
-                    slot = row_owner.pop(r)[2]
-                    free_rows.append(r)
-                    prefix_refs[slot] -= 1
-                    if prefix_refs[slot] == 0:
-                        del prefix_refs[slot]
-                        free_prefixes.append(slot)
-                free_rows.sort()
-                free_prefixes.sort()
-                done_set = set(finished)
-                active = [r for r in active if r not in done_set]
+    @property
+    def policy_version(self) -> int:
+        """The version stamped on the tokens the engine samples now (:meth:`set_policy_version`; 0 at first)."""
+        return self._policy_version
 
-        samples = [results[i] for i in range(len(toks) * n)]
-        stats.generated_tokens = sum(s.length for s in samples)
-        return Generation(samples, stats)
+    def set_policy_version(self, version: int) -> None:
+        """Name the version of the weights the engine holds now (call it after each weight sync): every token
+        sampled from here on carries it in :attr:`Sample.versions`. Written in place (captured graphs read it);
+        the KV cached before keeps the earlier weights' values.
+
+        Raises:
+            ValueError: ``version`` not an integer in ``[0, 2**31)``.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2 ** 31:
+            raise ValueError(f"policy version must be an integer in [0, 2**31), got {version!r}")
+        self._policy_version = version
+        if self.rows is not None:
+            self.rows.policy_version.fill_(version)
 
     def _elapsed(self, t0: float) -> float:
         self._synchronize()
@@ -556,6 +830,7 @@ class RolloutEngine:
         tok = sample_from_logprobs(logprobs, row_keys(r.seed, sid, torch.zeros_like(sid)), self._params.greedy)
         r.tokens[rows, 0] = tok
         r.logprobs[rows, 0] = logprobs.gather(-1, tok[:, None]).squeeze(-1)
+        r.versions[rows, 0] = r.policy_version
         r.n_gen[rows] = 1
         r.last_token[rows] = tok
         r.done[rows] = torch.isin(tok, self._mode.stop_ids) | (r.max_new <= 1)
@@ -615,18 +890,21 @@ class RolloutEngine:
                 self._ngen[r] = m
         return finished
 
-    def _collect(self, rows: list[int], row_owner, results: dict[int, Sample]) -> None:
+    def _collect(self, rows: list[int], owners: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
+        """The samples of finished ``rows`` (``owners``: each row's (group, sample index)), read back to the host."""
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
         n_gen = self.rows.n_gen[idx].cpu()
         toks = self.rows.tokens[idx].cpu()
         lps = self.rows.logprobs[idx].cpu()
-        stop_set = set(self._params.stop_token_ids)
-        for k, r in enumerate(rows):
-            pi, j, _ = row_owner[r]
+        vers = self.rows.versions[idx].cpu()
+        stop_set = set(params.stop_token_ids)
+        out = []
+        for k, (g, j) in enumerate(owners):
             L = int(n_gen[k])
             t = toks[k, :L].clone()
             reason: FinishReason = "stop" if stop_set and int(t[-1]) in stop_set else "length"
-            results[pi * self._n_samples + j] = Sample(pi, j, t, lps[k, :L].clone(), reason)
+            out.append(Sample(g, j, t, lps[k, :L].clone(), reason, vers[k, :L].clone()))
+        return out
 
     # ------------------------------------------------------------------------------------ steps
     def _decode_step(self, row_slot: torch.Tensor) -> None:
@@ -689,9 +967,10 @@ class RolloutEngine:
     def _emit(self, row_slot: torch.Tensor, n_gen: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor,
               accepted: torch.Tensor) -> torch.Tensor:
         """Emit for rows ``row_slot`` [A] the first ``accepted + 1`` [A] of ``tokens`` / ``logprobs`` [A, T] at
-        each row's own offset ``n_gen`` [A], cut after the first stop token and at ``max_new``; a row that was
-        already done emits nothing (its writes land in scratch columns nobody reads). The one place where a row's
-        tokens, length, last token and done flag change. Returns which rows were live [A] bool."""
+        each row's own offset ``n_gen`` [A], stamped with the current policy version, cut after the first stop
+        token and at ``max_new``; a row that was already done emits nothing (its writes land in scratch columns
+        nobody reads). The one place where a row's tokens, log-probs, versions, length, last token and done flag
+        change. Returns which rows were live [A] bool."""
         r = self.rows
         live = ~r.done[row_slot]
         pos = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
@@ -704,6 +983,7 @@ class RolloutEngine:
         out_idx = n_gen[:, None] + pos  # the buffers hold max_new_tokens + max_draft + 1 columns
         r.tokens[row_slot[:, None], out_idx] = tokens
         r.logprobs[row_slot[:, None], out_idx] = logprobs
+        r.versions[row_slot[:, None], out_idx] = r.policy_version
         new_n = n_gen + emit
         r.n_gen[row_slot] = new_n
         new_last = tokens.gather(1, (emit - 1).clamp(min=0)[:, None]).squeeze(1)
@@ -712,23 +992,85 @@ class RolloutEngine:
         return live
 
     # --------------------------------------------------------------------- compiling and graphs
-    def compile_step(self, fn):
-        """``fn`` compiled when the config says so (``fullgraph=True``), run under ``no_grad`` (inference only,
-        whatever the caller's grad mode). ``fn`` itself is compiled, not a wrapper around it, so each step keeps
-        its own compile cache (wrappers share one code object, and with it one recompile limit). Inductor's
+    @property
+    def compiled_graphs(self) -> dict[str, int]:
+        """Graphs compiled so far per kind of step (``decode``, ``draft``, ``verify``; every sampling mode): with
+        ``dynamic_batch`` one per kind and sampling mode for every batch bucket and draft length, without it one per
+        bucket (and draft length). A count that grows inside a generation means it compiled there."""
+        return dict(self._compiled)
+
+    @property
+    def setup_seconds(self) -> dict[str, float]:
+        """Seconds this engine has spent on setup so far, by phase: ``setup/compile_<kind>_s`` (the first runs of
+        each kind of step, which compile it, or load it from the compile cache), ``setup/capture_s`` (CUDA-graph
+        warm-up and capture, compilation excluded) and ``setup/warmup_s`` (without CUDA graphs: the other first
+        runs), plus the lookups of Inductor's caches during :meth:`prepare` and :meth:`time_step`
+        (``setup/fxgraph_cache_hit``, ``setup/fxgraph_cache_miss``, ... :func:`~sparrow.compile_cache.cache_counters`)."""
+        return dict(self._setup_s)
+
+    @property
+    def compile_cache(self) -> CompileCache | None:
+        """The on-disk cache of this engine's compiled code and calibrations (``EngineConfig.compile_cache``), or
+        None."""
+        if self.config.compile_cache is not None and self._compile_cache is None:
+            self._compile_cache = CompileCache(self.config.compile_cache, self.compile_key(), self.device)
+        return self._compile_cache
+
+    def compile_key(self) -> dict[str, str]:
+        """What the engine's compiled steps depend on (besides the library versions and the device, which
+        :class:`~sparrow.compile_cache.CompileCache` adds): the model's architecture, every layer's attention
+        backend, the drafter, the dtype and the engine options that shape the steps (all but ``block_steps``,
+        ``prefill_tokens``, ``progress`` and ``compile_cache``), with the batch buckets."""
+        c = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+             if f.name not in ("block_steps", "prefill_tokens", "progress", "compile_cache")}
+        return {"model": module_signature(self.model), "attention": " | ".join(repr(a.backend) for a in self.attn),
+                "drafter": repr(self._drafter), "dtype": str(self.dtype).replace("torch.", ""),
+                "engine": json.dumps(c, sort_keys=True, default=str), "buckets": str(self.config.buckets)}
+
+    def compile_step(self, fn: Callable, kind: str | None = None) -> Callable:
+        """``fn`` compiled when the config says so (``fullgraph=True``; with ``dynamic_batch`` its marked sizes are
+        symbolic, else every new size compiles a static step), run under ``no_grad`` (inference only, whatever the
+        caller's grad mode), its compilations counted under ``kind`` (:attr:`compiled_graphs`) and timed
+        (:attr:`setup_seconds`). ``fn`` itself is compiled, not a wrapper around it, so each step keeps its own
+        compile cache (wrappers share one code object, and with it one recompile limit). With Inductor, compiling
+        points the process at the engine's compile cache (:meth:`CompileCache.activate`). Inductor's
         coalescing-tiling analysis is switched off: it asserts on the verify step in some torch releases."""
-        if self.config.compile:
-            backend = self.config.compile_backend
-            options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
-            fn = torch.compile(fn, fullgraph=True, backend=backend, options=options)
-        return torch.no_grad()(fn)
+        if not self.config.compile:
+            return torch.no_grad()(fn)
+        backend = self.config.compile_backend
+        if self.compile_cache is not None and backend == "inductor":  # what Inductor compiles goes to the cache
+            self.compile_cache.activate()
+        options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+        compiled = torch.compile(fn, fullgraph=True, backend=backend, options=options,
+                                 dynamic=None if self.config.dynamic_batch else False)
+        name = kind or getattr(fn, "__name__", "step")
+        # static steps: one specialisation per bucket, draft length and mode, more than Dynamo's default limit
+        limit = None if self.config.dynamic_batch else 8 * len(self.config.buckets) * (self.config.max_draft + 2)
+
+        def step(*args: torch.Tensor) -> None:
+            graphs, t0 = dynamo_counters["stats"]["unique_graphs"], time.perf_counter()
+            with torch.no_grad():
+                if limit is None:
+                    compiled(*args)
+                else:
+                    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
+                        compiled(*args)
+            new = dynamo_counters["stats"]["unique_graphs"] - graphs
+            if new > 0:  # this call compiled (or loaded from the compile cache): setup work, counted and timed
+                self._compiled[name] = self._compiled.get(name, 0) + new
+                self._add_setup(f"setup/compile_{name}_s", time.perf_counter() - t0)
+
+        return step
+
+    def _add_setup(self, phase: str, value: float) -> None:
+        self._setup_s[phase] = self._setup_s.get(phase, 0) + value
 
     def _step(self, name: str) -> Callable:
         """The current mode's compiled ``decode`` / ``draft`` / ``verify`` step (compiled on first use)."""
         steps = self._mode.steps
         if name not in steps:
             steps[name] = self.compile_step({"decode": self._decode_step, "draft": self._draft_step,
-                                             "verify": self._verify_step}[name])
+                                             "verify": self._verify_step}[name], kind=name)
         return steps[name]
 
     def _bucket(self, a: int) -> int:
@@ -737,51 +1079,86 @@ class RolloutEngine:
                 return b
         raise AssertionError(f"{a} active rows exceed max_rows")  # pragma: no cover
 
+    def _symbolic(self, name: str, slots: torch.Tensor, *drafts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Aliases of a compiled step's arguments with the sizes that vary between its runs marked symbolic
+        (``dynamic_batch``): the batch dimension of ``slots`` [A] and the draft-length dimension of the draft
+        buffers' views ``drafts`` ([R, k], [R, k, V]). The marks go on fresh views, never on the caller's tensors.
+
+        Where torch bounds unbacked sizes (``mark_unbacked(min=, max=, shape_id=)``, torch >= 2.13) both are
+        *unbacked* with their ranges (``1..max_rows``, ``1..max_draft``): no value is specialised, not even 1, and
+        nothing guards on them, so each kind compiles once for every bucket (1 included) and every draft length
+        (1 and ``max_draft`` included: a view of the whole draft buffer is contiguous, and a backed size would
+        guard on that). Elsewhere, and for a step whose code cannot be traced with unbacked sizes (:meth:`_call`
+        falls back), they are marked dynamic (backed): bucket 1 and draft length 1 then compile steps of their
+        own (0/1 specialisation), and Inductor guards the verify step on ``k == max_draft``."""
+        args = (slots,) + drafts
+        if not (self.config.compile and self.config.dynamic_batch):
+            return args
+        slots, *drafts = (t.view(t.shape) for t in args)
+        if _bounded_unbacked() and name not in self._backed:
+            torch._dynamo.decorators.mark_unbacked(slots, 0, min=1, max=self.config.max_rows, shape_id="rows")
+            for t in drafts:
+                torch._dynamo.decorators.mark_unbacked(t, 1, min=1, max=self.config.max_draft, shape_id="drafts")
+        else:
+            torch._dynamo.mark_dynamic(slots, 0)
+            if drafts and drafts[0].shape[1] > 1:
+                for t in drafts:
+                    torch._dynamo.mark_dynamic(t, 1)
+        return (slots, *drafts)
+
+    def _call(self, name: str, step: Callable, *args: torch.Tensor) -> None:
+        """Run compiled step ``name`` on ``args`` with its symbolic sizes (:meth:`_symbolic`). Should compiling it
+        with unbacked sizes fail (code that branches on a batch size: a data-dependent guard, in the model or in an
+        Inductor lowering, e.g. CPU ``bmm`` asking whether a size is 1), the step falls back to backed dynamic
+        sizes, with a warning (its compile count then shows the extra graphs)."""
+        try:
+            step(*self._symbolic(name, *args))
+        except _TRACE_ERRORS as e:  # Dynamo's, or a lowering's inside Inductor
+            if name in self._backed or not self.config.dynamic_batch or "data-dependent" not in str(e):
+                raise
+            self._backed.add(name)
+            first = str(e).strip().splitlines()[0]
+            warnings.warn(f"the {name} step cannot be compiled with unbacked batch / draft sizes ({first}); it is "
+                          "compiled with backed dynamic sizes instead (bucket 1 and draft length 1 compile their own "
+                          "graphs)", RuntimeWarning, stacklevel=2)
+            step(*self._symbolic(name, *args))
+
     def _program(self, kind: StepKind, k: int) -> Callable[[torch.Tensor], None]:
         """What one run of ``kind`` does for a slot tensor: a plain step; a draft step from index 0 (calibration);
         or a cycle of ``k`` draft steps and a verify step. Compiled steps take every batch bucket (and every
-        draft length) through dynamic dimensions."""
-        dynamic = self.config.compile
+        draft length) through symbolic sizes (:meth:`_symbolic`)."""
         if kind == "decode":
             decode = self._step("decode")
 
             def program(slots: torch.Tensor) -> None:
-                if dynamic:
-                    torch._dynamo.mark_dynamic(slots, 0)  # one compiled step for every bucket
-                decode(slots)
+                self._call("decode", decode, slots)
             return program
         draft = self._step("draft")
         if kind == "draft":
             def program(slots: torch.Tensor) -> None:
-                if dynamic:
-                    torch._dynamo.mark_dynamic(slots, 0)
                 self.drafts.cursor.zero_()
-                draft(slots)
+                self._call("draft", draft, slots)
             return program
         verify = self._step("verify")
 
         def program(slots: torch.Tensor) -> None:
-            dt, dp = self.drafts.tokens[:, :k], self.drafts.probs[:, :k]
-            if dynamic:
-                torch._dynamo.mark_dynamic(slots, 0)  # one compiled graph for every bucket ...
-                if k > 1:  # ... and every draft length
-                    torch._dynamo.mark_dynamic(dt, 1)
-                    torch._dynamo.mark_dynamic(dp, 1)
             self.drafts.cursor.zero_()  # verify leaves it at 0, but a draft-only run leaves it at 1
             for _ in range(k):
-                draft(slots)
-            verify(slots, dt, dp)
+                self._call("draft", draft, slots)
+            self._call("verify", verify, slots, self.drafts.tokens[:, :k], self.drafts.probs[:, :k])
         return program
 
     def _runner(self, kind: StepKind, bucket: int, k: int = 0) -> Callable[[torch.Tensor], None]:
         """A callable running one ``kind`` program (:meth:`_program`) for a ``[bucket]`` slot tensor: a CUDA graph
-        per ``(kind, bucket, k)`` when enabled (captured on first use), the program itself otherwise."""
+        per ``(kind, bucket, k)`` when enabled (captured on first use, from the compiled step every bucket shares;
+        its seconds, compilation excluded, go to ``setup/capture_s``), the program itself otherwise."""
         program = self._program(kind, k)
-        if not (self.config.cuda_graphs and self.device.type == "cuda"):
+        if not self._graphed:
             return program
         graphs = self._mode.graphs
         key = (kind, bucket, k)
         if key not in graphs:
+            t0, compiling = time.perf_counter(), self._compile_seconds()
             static = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
             # warm up (compilation, autotuning) on a side stream, on the scratch row only
             s = torch.cuda.Stream(self.device)
@@ -795,7 +1172,9 @@ class RolloutEngine:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):  # one pool: the graphs never run concurrently
                 program(static)
+            self._synchronize()
             graphs[key] = (graph, static)
+            self._add_setup("setup/capture_s", time.perf_counter() - t0 - (self._compile_seconds() - compiling))
         graph, static = graphs[key]
 
         def replay(slots: torch.Tensor) -> None:
@@ -803,3 +1182,46 @@ class RolloutEngine:
             graph.replay()
 
         return replay
+
+    @property
+    def _graphed(self) -> bool:
+        return self.config.cuda_graphs and self.device.type == "cuda"
+
+    def _compile_seconds(self) -> float:
+        return sum(v for p, v in self._setup_s.items() if p.startswith("setup/compile_"))
+
+    def _warm(self, kind: StepKind, bucket: int, k: int, slots: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        """The runner of ``(kind, bucket, k)``, compiled and (on CUDA) captured; without CUDA graphs its program
+        runs once on ``slots`` here (which compiles it when needed; the rest of its time goes to
+        ``setup/warmup_s``)."""
+        run = self._runner(kind, bucket, k)
+        if not self._graphed:
+            t0, compiling = time.perf_counter(), self._compile_seconds()
+            run(slots)
+            self._synchronize()
+            self._add_setup("setup/warmup_s", time.perf_counter() - t0 - (self._compile_seconds() - compiling))
+        return run
+
+
+def _trace_errors() -> tuple[type[BaseException], ...]:
+    from torch._dynamo.exc import BackendCompilerFailed, UserError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    errors: list[type[BaseException]] = [UserError, BackendCompilerFailed, GuardOnDataDependentSymNode]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # pragma: no cover - older torch: lowering errors arrive as BackendCompilerFailed
+        pass
+    return tuple(errors)
+
+
+_TRACE_ERRORS = _trace_errors()
+
+
+@functools.cache
+def _bounded_unbacked() -> bool:
+    """Whether this torch bounds unbacked sizes (``mark_unbacked`` takes ``min``, ``max`` and ``shape_id``)."""
+    params = inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+    return {"min", "max", "shape_id"} <= set(params)

@@ -19,18 +19,23 @@ class RowState:
     Attributes:
         tokens: [R, L] int64 emitted tokens.
         logprobs: [R, L] float32 their log-probs under the processed distribution they were sampled from.
+        versions: [R, L] int32 the policy version that sampled each token (:attr:`policy_version` when it was
+            emitted).
         n_gen: [R] int64 tokens emitted; the last one's KV is not cached yet.
         done: [R] bool the row stopped (stop token or ``max_new``); the scratch row always is.
         last_token: [R] int64 the token the next step feeds.
         prefix_slot: [R] int64 the prefix slot (prompt) the row reads.
         prefix_len: [R] int64 that prompt's length.
-        sample_id: [R] int64 the row's noise stream (``prompt * n_samples + sample``).
+        sample_id: [R] int64 the row's noise stream (``group * n_samples + sample``, the group's id in its session).
         seed: [] int64 base of the counter-based noise of the current generation.
         max_new: [] int64 tokens a row may emit in the current generation.
+        policy_version: [] int32 the version of the weights the steps sample from now, stamped on every token
+            they emit (set in place between blocks, after a weight sync: captured graphs read it).
     """
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
+    versions: torch.Tensor
     n_gen: torch.Tensor
     done: torch.Tensor
     last_token: torch.Tensor
@@ -39,6 +44,7 @@ class RowState:
     sample_id: torch.Tensor
     seed: torch.Tensor
     max_new: torch.Tensor
+    policy_version: torch.Tensor
 
     @classmethod
     def allocate(cls, rows: int, length: int, device: torch.device) -> "RowState":
@@ -46,13 +52,15 @@ class RowState:
             return torch.full(shape, fill, dtype=torch.int64, device=device)
 
         return cls(tokens=i64(rows, length), logprobs=torch.zeros((rows, length), dtype=torch.float32, device=device),
+                   versions=torch.zeros((rows, length), dtype=torch.int32, device=device),
                    n_gen=i64(rows, fill=1), done=torch.ones(rows, dtype=torch.bool, device=device),
                    last_token=i64(rows), prefix_slot=i64(rows), prefix_len=i64(rows, fill=1), sample_id=i64(rows),
-                   seed=i64(), max_new=i64(fill=1))
+                   seed=i64(), max_new=i64(fill=1), policy_version=torch.zeros((), dtype=torch.int32, device=device))
 
     def meta(self, row_slot: torch.Tensor, cached_len: torch.Tensor) -> DecodeMeta:
-        """Attention metadata of rows ``row_slot`` [A] whose new tokens start after ``cached_len`` [A] cached ones."""
-        return DecodeMeta(row_slot, self.prefix_slot[row_slot], self.prefix_len[row_slot], cached_len)
+        """Attention metadata of rows ``row_slot`` [A] whose new tokens start after ``cached_len`` [A] cached ones,
+        with the rows grouped by prompt (on the device, static shapes) for the backends' shared-prefix decode."""
+        return DecodeMeta(row_slot, self.prefix_slot[row_slot], self.prefix_len[row_slot], cached_len).grouped()
 
     def idle(self, rows: torch.Tensor | slice = slice(None)) -> None:
         """Rows back to the state of a fresh allocation: nothing cached, done."""

@@ -11,9 +11,11 @@ constant part):
 * ``c_verify(b, L, k) = c_cycle(b, L, k) - k * c_draft(b, L)``, measured at two draft lengths and
   interpolated linearly in ``k`` (the verify pass processes ``b * (k + 1)`` tokens).
 
-Buckets between calibrated ones are interpolated linearly. The result is cached as JSON keyed by the model
-shape, drafter, dtype, device name, sampling processing and engine capacity, so a second start-up on the
-same machine loads it instead of measuring.
+Buckets between calibrated ones are interpolated linearly. The result is cached as JSON keyed by everything the
+costs depend on (:func:`cost_key`: the model's architecture, attention backends, drafter, dtype, device, library
+versions, the engine's options and buckets, the sampling processing) and by the calibration's own settings, in
+the engine's compile cache when it has one (``EngineConfig.compile_cache``): a second start-up of the same
+configuration loads it instead of measuring, and any other configuration measures its own.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
-import sparrow
+from sparrow.compile_cache import environment_key
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparrow.rollout.engine import RolloutEngine
@@ -144,7 +147,7 @@ class CostModel:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # rollout ranks of one host may save the same model at once
         tmp.write_text(self.to_json())
         tmp.replace(path)
         return path
@@ -168,8 +171,9 @@ class CostModel:
         draft_lengths: tuple[int, int] | None = None,
         buckets: tuple[int, ...] | None = None,
         steps: int = 8,
-        cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
+        cache_dir: str | Path | None = "auto",
         refresh: bool = False,
+        progress: bool | None = None,
     ) -> "CostModel":
         """Measure (or load from ``cache_dir``) the step costs of ``engine`` with its drafter, through
         :meth:`RolloutEngine.time_step` (the engine's own compiled steps and CUDA graphs).
@@ -183,8 +187,12 @@ class CostModel:
                 verify cost is taken as independent of ``k``).
             buckets: batch buckets to measure (default: all of the engine's).
             steps: timed repetitions per point (after one untimed warm-up / capture).
-            cache_dir: where cost models are cached (``None``: no cache).
+            cache_dir: where cost models are cached: ``"auto"`` (default) the ``costs`` folder of the engine's
+                compile cache (``EngineConfig.compile_cache``), or :data:`DEFAULT_CACHE_DIR` when it has none;
+                ``None``: no cache. A cached model is used only when its key (:func:`cost_key`), contexts, draft
+                lengths and steps are the ones asked for and it covers the buckets.
             refresh: measure even if a cached model exists.
+            progress: show a progress bar over the measurements (default: ``EngineConfig.progress``).
 
         Raises:
             ValueError: the engine has no drafter, or contexts / draft lengths out of the engine's range.
@@ -205,31 +213,45 @@ class CostModel:
             raise ValueError(f"draft_lengths must lie in [1, {c.max_draft}], got {draft_lengths}")
         buckets = tuple(buckets or c.buckets)
         key = cost_key(engine, params)
+        ks = sorted(set(draft_lengths))
+        settings = {"contexts": list(contexts), "draft_lengths": ks, "steps": steps}
+        if isinstance(cache_dir, str) and cache_dir == "auto":
+            cache_dir = engine.compile_cache.costs_dir if engine.compile_cache is not None else DEFAULT_CACHE_DIR
         path = None
         if cache_dir is not None:
-            path = Path(cache_dir) / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+            name = hashlib.sha256(json.dumps([key, settings]).encode()).hexdigest()[:20]
+            path = Path(cache_dir) / f"{name}.json"
             if path.exists() and not refresh:
                 try:
                     m = cls.load(path, key)
-                    if set(m.buckets) >= set(buckets):
+                    if set(m.buckets) >= set(buckets) and all(m.meta.get(k) == v for k, v in settings.items()):
                         return m
-                except (ValueError, KeyError, json.JSONDecodeError):
-                    pass
+                except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+                    pass  # measured for something else, or unreadable: measure again (and replace it)
 
         t_start = time.perf_counter()
-        ks = sorted(set(draft_lengths))
         raw: dict[str, Any] = {}
         target, draft, verify = {}, {}, {}
-        with torch.no_grad():
+        show = engine.config.progress if progress is None else progress
+        bar = tqdm(total=len(buckets) * len(contexts) * (2 + len(ks)), desc="cost model", disable=not show,
+                   leave=False, dynamic_ncols=True)
+        with torch.no_grad(), bar:
             for b in buckets:
                 pts: dict[str, list[float]] = {"target": [], "draft": []}
                 pts.update({f"cycle{k}": [] for k in ks})
                 for L in contexts:
                     at = dict(context=L, steps=steps, params=params)
-                    pts["target"].append(engine.time_step("decode", b, **at))
-                    pts["draft"].append(engine.time_step("draft", b, **at))
+
+                    def timed(what: str, kind: str, k: int = 0) -> float:
+                        bar.set_description(f"cost model: {what}, bucket {b}, context {L}")
+                        seconds = engine.time_step(kind, b, k=k, **at)
+                        bar.update()
+                        return seconds
+
+                    pts["target"].append(timed("decode step", "decode"))
+                    pts["draft"].append(timed("draft step", "draft"))
                     for k in ks:
-                        pts[f"cycle{k}"].append(engine.time_step("cycle", b, k=k, **at))
+                        pts[f"cycle{k}"].append(timed(f"cycle of {k} drafts", "cycle", k))
                 raw[str(b)] = pts
                 target[b] = _fit(contexts, pts["target"])
                 draft[b] = _fit(contexts, pts["draft"])
@@ -239,8 +261,7 @@ class CostModel:
                     verify[b][k] = _fit(contexts, ver)
                 if len(ks) == 1:  # one draft length: assume the verify cost does not depend on k
                     verify[b][ks[0] + 1] = verify[b][ks[0]]
-        meta = {"contexts": list(contexts), "draft_lengths": ks, "steps": steps, "timings_s": raw,
-                "seconds": time.perf_counter() - t_start}
+        meta = {**settings, "timings_s": raw, "seconds": time.perf_counter() - t_start}
         m = cls(key=key, target=target, draft=draft, verify=verify, meta=meta)
         if path is not None:
             m.save(path)
@@ -254,26 +275,18 @@ def _fit(xs: tuple[int, int], ys: list[float]) -> tuple[float, float]:
 
 
 def cost_key(engine: "RolloutEngine", params: "SamplingParams") -> str:
-    """Identity of what a cost model measures: model shape, attention backends, drafter, dtype, device, library
-    versions, processing, capacity."""
+    """Identity of what a cost model measures: the engine's compile key (model architecture and shape, every
+    layer's attention backend with its configuration, drafter, dtype, the engine options that shape a step and its
+    batch buckets: :meth:`RolloutEngine.compile_key`), the device and the library versions, and the sampling
+    processing (temperature, top-p, top-k, vocabulary limit, greedy, the number of stop ids)."""
     m = engine.model
     a = m.layers[0].attn
-    dev = engine.device
-    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu{os.cpu_count()}"
-    c = engine.config
     parts = {
         "model": f"L{len(m.layers)}-E{m.tok_embeddings.embedding_dim}-H{a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
                  f"-V{engine.vocab_size}-{type(a.backend).__name__}",
-        "drafter": repr(engine.drafter),
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "device": dev_name,
-        "torch": torch.__version__,
-        "sparrow": sparrow.__version__,
-        # every layer's backend with its whole configuration (RTPurbo's window, heads, blocks, top-p ...)
-        "attention": hashlib.sha1("|".join(repr(a.backend) for a in engine.attn).encode()).hexdigest()[:16],
+        **environment_key(engine.device),
         "processing": f"t{params.temperature}-p{params.top_p}-k{params.top_k}-v{params.vocab_limit}"
-                      f"-greedy{params.greedy}",
-        "engine": f"rows{c.max_rows}-prefixes{c.num_prefixes}-prompt{c.max_prompt_len}-new{c.max_new_tokens}"
-                  f"-draft{c.max_draft}-compile{c.compile}-graphs{c.cuda_graphs}-{c.compile_backend}",
+                      f"-greedy{params.greedy}-stops{len(params.stop_token_ids)}",
+        **{f"compile.{k}": v for k, v in engine.compile_key().items()},
     }
     return "|".join(f"{k}={v}" for k, v in parts.items())

@@ -20,6 +20,9 @@ Your own codec: any :class:`WeightCodec` (``encode`` / ``apply_`` of one flat te
 ``SyncSender(named, codec=MyCodec())`` and ``SyncReceiver(named, codecs=[MyCodec()])``; it travels in the
 same buckets with the same versions, hashes and all-or-nothing apply.
 
+Projections of the sync time to other model sizes and links: :func:`project_sync` (``sparrow.sync.projection``);
+synthetic and AdamW weight updates to measure with: ``sparrow.sync.synthetic``.
+
 See ``docs/sync.md`` for the formats, the entropy bound and the kernel scheme.
 """
 
@@ -49,6 +52,7 @@ from .errors import (
     VersionMismatchError,
 )
 from .fingerprint import state_fingerprint
+from .projection import Projection, SyncRates, project_sync, rates_at
 from .receiver import SyncReceiver
 from .sender import SyncSender
 from .stats import SyncStats
@@ -58,8 +62,8 @@ from .warmup import warmup
 __all__ = [
     "AutoCodec", "BucketInfo", "CompactCodec", "CooCodec", "CorruptPayloadError", "DenseCodec",
     "DistributedTransport", "EntryMeta", "FileTransport", "HashMismatchError", "InProcessTransport",
-    "OutOfOrderError", "Payload", "ReplayError", "ResyncRequiredError", "ShapeMismatchError", "SyncError",
-    "SyncReceiver", "SyncSender", "SyncStats", "Transport", "TruncatedPayloadError", "UnknownCodecError",
+    "OutOfOrderError", "Payload", "Projection", "ReplayError", "ResyncRequiredError", "ShapeMismatchError", "SyncError",
+    "SyncRates", "SyncReceiver", "SyncSender", "SyncStats", "Transport", "TruncatedPayloadError", "UnknownCodecError",
     "VersionMismatchError", "WeightCodec", "apply_", "build_bucket", "empirical_entropy_bits", "encode",
-    "get_codec", "parse_bucket", "position_entropy_bits", "state_fingerprint", "warmup",
+    "get_codec", "parse_bucket", "position_entropy_bits", "project_sync", "rates_at", "state_fingerprint", "warmup",
 ]

@@ -16,11 +16,12 @@ from typing import Any
 
 import torch
 
+from ..kernels.sync.common import check_span_log2
 from ._util import align, as_u8, dtype_from_name, dtype_name, hash_bytes
 from .errors import CorruptPayloadError, TruncatedPayloadError
 
 PAYLOAD_MAGIC = b"SPWPAY\x00\x01"
-PAYLOAD_FORMAT = 1
+PAYLOAD_FORMAT = 2  # 2: compact bodies of format 2 (blocks of 2**span_log2 elements, gamma-coded values)
 _PREFIX = struct.Struct("<8sIIQQQ")  # magic, header_len, format, body_len, header_hash, body_hash
 #: Payload codecs of the built-in codecs (what a built-in payload's ``codec`` field holds).
 CODEC_NAMES = ("dense", "coo", "compact")
@@ -43,7 +44,8 @@ class Payload:
         target_hash: 64-bit hash of the new bit patterns (``None``: not checked on apply).
         run_id, base_version, target_version: versioning fields; :func:`apply_` ignores them, the
             :class:`~sparrow.sync.SyncReceiver` checks them (in the bucket manifest).
-        extra: JSON-serialisable codec details (the built-in codecs record the body sizes they considered).
+        extra: JSON-serialisable codec details (the built-in codecs record the body sizes they considered;
+            a compact payload its block span, ``span_log2``).
     """
 
     codec: str
@@ -103,7 +105,8 @@ class Payload:
         if magic != PAYLOAD_MAGIC:
             raise CorruptPayloadError(f"not a sparrow payload (magic {magic!r})")
         if fmt != PAYLOAD_FORMAT:
-            raise CorruptPayloadError(f"unsupported payload format {fmt} (this build reads {PAYLOAD_FORMAT})")
+            raise CorruptPayloadError(f"unsupported payload format {fmt}: this build reads format {PAYLOAD_FORMAT} "
+                                      "only (re-encode the payload with this version)")
         want = _PREFIX.size + hlen + blen
         if len(raw) != want:
             cls_ = TruncatedPayloadError
@@ -153,7 +156,19 @@ class Payload:
                 target_version=ints["target_version"], extra=h.get("extra") or {})
         if p.codec in CODEC_NAMES:  # a user codec's body is checked by its own apply_
             check_body_length(p.codec, p.dtype, p.numel, p.nchanged, p.nbytes)
+            if p.codec == "compact":
+                span_of(p)
         return p
+
+
+def span_of(payload: "Payload") -> int:
+    """The block span (``extra["span_log2"]``) of a built-in compact payload; :class:`CorruptPayloadError`
+    when it is missing or out of range."""
+    span = payload.extra.get("span_log2") if isinstance(payload.extra, dict) else None
+    try:
+        return check_span_log2(span)
+    except ValueError:
+        raise CorruptPayloadError(f"compact payload without a valid span_log2 (got {span!r})") from None
 
 
 def check_body_length(codec: str, dtype: torch.dtype, numel: int, nchanged: int, nbytes: int) -> None:
@@ -226,5 +241,5 @@ def user_codec_name(codec: object) -> str:
     return name
 
 
-__all__ = ["CODEC_NAMES", "Payload", "RESERVED_NAMES", "WeightCodec", "align", "check_body_length",
+__all__ = ["CODEC_NAMES", "Payload", "RESERVED_NAMES", "WeightCodec", "align", "check_body_length", "span_of",
            "user_codec_name"]

@@ -1,21 +1,29 @@
-"""Bucket wire format: one transfer unit of a sync (manifest + concatenated slice bodies).
+"""Bucket wire format: one transfer unit of a sync (hash table, slice bodies, manifest).
 
-Layout (little-endian)::
+Layout (little-endian; format 3)::
 
-    [0, 64)         header: magic b"SPWSYNC\\x01", format u32, manifest_len u32, body_len u64,
-                    total_len u64, manifest_hash u64, 2 x u64 reserved, header_hash u64 (of bytes 0..56)
-    [64, 64+M)      manifest: UTF-8 JSON, zero-padded to a multiple of 16 bytes
-    [.., +body_len) body: entry bodies at 16-byte aligned offsets
-    last 16 bytes   trailer: body hash (2 x u32 lanes), b"SPWE", u32 0
+    [0, 64)            header: magic b"SPWSYNC\\x01", format u32, manifest_len u32, body_len u64, total_len u64,
+                       manifest_hash u64, table_len u64, reserved u64, header_hash u64 (of bytes 0..56)
+    [64, 64+T)         hash table (T = 16 * entries when the manifest says "hashes", else 0): per entry the
+                       32-bit lanes (a, b) of the range's hash before the sync, then after it
+    [64+T, 64+B)       entry bodies at 16-byte aligned offsets (B = body_len, table included)
+    [64+B, .. +M)      manifest: UTF-8 JSON, zero-padded to a multiple of 16 bytes
+    last 16 bytes      trailer: hash of bytes [64, 64+B) (2 x u32 lanes), b"SPWE", u32 0
 
-The manifest holds the run id, base / target version, bucket index, ``last`` and ``anchor`` flags, and
-per entry: tensor name, dtype, shape, element range (start, length), codec, body offset / length,
-changed-element count and the 64-bit hashes of the range's bits before (``base_hash``) and after
-(``hash``) the sync (format 2; format 1 had only the target hash). An entry made by a user
-:class:`~sparrow.sync.WeightCodec` names that codec in ``codec`` and carries one more field, ``payload``:
-``{"codec", "target_hash", "extra"}`` of the payload its ``encode`` returned (built-in entries have no
-``payload`` field, so their buckets are what they were). The body hash is computed on the bucket's device
-(no host copy of the body).
+The manifest holds the run id, base / target version, bucket index, ``last`` and ``anchor`` flags, whether a
+hash table is present, and per entry: tensor name, dtype, shape, element range (start, length), codec, body
+offset (from the first body byte) / length, changed-element count, ``span_log2`` for compact bodies and, for
+an entry of a user :class:`~sparrow.sync.WeightCodec`, ``payload``: ``{"codec", "target_hash", "extra"}`` of
+the payload its ``encode`` returned.
+
+Why this order: the sender writes a bucket in place. After its one host read it knows every body's size, so
+the bodies sit at fixed offsets behind the header and the table and are written straight into the buffer by
+the encode kernel (the hash table's target lanes are accumulated there by the same kernel); the manifest,
+built on the host meanwhile, goes behind the bodies, and the body hash is computed on the device. The
+receiver reads the header, the table and the tail (manifest, trailer) in one device-to-host copy.
+
+Format 2 (manifest first, hashes in the manifest, compact bodies of format 1) is not read: a receiver of this
+version rejects it with a clear error (the sender and receiver must run the same version).
 """
 
 from __future__ import annotations
@@ -28,17 +36,19 @@ from typing import Any, Sequence
 
 import torch
 
+from ..kernels.sync.common import MAX_SPAN_LOG2, MIN_SPAN_LOG2, fold_lanes, split_lanes
 from ._util import align, dtype_from_name, dtype_name, hash_bytes, hash_bytes_lanes
 from .base import CODEC_NAMES, check_body_length
 from .errors import CorruptPayloadError, TruncatedPayloadError
 
 BUCKET_MAGIC = b"SPWSYNC\x01"
-BUCKET_FORMAT = 2  # 2: entries carry base_hash (incremental verification)
+BUCKET_FORMAT = 3  # 3: hash table + bodies before the manifest; compact bodies of format 2
 TRAILER_MAGIC = b"SPWE"
 _HDR = struct.Struct("<8sIIQQQQQQ")
 HEADER_BYTES = _HDR.size  # 64
 TRAILER_BYTES = 16
-_PREFETCH = 1 << 16  # manifest bytes read together with the header
+TABLE_ENTRY_BYTES = 16
+_PREFETCH = 1 << 16  # bytes read from each end of a bucket in the one device -> host read
 assert HEADER_BYTES == 64
 
 
@@ -67,10 +77,12 @@ class EntryMeta:
     offset: int
     nbytes: int
     nchanged: int
-    target_hash: int | None
-    base_hash: int | None = None  # sender's hash of the range's bits before this sync
+    target_hash: int | None = None  # hash of the range's bits after this sync (from the hash table)
+    base_hash: int | None = None  # sender's hash of the range's bits before this sync (from the hash table)
     #: user codecs only: ``{"codec": str, "target_hash": "<16 hex>" | None, "extra": dict}`` of the payload
     payload: dict[str, Any] | None = None
+    #: compact bodies: their block span (``2**span_log2`` elements)
+    span_log2: int | None = None
 
     @property
     def is_user(self) -> bool:
@@ -80,9 +92,9 @@ class EntryMeta:
     def to_json(self) -> dict[str, Any]:
         d = {"name": self.name, "dtype": dtype_name(self.dtype), "shape": list(self.shape), "start": self.start,
              "length": self.length, "codec": self.codec, "offset": self.offset, "nbytes": self.nbytes,
-             "nchanged": self.nchanged,
-             "hash": None if self.target_hash is None else f"{self.target_hash:016x}",
-             "base_hash": None if self.base_hash is None else f"{self.base_hash:016x}"}
+             "nchanged": self.nchanged}
+        if self.span_log2 is not None:
+            d["span_log2"] = self.span_log2
         if self.payload is not None:
             d["payload"] = self.payload
         return d
@@ -96,45 +108,104 @@ def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
-def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tensor]],
-                 device: torch.device | str | None = None) -> torch.Tensor:
-    """Assemble a bucket (1-D uint8 tensor on ``device``, default: the bodies' device). ``EntryMeta.offset``
-    and ``nbytes`` are (re)assigned here."""
-    if device is None:
-        device = entries[0][1].device if entries else torch.device("cpu")
-    metas, parts, off = [], [], 0
-    for meta, body in entries:
-        meta.offset, meta.nbytes = off, int(body.numel())
-        metas.append(meta.to_json())
-        pad = align(body.numel()) - body.numel()
-        parts.append(body.to(device))
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=device))
-        off += body.numel() + pad
+@dataclass
+class BucketLayout:
+    """Where everything of a bucket goes (:func:`plan_bucket`); ``metas[k].offset`` is assigned."""
+
+    info: BucketInfo
+    metas: list[EntryMeta]
+    hashes: bool
+    manifest: bytes  # unpadded
+    table_len: int
+    bodies_len: int
+
+    @property
+    def body_start(self) -> int:
+        """Byte of the bucket where body offsets start (behind the header and the hash table)."""
+        return HEADER_BYTES + self.table_len
+
+    @property
+    def body_len(self) -> int:
+        return self.table_len + self.bodies_len
+
+    @property
+    def total(self) -> int:
+        return HEADER_BYTES + self.body_len + align(len(self.manifest)) + TRAILER_BYTES
+
+
+def plan_bucket(info: BucketInfo, metas: Sequence[EntryMeta], *, hashes: bool) -> BucketLayout:
+    """Lay out a bucket for entries whose ``nbytes`` are known: body offsets (16-byte aligned) and the manifest."""
+    off = 0
+    for m in metas:
+        m.offset = off
+        off += align(m.nbytes)
     manifest = {"format": BUCKET_FORMAT, "run_id": info.run_id, "base_version": info.base_version,
                 "target_version": info.target_version, "index": info.index, "last": info.last,
-                "anchor": info.anchor, "entries": metas}
+                "anchor": info.anchor, "hashes": bool(hashes), "entries": [m.to_json() for m in metas]}
     mbytes = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-    mpad = mbytes + b"\0" * (align(len(mbytes)) - len(mbytes))
-    body = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
-    total = HEADER_BYTES + len(mpad) + body.numel() + TRAILER_BYTES
-    head = struct.pack("<8sIIQQQQQ", BUCKET_MAGIC, BUCKET_FORMAT, len(mbytes), body.numel(), total,
-                       hash_bytes(mbytes), 0, 0)
+    return BucketLayout(info, list(metas), bool(hashes), mbytes, TABLE_ENTRY_BYTES * len(metas) if hashes else 0, off)
+
+
+def table_view(bucket: torch.Tensor, layout_or_len: BucketLayout | int) -> torch.Tensor:
+    """The hash table of a bucket as int32 ``[entries, 4]`` (base lanes, target lanes), a view of its bytes."""
+    tlen = layout_or_len.table_len if isinstance(layout_or_len, BucketLayout) else int(layout_or_len)
+    return bucket[HEADER_BYTES:HEADER_BYTES + tlen].view(torch.int32).view(-1, 4)
+
+
+def finish_bucket(buf: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+    """Write the header, the manifest and the trailer of a bucket whose table and bodies are in place; returns
+    the bucket (``buf`` itself). The body hash is computed on the device; header and manifest are one
+    non-blocking host -> device copy. No host sync."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != layout.total:
+        raise ValueError(f"finish_bucket: need a 1-D uint8 buffer of {layout.total} bytes")
+    head = struct.pack("<8sIIQQQQQ", BUCKET_MAGIC, BUCKET_FORMAT, len(layout.manifest), layout.body_len,
+                       layout.total, hash_bytes(layout.manifest), layout.table_len, 0)
     head += struct.pack("<Q", hash_bytes(head))
-    lanes = hash_bytes_lanes(body)
-    lanes32 = (lanes - ((lanes >> 31) << 32)).to(torch.int32)
-    end = torch.frombuffer(bytearray(TRAILER_MAGIC + b"\0" * 4), dtype=torch.uint8)
-    trailer = torch.cat([lanes32.view(torch.uint8), _to_device(end, device)])
-    prefix = _to_device(torch.frombuffer(bytearray(head + mpad), dtype=torch.uint8), device)
-    return torch.cat([prefix, body, trailer])
+    mpad = layout.manifest + b"\0" * (align(len(layout.manifest)) - len(layout.manifest))
+    tail_at = HEADER_BYTES + layout.body_len
+    dev = buf.device
+    buf[:HEADER_BYTES] = _to_device(torch.frombuffer(bytearray(head), dtype=torch.uint8), dev)
+    rest = mpad + TRAILER_MAGIC + b"\0" * 4  # manifest, then the trailer's last 8 bytes
+    tail = _to_device(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dev)
+    buf[tail_at:tail_at + len(mpad)] = tail[:len(mpad)]
+    buf[-8:] = tail[len(mpad):]
+    lanes = hash_bytes_lanes(buf[HEADER_BYTES:tail_at])
+    buf[-TRAILER_BYTES:-8].view(torch.int32).copy_(((lanes - ((lanes >> 31) << 32))).to(torch.int32))
+    return buf
+
+
+def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tensor]],
+                 device: torch.device | str | None = None, *, table: torch.Tensor | None = None) -> torch.Tensor:
+    """Assemble a bucket (1-D uint8 tensor on ``device``, default: the bodies' device) from entry bodies.
+
+    ``table`` (int32 or int64 ``[entries, 4]`` lanes: base, then target) makes it carry hashes; without it the
+    hashes come from ``EntryMeta.base_hash`` / ``target_hash`` when every entry has both, else none are sent."""
+    if device is None:
+        device = entries[0][1].device if entries else torch.device("cpu")
+    metas = [m for m, _ in entries]
+    if table is None and metas and all(m.base_hash is not None and m.target_hash is not None for m in metas):
+        table = torch.tensor([[*split_lanes(m.base_hash), *split_lanes(m.target_hash)] for m in metas],
+                             dtype=torch.int64)
+    for m, body in entries:
+        m.nbytes = int(body.numel())
+    layout = plan_bucket(info, metas, hashes=table is not None)
+    buf = torch.zeros(layout.total, dtype=torch.uint8, device=device)
+    if table is not None:
+        t = table.to(torch.int64).to(device) & 0xFFFFFFFF
+        table_view(buf, layout).copy_((t - ((t >> 31) << 32)).to(torch.int32))
+    for m, body in entries:
+        at = layout.body_start + m.offset
+        buf[at:at + m.nbytes] = body.reshape(-1).to(device)
+    return finish_bucket(buf, layout)
 
 
 @dataclass
 class ParsedBucket:
     info: BucketInfo
     entries: list[EntryMeta]
-    body: torch.Tensor  # uint8 view into the bucket
+    body: torch.Tensor  # uint8 view of the entry bodies (offsets count from its first byte)
     body_bad: torch.Tensor  # 0-d bool on the bucket's device: body hash mismatch (checked by the caller)
+    hashes: bool
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -142,11 +213,12 @@ def _bytes_of(t: torch.Tensor) -> bytes:
 
 
 def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> ParsedBucket:
-    """Parse and check a bucket's header, manifest and trailer (host reads: header + manifest + trailer).
+    """Parse and check a bucket's header, hash table, manifest and trailer: one device -> host read of both ends
+    of the bucket (a second only for a manifest or table larger than 64 KiB).
 
-    The body hash comparison is returned as a device flag (``body_bad``) so the caller can fold it
-    into its single validation sync. Raises :class:`TruncatedPayloadError` / :class:`CorruptPayloadError`.
-    """
+    The body hash comparison is returned as a device flag (``body_bad``) so the caller can fold it into its
+    pre-write checks. Raises :class:`TruncatedPayloadError` / :class:`CorruptPayloadError` (including for
+    buckets of another format)."""
     if not isinstance(bucket, torch.Tensor):
         raw = bytearray(bucket)
         bucket = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
@@ -155,26 +227,40 @@ def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> Parse
     size = bucket.numel()
     if size < HEADER_BYTES + TRAILER_BYTES:
         raise TruncatedPayloadError(f"bucket truncated: {size} bytes < {HEADER_BYTES + TRAILER_BYTES}")
-    # one device -> host read for the header, (usually) the whole manifest and the trailer
-    k = min(size, HEADER_BYTES + _PREFETCH)
-    raw = _bytes_of(torch.cat([bucket[:k], bucket[size - TRAILER_BYTES:]]))
-    head, pre, trailer = raw[:HEADER_BYTES], raw[:k], raw[k:]
-    magic, fmt, mlen, blen, total, mhash, _, _, hhash = _HDR.unpack(head)
+    if size <= 2 * _PREFETCH:  # the one device -> host read: the whole bucket, or its two ends
+        k = t0 = size
+        raw = _bytes_of(bucket)
+    else:
+        k, t0 = HEADER_BYTES + _PREFETCH, size - _PREFETCH
+        raw = _bytes_of(torch.cat([bucket[:k], bucket[t0:]]))
+    head, front, back = raw[:HEADER_BYTES], raw[:k], raw[k:]
+
+    def read(a: int, b: int) -> bytes:
+        """Bytes [a, b) of the bucket, from what was read when it covers them."""
+        if b <= k:
+            return front[a:b]
+        if a >= t0:
+            return back[a - t0:b - t0]
+        return _bytes_of(bucket[a:b])
+
+    magic, fmt, mlen, blen, total, mhash, tlen, _, hhash = _HDR.unpack(head)
     if magic != BUCKET_MAGIC:
         raise CorruptPayloadError(f"not a sparrow sync bucket (magic {magic!r})")
     if hash_bytes(head[:56]) != hhash:
         raise CorruptPayloadError("bucket header checksum mismatch")
     if fmt != BUCKET_FORMAT:
-        raise CorruptPayloadError(f"unsupported bucket format {fmt} (this build reads {BUCKET_FORMAT})")
-    if total != HEADER_BYTES + align(mlen) + blen + TRAILER_BYTES:
+        raise CorruptPayloadError(f"unsupported bucket format {fmt}: this build reads format {BUCKET_FORMAT} only "
+                                  "(sender and receivers must run the same Sparrow version)")
+    if total != HEADER_BYTES + blen + align(mlen) + TRAILER_BYTES or tlen > blen or tlen % TABLE_ENTRY_BYTES:
         raise CorruptPayloadError("bucket header lengths are inconsistent")
     if size != total:
         if size < total:
             raise TruncatedPayloadError(f"bucket truncated: {size} bytes of {total}")
         raise TruncatedPayloadError(f"bucket has {size - total} trailing bytes beyond its {total} bytes")
-    mend = HEADER_BYTES + align(mlen)
-    mall = pre[HEADER_BYTES:mend] if mend <= k else _bytes_of(bucket[HEADER_BYTES:mend])
+    mstart = HEADER_BYTES + blen
+    mall = read(mstart, mstart + align(mlen))
     mbytes, mpad = mall[:mlen], mall[mlen:]
+    trailer = read(size - TRAILER_BYTES, size)
     if hash_bytes(mbytes) != mhash:
         raise CorruptPayloadError("bucket manifest checksum mismatch")
     if mpad.strip(b"\0"):
@@ -185,12 +271,18 @@ def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> Parse
         man = json.loads(mbytes.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptPayloadError(f"bucket manifest is not valid JSON: {exc}") from None
-    info, entries = _check_manifest(man, blen)
-    bstart = HEADER_BYTES + align(mlen)
-    body = bucket[bstart:bstart + blen]
-    want = _to_device(torch.tensor(list(struct.unpack("<II", trailer[:8])), dtype=torch.int64), bucket.device)
-    body_bad = (hash_bytes_lanes(body) != want).any()
-    return ParsedBucket(info, entries, body, body_bad)
+    info, entries, hashes = _check_manifest(man, blen - tlen)
+    _need(tlen == (TABLE_ENTRY_BYTES * len(entries) if hashes else 0), "hash table length")
+    if hashes and entries:
+        tab = struct.unpack(f"<{4 * len(entries)}I", read(HEADER_BYTES, HEADER_BYTES + tlen))
+        for k_, e in enumerate(entries):
+            e.base_hash = fold_lanes(tab[4 * k_], tab[4 * k_ + 1])
+            e.target_hash = fold_lanes(tab[4 * k_ + 2], tab[4 * k_ + 3])
+    body_all = bucket[HEADER_BYTES:HEADER_BYTES + blen]
+    a, b = struct.unpack("<II", trailer[:8])
+    lanes = hash_bytes_lanes(body_all)
+    body_bad = (lanes[0] != a) | (lanes[1] != b)
+    return ParsedBucket(info, entries, bucket[HEADER_BYTES + tlen:HEADER_BYTES + blen], body_bad, hashes)
 
 
 def _need(cond: bool, msg: str) -> None:
@@ -202,13 +294,13 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_manifest(man: Any, blen: int) -> tuple[BucketInfo, list[EntryMeta]]:
+def _check_manifest(man: Any, blen: int) -> tuple[BucketInfo, list[EntryMeta], bool]:
     _need(isinstance(man, dict), "not an object")
     _need(man.get("format") == BUCKET_FORMAT, f"format {man.get('format')!r}")
     _need(isinstance(man.get("run_id"), str), "run_id")
     for k in ("base_version", "target_version", "index"):
         _need(_is_int(man.get(k)) and man[k] >= 0, k)
-    for k in ("last", "anchor"):
+    for k in ("last", "anchor", "hashes"):
         _need(isinstance(man.get(k), bool), k)
     info = BucketInfo(man["run_id"], man["base_version"], man["target_version"], man["index"], man["last"],
                       man["anchor"])
@@ -219,7 +311,7 @@ def _check_manifest(man: Any, blen: int) -> tuple[BucketInfo, list[EntryMeta]]:
     for k, e in enumerate(ents):
         out.append(_check_entry(k, e, end, blen))
         end = out[-1].offset + out[-1].nbytes
-    return info, out
+    return info, out, man["hashes"]
 
 
 def _hex64(k: int, key: str, h: Any) -> int | None:
@@ -246,15 +338,20 @@ def _check_entry(k: int, e: Any, end: int, blen: int) -> EntryMeta:
     _need(isinstance(codec, str) and bool(codec) and codec != "auto", f"entry {k} codec {codec!r}")
     _need(e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen,
           f"entry {k} body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
-    th, bh = _hex64(k, "hash", e.get("hash")), _hex64(k, "base_hash", e.get("base_hash"))
+    span = None
     if codec in CODEC_NAMES:
         _need("payload" not in e, f"entry {k}: a built-in {codec} entry has no payload field")
         check_body_length(codec, dtype, e["length"], e["nchanged"], e["nbytes"])
+        if codec == "compact":
+            span = e.get("span_log2")
+            _need(_is_int(span) and MIN_SPAN_LOG2 <= span <= MAX_SPAN_LOG2, f"entry {k} span_log2 {span!r}")
+        else:
+            _need("span_log2" not in e, f"entry {k}: a {codec} entry has no span_log2")
         payload = None
     else:  # a user codec: its body is checked by its own apply_
         payload = _check_user_payload(k, e.get("payload"))
     return EntryMeta(e["name"], dtype, tuple(shape), e["start"], e["length"], codec, e["offset"], e["nbytes"],
-                     e["nchanged"], th, bh, payload)
+                     e["nchanged"], None, None, payload, span)
 
 
 def _check_user_payload(k: int, p: Any) -> dict[str, Any]:

@@ -1,35 +1,37 @@
-"""The codecs (dense, COO, compact, auto), the slice-level encode / decode pipeline they share with
-:class:`~sparrow.sync.SyncSender` / :class:`~sparrow.sync.SyncReceiver`, and the public
-:func:`encode` / :func:`apply_`.
+"""The codecs (dense, COO, compact, auto), the encode plan they share with :class:`~sparrow.sync.SyncSender`,
+and the public :func:`encode` / :func:`apply_`.
 
 Everything works on bit patterns (int16 views of bf16 / fp16, int32 views of fp32): the changed set
 is ``old_bits != new_bits``, values are raw bit patterns or bit-pattern differences, never floats.
+
+An encode is a plan of three steps (:func:`scan_jobs`, :func:`read_plan`, :func:`write_jobs`): a device scan
+that counts every slice's changes and sizes its compact body, *one* host read of those numbers (what sizes the
+buffers and picks each slice's codec), and the writer that puts every body at its offset of the caller's buffer
+while it updates the old bits and the hashes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
-from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, combine_hash, element_bits,
-                                   fold_lanes)
-from ._util import as_u8, public_impl
-from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length
+from ..kernels.sync.common import (BITS_DTYPE, DEFAULT_SPAN_LOG2, SyncFormatError, bits_view, check_span_log2,
+                                   combine_hash, element_bits)
+from ._util import align, public_impl
+from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length, span_of
 from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
 
-#: ``auto``: above this fraction of changed elements the slice goes dense without trying compact.
-AUTO_DENSE_FRACTION = 0.75
 #: Names of the built-in codecs, which take the fused, bucketed fast path of ``SyncSender``.
 BUILTIN_CODECS = ("auto", "compact", "coo", "dense")
 
 
 # ---------------------------------------------------------------------------------------------------
-# slice-level pipeline
+# the encode plan
 # ---------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -44,7 +46,7 @@ class SliceJob:
 
 @dataclass
 class EncodedSlice:
-    """One encoded slice as it goes into a bucket entry."""
+    """One encoded slice as it goes into a bucket entry (the user-codec and dense paths)."""
 
     codec: str  # built-in payload codec, or the user WeightCodec's name
     nchanged: int
@@ -62,319 +64,114 @@ def coo_nbytes(nchanged: int, ebits: int) -> int:
     return nchanged * (4 + ebits // 8)
 
 
-def _coo_body(pos: torch.Tensor, newvals: torch.Tensor, bits_dtype: torch.dtype) -> torch.Tensor:
-    vals = newvals.to(torch.int16) if bits_dtype == torch.int16 else newvals
-    return torch.cat([as_u8(pos), as_u8(vals.contiguous())])
-
-
-def _mark(timer, name: str) -> None:
-    if timer is not None:
-        timer.mark(name)
-
-
-def encode_slices(jobs: Sequence[SliceJob], codec: str, *, with_hash: bool = True, update_old: bool = False,
-                  copy_dense: bool = True, impl: Impl = "auto", base_hashes: Sequence[int | None] | None = None,
-                  max_group_changes: int | None = None, timer=None) -> list[EncodedSlice]:
-    """Encode a batch of slices with the built-in codec ``codec`` ("dense" | "coo" | "compact" | "auto").
-
-    Pipeline (Triton: one launch per stage per bit width, whatever the number of slices):
-
-    1. **scan** all slices (change counts, 1-bit masks; the full hash of the new bits only when it is
-       needed, see below); host sync 1 reads the counts;
-    2. per group of consecutive slices holding at most ``max_group_changes`` changes (bounds the
-       scratch: ~40 bytes per change): **collect** the records (+ snapshot update, + hash change),
-       **pack** the compact bodies;
-    3. host sync 2 reads every packed size and hash change at once.
-
-    Target hashes: with ``base_hashes[k]`` (the hash of ``jobs[k].old``, e.g. the sender's running hash of
-    its snapshot) the target hash is ``base + (hash change over the changed elements)``, fused into the
-    collect pass (O(changes)); slices without a base hash, and slices sent dense, get the full hash of
-    their new bits (O(elements)). ``update_old`` leaves every ``old`` equal to its ``new`` (only changed
-    elements are written). ``copy_dense=False`` lets dense bodies alias ``new``. ``timer`` (a
-    :class:`~sparrow.sync.stats.StageTimer`) gets a mark after each stage.
-
-    Raises:
-        ValueError: ``codec`` is not a built-in codec name, or ``base_hashes`` has the wrong length.
-    """
-    if codec not in (*CODEC_NAMES, "auto"):
-        raise ValueError(f"unknown codec {codec!r}; expected one of dense, coo, compact, auto")
-    if not jobs:
-        return []
-    if base_hashes is not None and len(base_hashes) != len(jobs):
-        raise ValueError(f"base_hashes must have one entry per job: {len(base_hashes)} for {len(jobs)} jobs")
-    enc = _Encoding(jobs, codec, with_hash, base_hashes, timer)
-    _scan(enc, impl)
-    _read_counts(enc)  # host sync 1
-    _plan(enc)
-    _hash_dense_slices(enc)
-    cap = max_group_changes if max_group_changes is not None else 1 << 62
-    for eb, idx in enc.parts.items():
-        _collect_and_pack(enc, eb, idx, cap, update_old)
-    _read_sizes_and_hashes(enc)  # host sync 2
-    result = [_finish_slice(enc, k, copy_dense, update_old) for k in range(len(jobs))]
-    _mark(timer, "finish")
-    return result
-
-
 @dataclass
-class _Encoding:
-    """What the steps of one :func:`encode_slices` call hand on to each other (per job index ``k``)."""
+class EncodePlan:
+    """The steps of one encode share this: the jobs grouped by element size (order kept), the device scans,
+    and after :func:`read_plan` every slice's change count and compact body words."""
 
     jobs: Sequence[SliceJob]
-    codec: str
-    with_hash: bool
-    base_hashes: Sequence[int | None] | None
-    timer: object
-    parts: dict[int, list[int]] = field(default_factory=dict)  # element size -> job indices
-    scan_hash: dict[int, bool] = field(default_factory=dict)  # element size -> the scan hashes new bits
-    scans: dict[int, K.GroupScan] = field(default_factory=dict)
+    span_log2: int
+    groups: dict[tuple[int, bool], list[int]]  # (element size, aligned) -> job indices, in order
+    scans: dict[tuple[int, bool], K.BlockScan]
     counts: list[int] = field(default_factory=list)
-    hashes: list[int | None] = field(default_factory=list)  # target hashes, as they become known
-    plan: list[str] = field(default_factory=list)  # codec per job before auto's final choice
-    full_lanes: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # dense: full hash lanes
-    records: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    packed: list[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    deltas: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)  # hash-change accumulators
-    words_of: dict[int, torch.Tensor] = field(default_factory=dict)  # compact bodies (int32 words)
+    words: list[int] = field(default_factory=list)
+
+    def ebits(self, k: int) -> int:
+        return 8 * self.jobs[k].old.element_size()
+
+    def sizes(self, k: int) -> dict[str, int]:
+        """Body bytes of slice ``k`` under each built-in codec (after :func:`read_plan`)."""
+        n, eb = self.jobs[k].old.numel(), self.ebits(k)
+        return {c: K.body_nbytes(c, n, self.counts[k], self.words[k], eb) for c in CODEC_NAMES}
 
 
-def _scan(enc: _Encoding, impl: Impl) -> None:
-    """Step 1: group the jobs by bit width and launch the diff scans (no host sync)."""
-    jobs = enc.jobs
+def _aligned(j: SliceJob) -> bool:
+    return all(t.data_ptr() % 16 == 0 and t.numel() % 8 == 0 for t in (j.old, j.new))
+
+
+def scan_jobs(jobs: Sequence[SliceJob], *, span_log2: int = DEFAULT_SPAN_LOG2, impl: Impl = "auto") -> EncodePlan:
+    """Step 1: group the jobs by element size (and by 16-byte alignment, so that one odd tensor does not take
+    the vector loads from the others) and scan them (one launch per group; no host sync)."""
+    check_span_log2(span_log2)
+    groups: dict = {}
     for k, j in enumerate(jobs):
-        enc.parts.setdefault(j.old.element_size(), []).append(k)
-    incremental = [enc.with_hash and enc.base_hashes is not None and enc.base_hashes[k] is not None
-                   for k in range(len(jobs))]
-    # full hash in the scan only for slices that cannot be updated incrementally (e.g. a first sync / anchor)
-    enc.scan_hash = {eb: enc.with_hash and not all(incremental[k] for k in idx) for eb, idx in enc.parts.items()}
-    enc.scans = {eb: K.group_diff_scan([jobs[k].old for k in idx], [jobs[k].new for k in idx],
-                                       hash_starts=[jobs[k].start for k in idx] if enc.scan_hash[eb] else None,
-                                       impl=impl)
-                 for eb, idx in enc.parts.items()}
-    _mark(enc.timer, "scan")
+        groups.setdefault((j.old.element_size(), _aligned(j)), []).append(k)
+    scans = {key: K.scan_blocks([jobs[k].old for k in idx], [jobs[k].new for k in idx], span_log2=span_log2,
+                                impl=impl)
+             for key, idx in groups.items()}
+    return EncodePlan(jobs, span_log2, groups, scans)
 
 
-def _read_counts(enc: _Encoding) -> None:
-    """Host sync 1: the change count of every slice (and the full hash lanes where the scan made them)."""
-    stat = [enc.scans[eb].counts.to(torch.int64) for eb in enc.parts]
-    stat += [enc.scans[eb].hashes.reshape(-1) for eb in enc.parts if enc.scan_hash[eb]]
-    host = torch.cat(stat).tolist()  # host sync 1: change counts (and full hash lanes where computed)
-    enc.counts = [0] * len(enc.jobs)
-    enc.hashes = [None] * len(enc.jobs)
+def read_plan(plan: EncodePlan) -> None:
+    """Step 2, the host sync of an encode: every slice's change count and compact body words, in one read."""
+    stat = [t for key in plan.groups for t in (plan.scans[key].counts, plan.scans[key].words)]
+    host = torch.cat(stat).tolist() if stat else []  # host sync: the sizes of every body
+    plan.counts = [0] * len(plan.jobs)
+    plan.words = [0] * len(plan.jobs)
     at = 0
-    for idx in enc.parts.values():
-        for k in idx:
-            enc.counts[k] = int(host[at])
-            at += 1
-    for eb, idx in enc.parts.items():
-        if enc.scan_hash[eb]:
-            for k in idx:
-                enc.hashes[k] = fold_lanes(host[at], host[at + 1])
-                at += 2
-    _mark(enc.timer, "sync_counts")
+    for idx in plan.groups.values():
+        for r, k in enumerate(idx):
+            plan.counts[k] = int(host[at + r])
+            plan.words[k] = int(host[at + len(idx) + r])
+        at += 2 * len(idx)
 
 
-def _plan(enc: _Encoding) -> None:
-    """Step 2a: each slice's codec; ``auto`` sends a slice dense above ``AUTO_DENSE_FRACTION`` changed."""
-    enc.plan = []
-    for j, m in zip(enc.jobs, enc.counts):
-        want = enc.codec
-        if enc.codec == "auto":
-            want = "dense" if m > AUTO_DENSE_FRACTION * j.old.numel() else "compact"
-        enc.plan.append(want)
+def pick_codec(codec: str, sizes: Mapping[str, int]) -> str:
+    """The payload codec of a slice: ``codec`` itself, or for ``"auto"`` the smallest body (ties: compact,
+    then COO, then dense)."""
+    if codec == "auto":
+        return min(("compact", "coo", "dense"), key=lambda c: sizes[c])
+    if codec not in CODEC_NAMES:
+        raise ValueError(f"unknown codec {codec!r}; expected one of dense, coo, compact, auto")
+    return codec
 
 
-def _hash_dense_slices(enc: _Encoding) -> None:
-    """Step 2b: dense slices whose target hash is still unknown get the full hash of their new bits (they
-    cost O(n) anyway); lanes stay on the device until host sync 2."""
-    jobs = enc.jobs
-    full_idx = [k for k in range(len(jobs)) if enc.with_hash and enc.hashes[k] is None and enc.plan[k] == "dense"]
-    for eb in enc.parts:
-        idx = [k for k in full_idx if jobs[k].old.element_size() == eb]
-        if idx:
-            enc.full_lanes.append((idx, K.group_hash_bits([jobs[k].new for k in idx], [jobs[k].start for k in idx],
-                                                          impl=enc.scans[eb].impl)))
-
-
-def _runs(idx: list[int], plan: list[str], cnts: list[int], cap: int) -> list[tuple[int, int]]:
-    """Runs ``[a, b)`` of consecutive non-dense slices of ``idx``, cut so that a run holds at most ``cap``
-    changes (a run holds at least one slice)."""
-    runs, a = [], 0
-    while a < len(idx):
-        if plan[idx[a]] == "dense":
-            a += 1
+def write_jobs(plan: EncodePlan, idx: Sequence[int], kinds: Mapping[int, str], out: torch.Tensor,
+               offsets: Mapping[int, int], *, update_old: bool = False, hash_out: torch.Tensor | None = None,
+               hash_rows: Mapping[int, int] | None = None, max_changes: int | None = None) -> None:
+    """Step 3: write the bodies of the consecutive jobs ``idx`` (``kinds[k]`` at byte ``offsets[k]`` of ``out``),
+    with one launch per group and run of at most ``max_changes`` changes (the writer's scratch is 4
+    bytes per change). ``update_old`` moves each job's old bits to its new ones; ``hash_out`` (int32 ``[R, 2]``)
+    row ``hash_rows[k]`` receives the hash change of job ``k``. No host sync."""
+    want = set(idx)
+    cap = max_changes if max_changes is not None else 1 << 62
+    for key, gidx in plan.groups.items():
+        pos = [r for r, k in enumerate(gidx) if k in want]
+        if not pos:
             continue
-        b, tot = a, 0
-        while b < len(idx) and plan[idx[b]] != "dense" and (b == a or tot + cnts[b] <= cap):
-            tot += cnts[b]
-            b += 1
-        runs.append((a, b))
-        a = b
-    return runs
+        a, b = pos[0], pos[-1] + 1
+        if b - a != len(pos):
+            raise ValueError("write_jobs: the jobs of one call must be consecutive")
+        jobs = [plan.jobs[k] for k in gidx]
+        counts = [plan.counts[k] for k in gidx]
+        words = [plan.words[k] for k in gidx]
+        modes = [kinds.get(k, "compact") for k in gidx]
+        offs = [offsets.get(k, 0) for k in gidx]
+        rows = [hash_rows.get(k, -1) if hash_rows is not None else -1 for k in gidx]
+        r0 = a
+        while r0 < b:  # runs of at most `cap` changes (at least one slice)
+            r1, tot = r0, 0
+            while r1 < b and (r1 == r0 or tot + counts[r1] <= cap):
+                tot += counts[r1]
+                r1 += 1
+            K.write_bodies([j.old for j in jobs], [j.new for j in jobs], plan.scans[key], counts, words, modes, out,
+                           offs, sub=(r0, r1), update_old=update_old,
+                           hash_starts=[j.start for j in jobs] if hash_out is not None else None,
+                           hash_out=hash_out, hash_rows=rows if hash_out is not None else None)
+            r0 = r1
 
 
-def _collect_and_pack(enc: _Encoding, eb: int, idx: list[int], cap: int, update_old: bool) -> None:
-    """Step 2c, for the slices ``idx`` of element size ``eb``: per run, collect the records (+ snapshot
-    update, + hash change), then pack the compact ones."""
-    jobs = enc.jobs
-    olds = [jobs[k].old for k in idx]
-    news = [jobs[k].new for k in idx]
-    cnts = [enc.counts[k] for k in idx]
-    starts = [jobs[k].start for k in idx]
-    # hash changes only where the scan did not hash the new bits in full (all slices incremental)
-    dacc = K.hash_zeros(len(idx), olds[0].device) if enc.with_hash and not enc.scan_hash[eb] else None
-    values = "new" if enc.codec == "coo" else "delta"
-    for a, b in _runs(idx, enc.plan, cnts, cap):
-        pos, val, rec_off = K.group_diff_collect(olds, news, enc.scans[eb], cnts, values=values,
-                                                 update_old=update_old, hash_starts=starts, hash_out=dacc,
-                                                 sub=(a, b))
-        for k, off in zip(idx[a:b], rec_off):
-            enc.records[k] = (pos[off:off + enc.counts[k]], val[off:off + enc.counts[k]])
-        _mark(enc.timer, "collect")
-        _pack_run(enc, eb, idx[a:b], pos, val)
-        _mark(enc.timer, "pack")
-    if dacc is not None:
-        enc.deltas.append((idx, dacc))
-
-
-def _pack_run(enc: _Encoding, eb: int, sub_idx: list[int], pos: torch.Tensor, val: torch.Tensor) -> None:
-    """Compact bodies of the compact slices of one collected run (one launch; sizes read at host sync 2)."""
-    cidx = [k for k in sub_idx if enc.plan[k] == "compact"]
-    if not cidx:
-        return
-    if len(cidx) == len(sub_idx):
-        cpos, cval = pos, val
-    else:
-        cpos = torch.cat([enc.records[k][0] for k in cidx])
-        cval = torch.cat([enc.records[k][1] for k in cidx])
-    out, wbase, nwords = K.group_pack_compact(cpos, cval, [enc.counts[k] for k in cidx], 8 * eb,
-                                              impl=enc.scans[eb].impl)
-    enc.packed.append((cidx, out, wbase, nwords))
-
-
-def _read_sizes_and_hashes(enc: _Encoding) -> None:
-    """Host sync 2: packed sizes, hash changes and full hashes of dense slices, all at once."""
-    tail = [torch.stack([b, n], 1).reshape(-1) for _, _, b, n in enc.packed]
-    tail += [d.to(torch.int64).reshape(-1) for _, d in enc.deltas]
-    tail += [ln.reshape(-1) for _, ln in enc.full_lanes]
-    host = torch.cat(tail).tolist() if tail else []  # host sync 2
-    _mark(enc.timer, "sync_sizes")
-    at = 0
-    for cidx, out, _, _ in enc.packed:
-        for k in cidx:
-            enc.words_of[k] = out[host[at]: host[at] + host[at + 1]]
-            at += 2
-    for idx, _ in enc.deltas:
-        for k in idx:
-            if enc.plan[k] != "dense":  # dense slices: full hash (full_lanes)
-                enc.hashes[k] = add_lanes(int(enc.base_hashes[k]), host[at], host[at + 1])  # type: ignore[index]
-            at += 2
-    for idx, _ in enc.full_lanes:
-        for k in idx:
-            enc.hashes[k] = fold_lanes(host[at], host[at + 1])
-            at += 2
-
-
-def _finish_slice(enc: _Encoding, k: int, copy_dense: bool, update_old: bool) -> EncodedSlice:
-    """Step 3: slice ``k``'s codec (``auto``: the smallest body, ties to compact) and body."""
-    j, m = enc.jobs[k], enc.counts[k]
-    ebits = 8 * j.old.element_size()
-    sizes = {"dense": dense_nbytes(j.new), "coo": coo_nbytes(m, ebits)}
-    kind = enc.plan[k]
-    if kind == "compact":
-        sizes["compact"] = 4 * enc.words_of[k].numel()
-        if enc.codec == "auto":
-            kind = min(("compact", "coo", "dense"), key=lambda c: sizes[c])  # ties: compact first
-    if kind == "compact":
-        body = as_u8(enc.words_of[k])
-    elif kind == "coo":
-        pos, val = enc.records[k]
-        if enc.codec != "coo":  # auto chose COO after packing: new values at the changed positions
-            val = j.new[pos.to(torch.int64)].to(torch.int32) & ((1 << ebits) - 1)
-        body = _coo_body(pos, val, j.new.dtype)
-    else:
-        body = as_u8(j.new).clone() if copy_dense else as_u8(j.new)
-        if update_old:
-            j.old.copy_(j.new)
-    return EncodedSlice(kind, int(m), body, enc.hashes[k], sizes)
-
-
-@dataclass
-class Decoded:
-    """A validated (or validation-deferred) slice body: either all new bits, or records."""
-
-    codec: str
-    new_bits: torch.Tensor | None = None
-    pos: torch.Tensor | None = None
-    val: torch.Tensor | None = None
-    bad: torch.Tensor | None = None  # deferred validation flag (0-d bool) or None
-
-
-def decode_slice(codec: str, body: torch.Tensor, n: int, dtype: torch.dtype, nchanged: int, *,
-                 defer_check: bool = False, impl: Impl = "auto") -> Decoded:
-    """Decode one slice body. Raises :class:`CorruptPayloadError` for any invalid body (length, indices
-    out of range or unordered, bad compact fields). With ``defer_check`` device-side checks are returned
-    in ``Decoded.bad`` instead (no host sync); the records must not be used until it is checked."""
-    ebits = element_bits(dtype)
-    bdt = BITS_DTYPE[dtype]
-    try:
-        check_body_length(codec, dtype, n, nchanged, body.numel())
-        if codec == "dense":
-            return Decoded("dense", new_bits=body.view(bdt))
-        if codec == "coo":
-            pos = body[: 4 * nchanged].view(torch.int32)
-            vals = body[4 * nchanged:].view(bdt).to(torch.int32) & ((1 << ebits) - 1)
-            bad = K.positions_bad(pos, n)
-            if not defer_check and bool(bad):
-                raise SyncFormatError(f"COO indices out of range [0, {n}) or not strictly increasing")
-            return Decoded("coo", pos=pos, val=vals, bad=bad if defer_check else None)
-        if codec == "compact":
-            words = body.view(torch.int32)
-            if defer_check:
-                pos, val, bad = K.unpack_compact_deferred(words, n, ebits, nchanged, impl=impl)
-                return Decoded("compact", pos=pos, val=val, bad=bad)
-            pos, val = K.unpack_compact(words, n, ebits, nchanged, impl=impl)
-            return Decoded("compact", pos=pos, val=val)
-    except CorruptPayloadError:
-        raise
-    except SyncFormatError as exc:
-        raise CorruptPayloadError(f"corrupt {codec} body: {exc}") from None
-    raise CorruptPayloadError(f"unknown codec {codec!r}")
-
-
-def apply_decoded(bits: torch.Tensor, dec: Decoded, *, keep_undo: bool = True, impl: Impl = "auto",
-                  hash_start: int | None = None, hash_out: torch.Tensor | None = None):
-    """Write a validated decode into the flat bit view ``bits``; returns what :func:`undo_decoded` needs.
-    ``hash_out`` (int32 ``[1, 2]``, sparse codecs only) receives the hash change of the written elements
-    at positions ``hash_start + i``."""
-    if dec.codec == "dense":
-        if hash_out is not None:
-            raise ValueError("apply_decoded: hash_out is not supported for dense bodies (hash the body)")
-        undo = bits.clone() if keep_undo else None
-        bits.copy_(dec.new_bits)
-        return undo
-    if dec.codec == "coo":
-        undo = None
-        if keep_undo:
-            undo = bits[dec.pos.to(torch.int64)].to(torch.int32) & ((1 << (8 * bits.element_size())) - 1)
-        K.apply_records(bits, dec.pos, dec.val, values="new", impl=impl, hash_start=hash_start, hash_out=hash_out)
-        return undo
-    K.apply_records(bits, dec.pos, dec.val, values="delta", impl=impl, hash_start=hash_start, hash_out=hash_out)
-    return None
-
-
-def undo_decoded(bits: torch.Tensor, dec: Decoded, undo, *, impl: Impl = "auto") -> None:
-    """Restore the bits :func:`apply_decoded` overwrote (bit-exact)."""
-    if dec.codec == "dense":
-        bits.copy_(undo)
-    elif dec.codec == "coo":
-        K.apply_records(bits, dec.pos, undo, values="new", impl=impl)
-    else:
-        K.apply_records(bits, dec.pos, dec.val, values="delta", negate=True, impl=impl)
+def slice_sizes(jobs: Sequence[SliceJob], *, span_log2: int = DEFAULT_SPAN_LOG2,
+                impl: Impl = "auto") -> list[tuple[int, dict[str, int]]]:
+    """Per job: the change count and the body bytes under each built-in codec (one scan, one host read;
+    nothing is written)."""
+    plan = scan_jobs(jobs, span_log2=span_log2, impl=impl)
+    read_plan(plan)
+    return [(plan.counts[k], plan.sizes(k)) for k in range(len(jobs))]
 
 
 # ---------------------------------------------------------------------------------------------------
-# public codecs
+# one payload: encode / apply_
 # ---------------------------------------------------------------------------------------------------
 
 def _check_pair(base: torch.Tensor, new: torch.Tensor) -> None:
@@ -387,13 +184,31 @@ def _check_pair(base: torch.Tensor, new: torch.Tensor) -> None:
         raise ValueError(f"device mismatch: base {base.device}, new {new.device}")
 
 
-def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, impl: Impl) -> Payload:
+def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, impl: Impl,
+            span_log2: int = DEFAULT_SPAN_LOG2) -> Payload:
     _check_pair(base, new)
     b = bits_view(base.detach().contiguous())
     x = bits_view(new.detach().contiguous())
-    (s,) = encode_slices([SliceJob(b, x, 0)], codec, with_hash=with_hash, impl=impl)
-    return Payload(codec=s.codec, dtype=base.dtype, shape=tuple(base.shape), nchanged=s.nchanged, data=s.body,
-                   target_hash=s.target_hash, extra={"sizes": s.sizes})
+    plan = scan_jobs([SliceJob(b, x, 0)], span_log2=span_log2, impl=impl)
+    read_plan(plan)
+    sizes = plan.sizes(0)
+    kind = pick_codec(codec, sizes)
+    out = torch.zeros(max(16, align(sizes[kind])), dtype=torch.uint8, device=b.device)
+    write_jobs(plan, [0], {0: kind}, out, {0: 0})
+    extra: dict = {"sizes": sizes}
+    if kind == "compact":
+        extra["span_log2"] = span_log2
+    target = combine_hash(K.hash_bits(x, 0, impl=impl)) if with_hash else None  # host sync: the target hash
+    return Payload(codec=kind, dtype=base.dtype, shape=tuple(base.shape), nchanged=plan.counts[0],
+                   data=out[:sizes[kind]], target_hash=target, extra=extra)
+
+
+def coo_records(body: torch.Tensor, nchanged: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (int32) and new bit patterns (zero-extended int32) of a COO body (length already checked)."""
+    ebits = element_bits(dtype)
+    pos = body[:4 * nchanged].view(torch.int32)
+    vals = body[4 * nchanged:].view(BITS_DTYPE[dtype]).to(torch.int32) & ((1 << ebits) - 1)
+    return pos, vals
 
 
 def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: Impl = "auto") -> None:
@@ -408,36 +223,83 @@ def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, 
                                  f"{base.dtype}{list(base.shape)}")
     if not base.is_contiguous():
         raise ShapeMismatchError("target tensor must be contiguous to be updated in place")
+    n, m = base.numel(), payload.nchanged
+    check_body_length(payload.codec, payload.dtype, n, m, payload.nbytes)
     body = payload.data.to(base.device) if payload.data.device != base.device else payload.data
     bits = bits_view(base.detach())
+    check = verify and payload.target_hash is not None
     with torch.no_grad():
-        dec = decode_slice(payload.codec, body, bits.numel(), base.dtype, payload.nchanged, impl=impl)
-        check = verify and payload.target_hash is not None
-        undo = apply_decoded(bits, dec, keep_undo=check, impl=impl)
+        if payload.codec == "dense":
+            new = body.view(bits.dtype)
+            if check and combine_hash(K.hash_bits(new, 0, impl=impl)) != payload.target_hash:  # host sync
+                raise HashMismatchError("dense payload does not hash to its target hash: corrupt; nothing was written")
+            bits.copy_(new)
+            return
+        if payload.codec == "coo":
+            pos, vals = coo_records(body, m, payload.dtype)
+            if bool(K.positions_bad(pos, n)):  # host sync: bounds and order before any write
+                raise CorruptPayloadError(f"corrupt coo body: indices out of range [0, {n}) or not strictly "
+                                          "increasing; nothing was written")
+            undo = torch.empty_like(pos)
+            K.group_apply_records([bits], pos, vals, [m], values="new", impl=impl, undo_out=undo)
+
+            def restore() -> None:
+                K.group_apply_records([bits], pos, undo, [m], values="new", impl=impl)
+        else:
+            span = span_of(payload)
+            words = body.view(torch.int32) if body.numel() else torch.zeros(0, dtype=torch.int32, device=body.device)
+            entry = [(0, words.numel(), n, m)]
+            try:
+                K.check_compact_entries(words, entry, span)
+            except SyncFormatError as exc:
+                raise CorruptPayloadError(f"corrupt compact body: {exc}") from None
+            gate = torch.zeros(1, dtype=torch.int32, device=bits.device)
+            err = torch.zeros(1, dtype=torch.int32, device=bits.device)
+            K.apply_compact([bits], words, entry, span_log2=span, gate=gate, err=err, impl=impl)
+            closed, failed = torch.cat([gate, err]).tolist()  # host sync: the verdict of the decode
+            if closed:
+                raise CorruptPayloadError("corrupt compact body: block headers do not describe the body; nothing "
+                                          "was written")
+
+            def restore() -> None:
+                K.apply_compact([bits], words, entry, span_log2=span, gate=gate, err=torch.zeros_like(err),
+                                negate=True, check_headers=False, impl=impl)
+
+            if failed:
+                restore()
+                raise CorruptPayloadError(f"corrupt compact body: {failed} block(s) failed validation (positions out "
+                                          "of range or not increasing, bad bit counts or padding); the tensor was "
+                                          "restored")
         if check:
-            got = combine_hash(K.hash_bits(bits, 0, impl=impl))
+            got = combine_hash(K.hash_bits(bits, 0, impl=impl))  # host sync: the result's hash
             if got != payload.target_hash:
-                undo_decoded(bits, dec, undo, impl=impl)
+                restore()
                 raise HashMismatchError(f"target hash mismatch after apply ({got:016x} != "
                                         f"{payload.target_hash:016x}): the base was not the sender's base; "
                                         "the tensor was restored, ask for a dense resync")
 
 
+# ---------------------------------------------------------------------------------------------------
+# public codecs
+# ---------------------------------------------------------------------------------------------------
+
 class _BuiltinCodec(WeightCodec):
     """A built-in codec as a :class:`WeightCodec`. ``with_hash``: store the target hash in each payload;
-    ``verify``: check it on apply; ``impl``: kernel implementation (``None``: deprecated ``"auto"``).
-    Given to :class:`~sparrow.sync.SyncSender`, only its name counts (the sender has its own
-    ``with_hash`` / ``impl``)."""
+    ``verify``: check it on apply; ``impl``: kernel implementation (``None``: deprecated ``"auto"``);
+    ``span_log2``: block span of compact bodies. Given to :class:`~sparrow.sync.SyncSender`, only its name
+    counts (the sender has its own ``with_hash`` / ``impl`` / ``span_log2``)."""
 
     name = "auto"
 
-    def __init__(self, *, with_hash: bool = True, verify: bool = True, impl: Impl = "auto") -> None:
+    def __init__(self, *, with_hash: bool = True, verify: bool = True, impl: Impl = "auto",
+                 span_log2: int = DEFAULT_SPAN_LOG2) -> None:
         self.with_hash = with_hash
         self.verify = verify
         self.impl = public_impl(impl)
+        self.span_log2 = check_span_log2(span_log2)
 
     def encode(self, base: torch.Tensor, new: torch.Tensor) -> Payload:
-        return _encode(self.name, base, new, self.with_hash, self.impl)
+        return _encode(self.name, base, new, self.with_hash, self.impl, self.span_log2)
 
     def apply_(self, base: torch.Tensor, payload: Payload) -> None:
         apply_payload(base, payload, verify=self.verify, impl=self.impl)
@@ -456,14 +318,15 @@ class CooCodec(_BuiltinCodec):
 
 
 class CompactCodec(_BuiltinCodec):
-    """Elias-Fano positions (per block of 1024 changes) + zig-zag bit-pattern deltas packed at a per-block
-    width with escapes (format and measured sizes: ``docs/sync.md``)."""
+    """Per block of ``2**span_log2`` elements: Elias-Fano positions and Elias-gamma codes of the zig-zagged
+    bit-pattern deltas, every block's size known from its change count and code lengths (format and measured
+    sizes: ``docs/sync.md``)."""
 
     name = "compact"
 
 
 class AutoCodec(_BuiltinCodec):
-    """Smallest of compact / COO / dense per tensor slice; dense when most elements changed."""
+    """Smallest of compact / COO / dense per tensor slice."""
 
     name = "auto"
 
@@ -492,21 +355,22 @@ def get_codec(codec: str | WeightCodec, **kwargs) -> WeightCodec:
 
 
 def encode(base: torch.Tensor, new: torch.Tensor, codec: str | WeightCodec = "auto", *,
-           with_hash: bool = True, impl: Impl = "auto") -> Payload:
+           with_hash: bool = True, impl: Impl = "auto", span_log2: int = DEFAULT_SPAN_LOG2) -> Payload:
     """Encode the change from ``base`` to ``new`` (same shape, dtype in {bf16, fp16, fp32}, device).
 
     Neither tensor is modified. ``codec``: ``"auto"`` (default: smallest of compact / COO / dense),
     ``"compact"``, ``"coo"``, ``"dense"`` or a :class:`WeightCodec` instance. ``with_hash`` stores the
     hash of ``new``'s bits so :func:`apply_` can verify the result; ``impl``: kernel implementation
-    (``None``: deprecated spelling of ``"auto"``). Raises ``TypeError`` (dtype) or ``ValueError`` (shape /
-    device mismatch, unknown codec, bad ``impl``).
+    (``None``: deprecated spelling of ``"auto"``); ``span_log2``: block span of a compact body (10..20).
+    Raises ``TypeError`` (dtype) or ``ValueError`` (shape / device mismatch, unknown codec, bad ``impl`` or
+    ``span_log2``).
     """
     impl = public_impl(impl)
     if isinstance(codec, WeightCodec):
         return codec.encode(base, new)
     if codec not in _REGISTRY:
         raise ValueError(f"unknown codec {codec!r}; expected one of {sorted(_REGISTRY)}")
-    return _encode(codec, base, new, with_hash, impl)
+    return _encode(codec, base, new, with_hash, impl, check_span_log2(span_log2))
 
 
 def apply_(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: Impl = "auto") -> None:
@@ -515,10 +379,11 @@ def apply_(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: I
 
     ``base``: contiguous tensor of the payload's dtype and shape holding the encoder's base bits. ``impl``:
     kernel implementation (``None``: deprecated spelling of ``"auto"``).
-    Raises :class:`ShapeMismatchError`, :class:`CorruptPayloadError` (invalid body / indices, or not a
-    built-in payload; checked before any write) or :class:`HashMismatchError` (``verify`` and the result's
-    hash differs from the payload's target hash; the write is undone first); ``ValueError`` (bad ``impl``).
-    ``base`` is unchanged when an error is raised.
+    Raises :class:`ShapeMismatchError`, :class:`CorruptPayloadError` (invalid body or indices, or not a built-in
+    payload) or :class:`HashMismatchError` (``verify`` and the result's hash differs from the payload's target
+    hash); ``ValueError`` (bad ``impl``). ``base`` is unchanged when an error is raised: bodies whose lengths,
+    indices or block headers are wrong are refused before any write; a compact body whose block contents fail
+    validation, or a result with the wrong hash, is undone bit for bit.
     """
     apply_payload(base, payload, verify=verify, impl=public_impl(impl))
 
@@ -539,5 +404,6 @@ def empirical_entropy_bits(values: torch.Tensor) -> float:
     return float(-(counts.double() * torch.log2(p)).sum())
 
 
-__all__ = ["AUTO_DENSE_FRACTION", "BUILTIN_CODECS", "AutoCodec", "CompactCodec", "CooCodec", "DenseCodec", "apply_",
-           "builtin_codec_name", "encode", "empirical_entropy_bits", "get_codec", "position_entropy_bits"]
+__all__ = ["BUILTIN_CODECS", "AutoCodec", "CompactCodec", "CooCodec", "DenseCodec", "EncodePlan", "SliceJob",
+           "apply_", "builtin_codec_name", "encode", "empirical_entropy_bits", "get_codec", "pick_codec",
+           "position_entropy_bits", "read_plan", "scan_jobs", "slice_sizes", "write_jobs"]

@@ -1,4 +1,12 @@
-"""Rollout side of SparseRL-Sync: check, apply (in place, per bucket all-or-nothing) and verify."""
+"""Rollout side of SparseRL-Sync: check, apply (in place, per bucket all-or-nothing) and verify.
+
+Per bucket the receiver reads the device twice: the bucket's two ends when it arrives (header, hash table,
+manifest, trailer) and one verdict after the apply kernels (the pre-write gate, the count of blocks that
+failed validation and the hash changes). Everything between runs on the device: the body checksum, the base
+hashes that must be computed, the checks of dense bodies, COO indices and compact block headers go into a
+gate that every writing kernel reads first, so a bucket failing any of them writes nothing; a compact block
+that fails its own validation writes nothing and the others are undone.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +18,12 @@ import torch
 
 from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
-from ..kernels.sync.common import SyncFormatError, add_lanes, bits_view, element_bits, fold_lanes
+from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, element_bits, fold_lanes,
+                                   split_lanes)
 from ._util import hash_views, public_impl
 from .base import Payload, WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, ParsedBucket, parse_bucket
-from .codecs import BUILTIN_CODECS, Decoded, apply_decoded, builtin_codec_name, decode_slice, undo_decoded
+from .codecs import BUILTIN_CODECS, builtin_codec_name, coo_records
 from .errors import (
     CorruptPayloadError,
     HashMismatchError,
@@ -29,6 +38,10 @@ from .errors import (
 from .stats import SyncStats
 from .transport import Transport
 from .user_codecs import apply_user_slice, payload_of, undo_user_slice
+
+# gate flags (int32 on the device): any set -> no kernel of the bucket writes
+_G_BODY, _G_FORMAT, _G_BASE, _G_DENSE = 0, 1, 2, 3
+_NGATE = 4
 
 
 @dataclass
@@ -45,28 +58,28 @@ class _Bucket:
 
     info: BucketInfo
     ents: list[EntryMeta]
-    body: torch.Tensor  # uint8, on the receiver's device
+    body: torch.Tensor  # uint8 entry bodies, on the receiver's device
     body_bad: torch.Tensor  # 0-d bool: body checksum mismatch
     views: list[torch.Tensor]  # bit views of the entries' ranges of the receiver's tensors
     mode: str | None  # verification of this bucket: "full", "incremental" or None
     checked: list[int]  # entries whose target hash is verified
-    compact: dict[int, list[int]]  # element size -> compact entries (decoded and applied as one group)
-    keep: bool  # keep decoded compact records between validation and apply (else decode twice)
-    flags: list[torch.Tensor] = field(default_factory=list)  # device-side validation flags (body first)
-    decoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # size -> (pos, val)
-    other: dict[int, Decoded] = field(default_factory=dict)  # dense and COO entries
+    gate: torch.Tensor  # int32 [_NGATE] pre-write flags
+    err: torch.Tensor  # int32 [1]: compact blocks that failed validation
+    dacc: torch.Tensor  # int32 [entries, 2]: hash change of the sparse built-in entries
+    compact: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (element size, span) -> entries
+    coo: list[int] = field(default_factory=list)
+    dense: list[int] = field(default_factory=list)
     user: dict[int, Payload] = field(default_factory=dict)  # user codec entries
+    coo_recs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    hash_now: list[int] = field(default_factory=list)  # entries whose current bits are hashed on the device
+    base_lanes: torch.Tensor | None = None  # their lanes
+    dense_lanes: tuple[list[int], torch.Tensor] | None = None  # dense entries checked: lanes of their bodies
     base_of: dict[int, int] = field(default_factory=dict)  # hash of the range's bits before writing
     new_of: dict[int, int] = field(default_factory=dict)  # verified hash of the range's bits after writing
     want: set[int] = field(default_factory=set)  # sparse built-in entries verified by base + change
-    dacc: torch.Tensor | None = None  # int32 [entries, 2]: hash change of the sparse built-in entries
     user_lanes: dict[int, torch.Tensor] = field(default_factory=dict)  # full hash of checked user ranges
-    applied: list[tuple[str, int]] = field(default_factory=list)  # ("entry" | "group" | "user", key), in order
+    applied: list[tuple[str, object]] = field(default_factory=list)  # ("coo" | "compact" | "user", key), in order
     undo: dict[int, object] = field(default_factory=dict)
-
-    @property
-    def starts(self) -> list[int]:
-        return [e.start for e in self.ents]
 
     def label(self, k: int) -> str:
         e = self.ents[k]
@@ -84,7 +97,7 @@ class SyncReceiver:
             bucket naming a codec not given here is refused with :class:`UnknownCodecError`, nothing written.
         run_id: accept only this sender run (None: adopt the run id of the first bucket applied).
         version: the version the tensors hold now (0 = the sender's initial state).
-        verify: check the 64-bit hashes of the manifest (raise :class:`HashMismatchError` and leave the
+        verify: check the 64-bit hashes the sender sent (raise :class:`HashMismatchError` and leave the
             tensors unchanged on a mismatch). ``True`` / ``"full"``: hash each range's current bits
             before writing and compare with the sender's base hash (O(elements) read, any divergence of
             the receiver's bits is caught), then check ``base + change == target`` with the hash
@@ -95,8 +108,8 @@ class SyncReceiver:
             tensors made behind the receiver's back are only caught when they touch changed elements
             or at the next full check (``audit_every``, anchors, :meth:`rehash`). ``False``: none.
         audit_every: with ``verify="incremental"``, every N-th target version is verified in full.
-        keep_records: keep decoded records between validation and apply when a bucket has at most this
-            many changed elements (8 bytes each); larger buckets are decoded twice instead.
+        keep_records: at most this many changed elements per decode launch (8 bytes of scratch each); a
+            bucket with more is decoded in several launches (an entry is never split).
         impl: kernel implementation: ``"auto"`` (Triton on CUDA tensors, the reference elsewhere),
             ``"reference"`` or ``"triton"``; ``None`` is a deprecated spelling of ``"auto"``.
 
@@ -105,14 +118,16 @@ class SyncReceiver:
         TypeError: an item of ``codecs`` that is not a :class:`~sparrow.sync.WeightCodec`.
         ShapeMismatchError: a tensor that is not contiguous.
 
-    Guarantees: every check (manifest, versions, checksums, shapes, index bounds and order, codecs) runs
-    before the first write of a bucket; a bucket is applied all-or-nothing, user codec entries included.
-    After any error the receiver asks the
-    sender for a dense resync (``resync_requested``); if a multi-bucket sync failed after some of its
-    buckets were applied, the tensors are a mix of two versions and deltas are refused
-    (``needs_resync``) until a dense anchor arrives. Extra memory: one bucket, its decoded records (or one
-    slice's when large), and copies of the dense / COO-overwritten elements for undo (user codec entries:
-    one slice copy while its ``apply_`` runs, then 8 bytes per element it changed).
+    Guarantees: a bucket is applied all-or-nothing, user codec entries included. Checks of the manifest,
+    versions, shapes and codecs run on the host before anything is launched; the body checksum, base hashes,
+    dense bodies, COO indices and compact block headers are checked on the device before any kernel writes
+    (a failure: nothing written); each compact block is validated completely (positions in range and
+    increasing, bit counts) before it writes, and a block that fails makes the receiver undo the others.
+    After any error the receiver asks the sender for a dense resync (``resync_requested``); if a multi-bucket
+    sync failed after some of its buckets were applied, the tensors are a mix of two versions and deltas are
+    refused (``needs_resync``) until a dense anchor arrives. Extra memory: one bucket, 8 bytes per change of
+    one decode launch, and the overwritten bits of COO entries for undo (user codec entries: one slice copy
+    while its ``apply_`` runs, then 8 bytes per element it changed).
     """
 
     def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, codecs: Sequence[WeightCodec] = (),
@@ -205,20 +220,21 @@ class SyncReceiver:
             raise
 
     def _apply_bucket(self, bucket, last, stats) -> BucketInfo:
-        """Parse, validate, decode, check before writing, apply (undo on any failure), write dense, commit."""
+        """Parse (host read 1), check on the host, check on the device into the gate, apply the sparse entries
+        (gated; undone on any failure), read the verdict (host read 2), write the dense entries, commit."""
         t0 = time.perf_counter()
         pb = self._parse(bucket, last)
         self._validate_entries(pb)
         b = self._start(pb)
+        self._check_known_bases(b)
         self._mark("parse")
-        self._decode(b)
-        self._check_before_write(b)  # host sync: every validation flag and the hashes needed before writing
-        self._mark("decode_validate")
         with torch.no_grad():
+            self._gate(b)
+            self._mark("check")
             try:
                 self._apply_sparse(b)
                 self._mark("apply")
-                self._verify_after_apply(b)  # host sync: hash changes / user range hashes
+                self._verdict(b)  # host sync: gate, validation count, hash changes
             except BaseException:
                 self._undo(b)
                 raise
@@ -269,151 +285,213 @@ class SyncReceiver:
                     "SyncReceiver(..., codecs=[...]). Nothing was written; a dense resync is needed")
 
     def _start(self, pb: ParsedBucket) -> _Bucket:
-        """The per-bucket state: body on the receiver's device, views of the target ranges, the groups."""
+        """The per-bucket state: body on the receiver's device, views of the target ranges, the groups, the
+        device flags (one allocation: gate, validation count, hash changes)."""
         body = pb.body
         if body.device != (dev := self._device()):
             body = body.to(dev)
         ents = pb.entries
-        compact: dict[int, list[int]] = {}
+        mode = self._mode(pb.info)
+        flags = torch.zeros(_NGATE + 1 + 2 * len(ents), dtype=torch.int32, device=dev)
+        b = _Bucket(info=pb.info, ents=ents, body=body, body_bad=pb.body_bad.to(dev),
+                    views=[self._bits[e.name][e.start:e.start + e.length] for e in ents], mode=mode,
+                    checked=[k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None],
+                    gate=flags[:_NGATE], err=flags[_NGATE:_NGATE + 1], dacc=flags[_NGATE + 1:].view(len(ents), 2))
         for k, e in enumerate(ents):
             if e.codec == "compact":
-                compact.setdefault(e.dtype.itemsize, []).append(k)
-        mode = self._mode(pb.info)
-        return _Bucket(
-            info=pb.info, ents=ents, body=body, body_bad=pb.body_bad,
-            views=[self._bits[e.name][e.start:e.start + e.length] for e in ents], mode=mode,
-            checked=[k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None],
-            compact=compact, keep=sum(e.nchanged for e in ents if not e.is_user) <= self.keep_records)
+                b.compact.setdefault((e.dtype.itemsize, e.span_log2), []).append(k)
+            elif e.codec == "coo":
+                b.coo.append(k)
+            elif e.codec == "dense":
+                b.dense.append(k)
+            else:
+                b.user[k] = payload_of(e, body[e.offset:e.offset + e.nbytes], pb.info)
+        checked = set(b.checked)
+        b.want = {k for k in checked if ents[k].codec in ("coo", "compact")}
+        return b
 
-    def _decode_group(self, b: _Bucket, idx: list[int]):
-        """Decode the compact entries ``idx`` (one element size) in one launch: ``(pos, val, rec_off, bad)``."""
-        body = b.body
-        words = body.view(torch.int32) if body.numel() else torch.zeros(0, dtype=torch.int32, device=body.device)
-        eb = 8 * b.ents[idx[0]].dtype.itemsize
-        spec = [(b.ents[k].offset // 4, b.ents[k].nbytes // 4, b.ents[k].length, b.ents[k].nchanged) for k in idx]
-        return K.group_unpack_compact(words, spec, eb, impl=self.impl)
-
-    def _decode(self, b: _Bucket) -> None:
-        """Decode every built-in entry with its validation deferred into ``b.flags`` (no host sync); the
-        payloads of user entries."""
-        dev = b.body.device
-        b.flags = [b.body_bad.to(dev)]
-        try:
-            for eb, idx in b.compact.items():
-                pos, val, _, bad = self._decode_group(b, idx)
-                if bad is not None:
-                    b.flags.append(bad)
-                if b.keep:
-                    b.decoded[eb] = (pos, val)
-            for k, e in enumerate(b.ents):
-                if e.codec in ("dense", "coo"):
-                    d = decode_slice(e.codec, b.body[e.offset:e.offset + e.nbytes], e.length, e.dtype, e.nchanged,
-                                     defer_check=True, impl=self.impl)
-                    if d.bad is not None:
-                        b.flags.append(d.bad.to(dev))
-                    b.other[k] = d
-        except SyncFormatError as exc:
-            raise CorruptPayloadError(f"bucket {b.info.index}: {exc}") from None
-        for k, e in enumerate(b.ents):
-            if e.is_user:
-                b.user[k] = payload_of(e, b.body[e.offset:e.offset + e.nbytes], b.info)
-
-    def _check_before_write(self, b: _Bucket) -> None:
-        """One host sync for the validation flags and the hashes needed before writing (current bits of the
-        ranges in "full" mode or when no running hash is known; new bits of dense entries); raises on a bad
-        body, an invalid entry, a base that is not the sender's, or a dense body that is not the target."""
-        info, ents = b.info, b.ents
-        hash_jobs: list[tuple[str, int, torch.Tensor]] = []  # ("cur" | "new", entry, bits)
-        for k in b.checked:
-            e = ents[k]
-            if e.codec != "dense" or (not info.anchor and e.base_hash is not None):
-                known = self._hashes.get(e.name, {}).get((e.start, e.length)) if b.mode == "incremental" else None
-                if known is None:
-                    hash_jobs.append(("cur", k, b.views[k]))
-                else:
-                    b.base_of[k] = known
-            if e.codec == "dense":
-                hash_jobs.append(("new", k, b.other[k].new_bits))
-        lanes = [hash_views([v for _, _, v in hash_jobs], [ents[k].start for _, k, _ in hash_jobs],
-                            impl=self.impl).reshape(-1)] if hash_jobs else []
-        host = torch.cat([torch.stack(b.flags).reshape(-1).to(torch.int64)] + lanes).tolist()  # host sync
-        nflags = len(b.flags)
-        if any(host[:nflags]):
-            if host[0]:
-                raise CorruptPayloadError(f"bucket {info.index}: body checksum mismatch")
-            raise CorruptPayloadError(f"bucket {info.index}: an entry failed validation (indices out of range, "
-                                      "unordered, or malformed compact body)")
-        at = nflags
-        for kind, k, _ in hash_jobs:
-            (b.base_of if kind == "cur" else b.new_of)[k] = fold_lanes(host[at], host[at + 1])
-            at += 2
-        for k in b.checked:
-            self._check_base_and_dense(b, k)
-
-    def _check_base_and_dense(self, b: _Bucket, k: int) -> None:
+    def _needs_base(self, b: _Bucket, k: int) -> bool:
+        """Entry ``k``'s base hash is checked: not in an anchor, hashes sent, verification on (a dense entry is
+        checked too: the receiver's bits must still be the sender's base)."""
         e = b.ents[k]
-        if not b.info.anchor and e.base_hash is not None and b.base_of[k] != e.base_hash:
-            self._drop_hash(e.name, e.start, e.length, keep_exact=b.mode == "incremental")
-            raise HashMismatchError(
-                f"{b.label(k)}: the receiver's bits hash to {b.base_of[k]:016x}, the "
-                f"sender's base to {e.base_hash:016x}: the receiver's base differs from the sender's. Nothing "
-                "was written; a dense resync is needed")
-        if e.codec == "dense" and b.new_of[k] != e.target_hash:
-            raise HashMismatchError(
-                f"{b.label(k)}: dense body hashes to {b.new_of[k]:016x}, target "
-                f"{e.target_hash:016x}. Nothing was written; a dense resync is needed")
+        return k in set(b.checked) and not b.info.anchor and e.base_hash is not None
+
+    def _check_known_bases(self, b: _Bucket) -> None:
+        """Incremental verification, before anything is launched: the running hash of a range the receiver
+        has seen is compared with the sender's base hash on the host. Other ranges are hashed on the device
+        (:meth:`_gate`)."""
+        for k in range(len(b.ents)):
+            if not self._needs_base(b, k):
+                continue
+            e = b.ents[k]
+            known = self._hashes.get(e.name, {}).get((e.start, e.length)) if b.mode == "incremental" else None
+            if known is None:
+                b.hash_now.append(k)
+                continue
+            b.base_of[k] = known
+            if known != e.base_hash:
+                self._drop_hash(e.name, e.start, e.length, keep_exact=True)
+                raise HashMismatchError(
+                    f"{b.label(k)}: the receiver's bits hash to {known:016x}, the sender's base to "
+                    f"{e.base_hash:016x}: the receiver's base differs from the sender's. Nothing was written; a "
+                    "dense resync is needed")
+
+    def _lanes_of(self, hashes: Sequence[int]) -> torch.Tensor:
+        """int64 [N, 2] device lanes of 64-bit host hashes (non-blocking upload)."""
+        t = torch.tensor([v for h in hashes for v in split_lanes(h)], dtype=torch.int64).view(-1, 2)
+        dev = self._device()
+        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+    def _gate(self, b: _Bucket) -> None:
+        """The pre-write checks that need the device, each into a gate flag (no host sync): the body checksum,
+        base hashes of the ranges not known on the host (``verify="full"``: all), dense bodies against their
+        target hashes, COO indices and compact block headers."""
+        b.gate[_G_BODY:_G_BODY + 1].copy_(b.body_bad.view(1))
+        if b.hash_now:
+            lanes = hash_views([b.views[k] for k in b.hash_now], [b.ents[k].start for k in b.hash_now],
+                               impl=self.impl)
+            b.base_lanes = lanes
+            want = self._lanes_of([b.ents[k].base_hash for k in b.hash_now])
+            b.gate[_G_BASE:_G_BASE + 1].copy_((lanes != want).any().view(1))
+        dense = [k for k in b.dense if k in set(b.checked)]
+        if dense:
+            lanes = hash_views([self._dense_bits(b, k) for k in dense], [b.ents[k].start for k in dense],
+                               impl=self.impl)
+            b.dense_lanes = (dense, lanes)
+            want = self._lanes_of([b.ents[k].target_hash for k in dense])
+            b.gate[_G_DENSE:_G_DENSE + 1].copy_((lanes != want).any().view(1))
+        for k in b.coo:
+            e = b.ents[k]
+            pos, vals = coo_records(b.body[e.offset:e.offset + e.nbytes], e.nchanged, e.dtype)
+            b.coo_recs[k] = (pos, vals, torch.empty_like(pos))
+            fmt = b.gate[_G_FORMAT:_G_FORMAT + 1]
+            torch.maximum(fmt, K.positions_bad(pos, e.length).view(1).to(torch.int32), out=fmt)
+        for (esize, span), idx in b.compact.items():
+            try:
+                K.check_compact_headers(self._words(b), self._entries(b, idx), ebits=8 * esize, span_log2=span,
+                                        gate=b.gate, gate_slot=_G_FORMAT, impl=self.impl)
+            except SyncFormatError as exc:
+                raise CorruptPayloadError(f"bucket {b.info.index}: {exc}") from None
+
+    def _words(self, b: _Bucket) -> torch.Tensor:
+        return b.body.view(torch.int32) if b.body.numel() else torch.zeros(0, dtype=torch.int32, device=b.body.device)
+
+    def _entries(self, b: _Bucket, idx: Sequence[int]) -> list[tuple[int, int, int, int]]:
+        return [(b.ents[k].offset // 4, b.ents[k].nbytes // 4, b.ents[k].length, b.ents[k].nchanged) for k in idx]
+
+    def _dense_bits(self, b: _Bucket, k: int) -> torch.Tensor:
+        e = b.ents[k]
+        return b.body[e.offset:e.offset + e.nbytes].view(BITS_DTYPE[e.dtype])
+
+    def _runs(self, b: _Bucket, idx: list[int]) -> list[list[int]]:
+        """The compact entries of a group in runs of at most ``keep_records`` changes (decode scratch)."""
+        runs, cur, tot = [], [], 0
+        for k in idx:
+            m = b.ents[k].nchanged
+            if cur and tot + m > self.keep_records:
+                runs.append(cur)
+                cur, tot = [], 0
+            cur.append(k)
+            tot += m
+        return runs + ([cur] if cur else [])
+
+    def _apply_compact(self, b: _Bucket, key, run: list[int], negate: bool) -> None:
+        esize, span = key
+        hashed = not negate and any(k in b.want for k in run)
+        contiguous = run == list(range(run[0], run[0] + len(run)))
+        hacc = None
+        if hashed:  # the kernel adds the hash changes into the rows of b.dacc (a view when the run is contiguous)
+            hacc = b.dacc[run[0]:run[0] + len(run)] if contiguous else K.hash_zeros(len(run), b.body.device)
+        K.apply_compact([b.views[k] for k in run], self._words(b), self._entries(b, run), span_log2=span,
+                        gate=b.gate, err=b.err if not negate else torch.zeros_like(b.err), check_headers=False,
+                        negate=negate, hash_starts=[b.ents[k].start for k in run], hash_out=hacc, impl=self.impl)
+        if hacc is not None and not contiguous:
+            b.dacc[torch.tensor(run)] = hacc
 
     def _apply_sparse(self, b: _Bucket) -> None:
-        """Write the COO entries, the compact groups (hash change fused in) and the user codec entries, in
-        that order, recording in ``b.applied`` what :meth:`_undo` must restore."""
-        b.want = {k for k in b.checked if b.ents[k].codec in ("coo", "compact")}
-        dev = b.body.device
-        b.dacc = K.hash_zeros(len(b.ents), dev) if b.want else None
-        starts = b.starts
-        for k, d in b.other.items():
-            if d.codec == "dense":
-                continue
+        """Write the COO entries and the compact groups (gated on the device: nothing is written when a pre-write
+        check failed; hash changes fused in), then the user codec entries, recording in ``b.applied`` what
+        :meth:`_undo` must restore."""
+        for k in b.coo:
+            pos, vals, undo = b.coo_recs[k]
             hashed = k in b.want
-            b.undo[k] = apply_decoded(b.views[k], d, keep_undo=True, impl=self.impl,
-                                      hash_start=starts[k] if hashed else None,
-                                      hash_out=b.dacc[k:k + 1] if hashed else None)
-            b.applied.append(("entry", k))
-        for eb, idx in b.compact.items():
-            pos, val = b.decoded[eb] if eb in b.decoded else self._decode_group(b, idx)[:2]
-            hacc = K.hash_zeros(len(idx), dev) if any(k in b.want for k in idx) else None
-            K.group_apply_records([b.views[k] for k in idx], pos, val, [b.ents[k].nchanged for k in idx],
-                                  impl=self.impl, hash_starts=[starts[k] for k in idx], hash_out=hacc)
-            if hacc is not None:
-                b.dacc[idx] = hacc
-            b.applied.append(("group", eb))
-        checked = set(b.checked)
-        for k, p in b.user.items():
-            e = b.ents[k]
-            b.undo[k] = apply_user_slice(self.codecs[e.codec], b.views[k], e.dtype, p, b.label(k), impl=self.impl)
-            b.applied.append(("user", k))
-            if k in checked:
-                b.user_lanes[k] = K.hash_bits(b.views[k], e.start, impl=self.impl)
+            K.group_apply_records([b.views[k]], pos, vals, [b.ents[k].nchanged], values="new", impl=self.impl,
+                                  hash_starts=[b.ents[k].start], hash_out=b.dacc[k:k + 1] if hashed else None,
+                                  gate=b.gate, undo_out=undo)
+            b.applied.append(("coo", k))
+        for key, idx in b.compact.items():
+            for run in self._runs(b, idx):
+                self._apply_compact(b, key, run, negate=False)
+                b.applied.append(("compact", (key, tuple(run))))
+        if b.user:
+            if any(b.gate.tolist()):  # host sync: a user codec's apply_ runs on the host, only past the gate
+                return
+            checked = set(b.checked)
+            for k, p in b.user.items():
+                e = b.ents[k]
+                b.undo[k] = apply_user_slice(self.codecs[e.codec], b.views[k], e.dtype, p, b.label(k),
+                                             impl=self.impl)
+                b.applied.append(("user", k))
+                if k in checked:
+                    b.user_lanes[k] = K.hash_bits(b.views[k], e.start, impl=self.impl)
 
-    def _verify_after_apply(self, b: _Bucket) -> None:
-        """One host sync: ``base + change == target`` for the sparse built-in entries, ``hash == target`` for
-        the user codec entries; raises :class:`HashMismatchError` (the caller undoes the bucket)."""
-        if not b.want and not b.user_lanes:
-            return
-        rows = ([b.dacc.to(torch.int64)] if b.want else []) + [ln.reshape(1, 2) for ln in b.user_lanes.values()]
-        host = torch.cat(rows).tolist()  # host sync
+    def _verdict(self, b: _Bucket) -> None:
+        """One host sync for every device-side result; raises what failed (the caller undoes what was written:
+        nothing when a gate flag is set)."""
+        rows = [b.gate, b.err, b.dacc.reshape(-1)]
+        if b.base_lanes is not None:
+            rows.append(b.base_lanes.reshape(-1).to(torch.int32))
+        if b.dense_lanes is not None:
+            rows.append(b.dense_lanes[1].reshape(-1).to(torch.int32))
+        rows += [ln.reshape(-1).to(torch.int32) for ln in b.user_lanes.values()]
+        host = torch.cat(rows).tolist()  # the verdict sync
+        gate, nerr = host[:_NGATE], host[_NGATE]
+        at = _NGATE + 1
+        dacc = [(host[at + 2 * k], host[at + 2 * k + 1]) for k in range(len(b.ents))]
+        at += 2 * len(b.ents)
+        tag = f"bucket {b.info.index}"
+        if gate[_G_BODY]:
+            raise CorruptPayloadError(f"{tag}: body checksum mismatch. Nothing was written")
+        if gate[_G_FORMAT]:
+            raise CorruptPayloadError(f"{tag}: an entry failed validation (indices out of range or unordered, or "
+                                      "compact block headers that do not describe the body). Nothing was written")
+        if b.base_lanes is not None:
+            for r, k in enumerate(b.hash_now):
+                b.base_of[k] = fold_lanes(host[at + 2 * r], host[at + 2 * r + 1])
+            at += 2 * len(b.hash_now)
+        if gate[_G_BASE]:
+            k = next(k for k in b.hash_now if b.base_of[k] != b.ents[k].base_hash)
+            e = b.ents[k]
+            self._drop_hash(e.name, e.start, e.length, keep_exact=False)
+            raise HashMismatchError(
+                f"{b.label(k)}: the receiver's bits hash to {b.base_of[k]:016x}, the sender's base to "
+                f"{e.base_hash:016x}: the receiver's base differs from the sender's. Nothing was written; a dense "
+                "resync is needed")
+        if b.dense_lanes is not None:
+            dense = b.dense_lanes[0]
+            got = {k: fold_lanes(host[at + 2 * r], host[at + 2 * r + 1]) for r, k in enumerate(dense)}
+            at += 2 * len(dense)
+            for k in dense:
+                if got[k] != b.ents[k].target_hash:
+                    raise HashMismatchError(f"{b.label(k)}: dense body hashes to {got[k]:016x}, target "
+                                            f"{b.ents[k].target_hash:016x}. Nothing was written; a dense resync "
+                                            "is needed")
+                b.new_of[k] = got[k]
+        if nerr:
+            raise CorruptPayloadError(f"{tag}: {nerr} compact block(s) failed validation (positions out of range or "
+                                      "not increasing, bit counts or padding). The bucket was undone; a dense "
+                                      "resync is needed")
         for k in sorted(b.want):
             e = b.ents[k]
-            got = add_lanes(b.base_of[k], *host[k])
+            got = add_lanes(b.base_of.get(k, e.base_hash), *dacc[k])
             if got != e.target_hash:
                 raise HashMismatchError(
-                    f"{b.label(k)}: target hash mismatch after apply "
-                    f"({got:016x} != {e.target_hash:016x}); the receiver's base differs from the "
-                    "sender's. The bucket was undone; a dense resync is needed")
+                    f"{b.label(k)}: target hash mismatch after apply ({got:016x} != {e.target_hash:016x}); the "
+                    "receiver's base differs from the sender's. The bucket was undone; a dense resync is needed")
             b.new_of[k] = got
-        at = len(b.ents) if b.want else 0
         for r, k in enumerate(b.user_lanes):
             e = b.ents[k]
-            got = fold_lanes(*host[at + r])
+            got = fold_lanes(host[at + 2 * r], host[at + 2 * r + 1])
             if got != e.target_hash:
                 raise HashMismatchError(
                     f"{b.label(k)}: after codec {e.codec!r} applied its payload the range hashes to {got:016x}, "
@@ -424,25 +502,25 @@ class SyncReceiver:
         self._mark("verify")
 
     def _undo(self, b: _Bucket) -> None:
-        """Restore, newest first, every range :meth:`_apply_sparse` wrote (bit-exact); forget their hashes."""
+        """Restore, newest first, every range :meth:`_apply_sparse` wrote (bit-exact; gated like the writes, so
+        nothing moves when nothing was written); forget their hashes."""
         for kind, key in reversed(b.applied):
             if kind == "user":
                 undo_user_slice(b.views[key], b.undo[key], impl=self.impl)  # type: ignore[arg-type]
-            elif kind == "entry":
-                undo_decoded(b.views[key], b.other[key], b.undo[key], impl=self.impl)
+            elif kind == "coo":
+                pos, _, undo = b.coo_recs[key]
+                K.group_apply_records([b.views[key]], pos, undo, [b.ents[key].nchanged], values="new",
+                                      impl=self.impl, gate=b.gate)
             else:
-                idx = b.compact[key]
-                pos, val = b.decoded[key] if key in b.decoded else self._decode_group(b, idx)[:2]
-                K.group_apply_records([b.views[i] for i in idx], pos, val, [b.ents[i].nchanged for i in idx],
-                                      negate=True, impl=self.impl)
+                gkey, run = key
+                self._apply_compact(b, gkey, list(run), negate=True)
         for e in b.ents:  # running hashes of these ranges are no longer trusted
             self._drop_hash(e.name, e.start, e.length, keep_exact=False)
 
     def _write_dense(self, b: _Bucket) -> None:
         """Dense entries last: verified before writing, so they never need an undo copy."""
-        for k, d in b.other.items():
-            if d.codec == "dense":
-                apply_decoded(b.views[k], d, keep_undo=False, impl=self.impl)
+        for k in b.dense:
+            b.views[k].copy_(self._dense_bits(b, k))
 
     def _commit(self, b: _Bucket) -> None:
         """Running hashes (the verified target hash of every written range; unknown ranges are dropped)
@@ -477,8 +555,8 @@ class SyncReceiver:
             stats.payload_bytes += e.nbytes
             stats.count(e.codec, e.nbytes)
         dev = b.body.device
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        if dev.type == "cuda" and b.dense:
+            torch.cuda.synchronize(dev)  # the dense copies were queued after the verdict
         stats.apply_s += time.perf_counter() - t0
 
     # -- hashes --------------------------------------------------------------------------------------

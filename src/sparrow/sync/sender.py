@@ -4,20 +4,26 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
 from ..kernels.common.impl import Impl
-from ..kernels.sync.common import MAX_SLICE_ELEMS, bits_view, element_bits, fold_lanes
-from ._util import hash_views, public_impl
+from ..kernels.sync.common import (DEFAULT_SPAN_LOG2, MAX_SLICE_ELEMS, bits_view, check_span_log2, element_bits,
+                                   fold_lanes)
+from ._util import align, hash_views, public_impl
 from .base import WeightCodec, user_codec_name
-from .bucket import BucketInfo, EntryMeta, build_bucket
-from .codecs import BUILTIN_CODECS, EncodedSlice, SliceJob, builtin_codec_name, encode_slices
+from .bucket import BucketInfo, EntryMeta, build_bucket, finish_bucket, plan_bucket, table_view
+from .codecs import BUILTIN_CODECS, SliceJob, builtin_codec_name, pick_codec, read_plan, scan_jobs, write_jobs
 from .errors import ShapeMismatchError
 from .stats import SyncStats
 from .transport import Transport
 from .user_codecs import encode_user_slice, encoded_slice
+
+
+def _lanes32(lanes: torch.Tensor) -> torch.Tensor:
+    """int64 lanes in [0, 2^32) -> the int32 with the same bits."""
+    return (lanes - ((lanes >> 31) << 32)).to(torch.int32)
 
 
 class SyncSender:
@@ -33,26 +39,30 @@ class SyncSender:
             user :class:`~sparrow.sync.WeightCodec`, whose ``encode`` runs per tensor slice (1-D views of
             the snapshot and of the new state) inside the same buckets; receivers need it in their
             ``codecs``. Anchors are always built-in dense, so a receiver can resync without the codec.
-        bucket_bytes: upper bound on one transfer (a bucket holds at least one slice; slices are at most
-            ``bucket_bytes`` of dense data, so only a COO slice at high density can exceed it).
+        bucket_bytes: upper bound on the bodies of one transfer (a bucket holds at least one slice; slices are
+            at most ``bucket_bytes`` of dense data, so only a COO slice at high density can exceed it).
         run_id: identifies this sender's version sequence (default: random).
         anchor_every: every N-th sync is a dense anchor (0: only when asked for / ``initial_anchor``).
-        with_hash: put the 64-bit hashes of each slice's base and target bits in the manifest (receivers
+        with_hash: send the 64-bit hashes of each slice's bits before and after the sync (receivers
             verify). The sender hashes its snapshot once and then updates each slice's hash from the
-            changed elements only (fused into the diff), so hashing costs O(changes) per sync.
+            changed elements only, fused into the encode kernel, so hashing costs O(changes) per sync.
         max_slice_elems: tensors larger than this are split into slices (bounds scratch memory).
         initial_anchor: make the first sync dense.
         impl: kernel implementation: ``"auto"`` (Triton on CUDA tensors, the reference elsewhere),
             ``"reference"`` or ``"triton"``; ``None`` is a deprecated spelling of ``"auto"``.
+        span_log2: block span of compact bodies (``2**span_log2`` elements, 10..20).
 
     Raises:
         ValueError: unknown codec name, a user codec with a reserved or empty name, ``bucket_bytes`` below
-            1024, negative ``anchor_every``, bad ``impl``.
+            1024, negative ``anchor_every``, bad ``impl`` or ``span_log2``.
         TypeError: ``codec`` is neither a name nor a :class:`~sparrow.sync.WeightCodec`; a tensor of an
             unsupported dtype.
 
-    Memory: the snapshot (one copy of the state in its dtype) plus per bucket of input the records and
-    packed bodies of its changed elements (user codecs: their payloads).
+    Host syncs: a sync with a built-in codec reads the device once, after the diff scan (every slice's change
+    count and body size: what cuts the buckets and sizes their buffers); bodies, hashes and bucket checksums
+    are then written on the device (an anchor, too, reads only that). Memory: the snapshot (one copy of the state in its
+    dtype), the scan's change mask (1/16 of a bf16 state), 4 bytes of scratch per change of one write
+    (at most ``bucket_bytes / 4`` changes), and each bucket.
     """
 
     #: Names of the built-in codecs (``codec=`` also takes a user :class:`~sparrow.sync.WeightCodec`).
@@ -61,13 +71,14 @@ class SyncSender:
     def __init__(self, named_tensors: Mapping[str, torch.Tensor], *, codec: str | WeightCodec = "auto",
                  bucket_bytes: int = 256 << 20, run_id: str | None = None, anchor_every: int = 0,
                  with_hash: bool = True, max_slice_elems: int = 1 << 25, initial_anchor: bool = False,
-                 impl: Impl = "auto") -> None:
+                 impl: Impl = "auto", span_log2: int = DEFAULT_SPAN_LOG2) -> None:
         self.codec: str | WeightCodec = self._resolve_codec(codec)
         if bucket_bytes < 1024:
             raise ValueError(f"bucket_bytes must be at least 1024, got {bucket_bytes}")
         if anchor_every < 0:
             raise ValueError(f"anchor_every must be >= 0, got {anchor_every}")
         self.impl = public_impl(impl)
+        self.span_log2 = check_span_log2(span_log2)
         self.bucket_bytes = int(bucket_bytes)
         self.run_id = run_id if run_id is not None else uuid.uuid4().hex[:16]
         self.anchor_every = int(anchor_every)
@@ -89,11 +100,13 @@ class SyncSender:
                 self._slices.append((name, 0, 0))
             for s in range(0, n, cap):
                 self._slices.append((name, s, min(cap, n - s)))
-        #: collect / pack work on groups of slices holding at most this many changes (bounds scratch)
+        #: the encode writer works on runs of slices holding at most this many changes (bounds scratch)
         self.max_group_changes = max(1, self.bucket_bytes // 4)
         #: optional :class:`~sparrow.sync.stats.StageTimer` (per-stage timing of ``encode``)
         self.timer = None
-        self._hash: list[int | None] = [None] * len(self._slices)
+        dev = self._device()
+        #: running hash lanes of every slice of the snapshot (int32 [slices, 2], on the state's device)
+        self._lanes = torch.zeros(len(self._slices), 2, dtype=torch.int32, device=dev)
         if with_hash:
             self.rehash()
 
@@ -108,18 +121,28 @@ class SyncSender:
         user_codec_name(codec)
         return codec  # type: ignore[return-value]
 
+    def _device(self) -> torch.device:
+        return next(iter(self.snapshot.values())).device if self.snapshot else torch.device("cpu")
+
     def rehash(self) -> None:
-        """Recompute the running hash of every snapshot slice from its bits (one pass over the snapshot).
+        """Recompute the running hash of every snapshot slice from its bits (one pass over the snapshot, on the
+        device; no host sync).
 
         The sender keeps the 64-bit hash of each slice of its snapshot and updates it from the changed
-        elements only; call this after modifying ``snapshot`` by hand (the next manifest's base hashes
-        and target hashes are derived from these)."""
+        elements only; call this after modifying ``snapshot`` by hand (the next bucket's base hashes and
+        target hashes are derived from these)."""
         if not self.with_hash or not self._slices:
             return
         with torch.no_grad():
             views = [bits_view(self.snapshot[name])[s:s + n] for name, s, n in self._slices]
-            host = hash_views(views, [s for _, s, _ in self._slices], impl=self.impl).tolist()  # one host sync
-        self._hash = [fold_lanes(a, b) for a, b in host]
+            self._lanes = _lanes32(hash_views(views, [s for _, s, _ in self._slices], impl=self.impl))
+
+    def slice_hashes(self) -> list[int | None]:
+        """The running 64-bit hash of every slice of the snapshot (``None`` without ``with_hash``); one host
+        sync. The receivers check each slice's bits against these."""
+        if not self.with_hash:
+            return [None] * len(self._slices)
+        return [fold_lanes(a, b) for a, b in self._lanes.tolist()]
 
     def request_resync(self) -> None:
         """Make the next sync a dense anchor."""
@@ -156,7 +179,7 @@ class SyncSender:
                stats: SyncStats | None = None) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
         """Diff ``new_named`` against the snapshot and yield ``(bucket, info)`` for the next version.
 
-        The snapshot is updated as slices are encoded; consume the iterator fully (``send`` does).
+        The snapshot is updated as buckets are built; consume the iterator fully (``send`` does).
         Tensors of another float dtype are cast to the snapshot's dtype first. Raises
         :class:`ShapeMismatchError` for missing / extra names or shape mismatches; an error raised by a user
         codec's ``encode`` or found in its payloads (``TypeError`` / ``ValueError`` naming the slice) comes
@@ -170,13 +193,12 @@ class SyncSender:
         codec = "dense" if is_anchor else self.codec
         if self.timer is not None:
             self.timer.start()
-        t0 = time.perf_counter()
-        if isinstance(codec, str):
-            enc = self._encode_builtin(codec, new_bits, target, is_anchor)
+        if is_anchor:
+            yield from self._encode_anchor(new_bits, base, target, stats)
+        elif isinstance(codec, str):
+            yield from self._encode_builtin(codec, new_bits, base, target, stats)
         else:
-            enc = self._encode_user(codec, new_bits, target)
-        stats.encode_s += time.perf_counter() - t0
-        yield from self._buckets(enc, base, target, is_anchor, stats)
+            yield from self._encode_user(codec, new_bits, base, target, stats)
         self._force_anchor = False
 
     def _reserve(self, target: int) -> None:
@@ -192,20 +214,97 @@ class SyncSender:
             jobs.append(SliceJob(snap_bits[s:s + n], new_bits[name][s:s + n], s))
         return jobs
 
-    def _encode_builtin(self, codec: str, new_bits: dict[str, torch.Tensor], target: int,
-                        is_anchor: bool) -> list[EncodedSlice]:
-        """The fused path: every slice in one :func:`encode_slices` call (which updates the snapshot)."""
-        self._reserve(target)
-        base_hashes = list(self._hash) if (self.with_hash and not is_anchor) else None
-        with torch.no_grad():
-            return encode_slices(self._jobs(new_bits), codec, with_hash=self.with_hash, update_old=True,
-                                 copy_dense=False, impl=self.impl, base_hashes=base_hashes,
-                                 max_group_changes=self.max_group_changes, timer=self.timer)
+    def _mark(self, stage: str) -> None:
+        if self.timer is not None:
+            self.timer.mark(stage)
 
-    def _encode_user(self, codec: WeightCodec, new_bits: dict[str, torch.Tensor],
-                     target: int) -> list[EncodedSlice]:
+    def _cuts(self, nbytes: Sequence[int]) -> list[tuple[int, int]]:
+        """Consecutive runs of slices whose bodies fit ``bucket_bytes`` (a run holds at least one slice)."""
+        runs, a = [], 0
+        while a < len(nbytes):
+            b, tot = a, 0
+            while b < len(nbytes) and (b == a or tot + align(nbytes[b]) <= self.bucket_bytes):
+                tot += align(nbytes[b])
+                b += 1
+            runs.append((a, b))
+            a = b
+        return runs or [(0, 0)]
+
+    def _meta(self, k: int, codec: str, nbytes: int, nchanged: int, payload: dict | None = None) -> EntryMeta:
+        name, s, n = self._slices[k]
+        snap = self.snapshot[name]
+        span = self.span_log2 if codec == "compact" else None
+        return EntryMeta(name, snap.dtype, tuple(snap.shape), s, n, codec, 0, nbytes, nchanged, payload=payload,
+                         span_log2=span)
+
+    def _count(self, stats: SyncStats, metas: Sequence[EntryMeta], bucket: torch.Tensor) -> None:
+        for m in metas:
+            stats.entries += 1
+            stats.numel += m.length
+            stats.changed += m.nchanged
+            stats.dense_bytes += m.length * m.dtype.itemsize
+            stats.payload_bytes += m.nbytes
+            stats.count(m.codec, m.nbytes)
+        stats.buckets += 1
+        stats.wire_bytes += bucket.numel()
+
+    def _encode_builtin(self, codec: str, new_bits: dict[str, torch.Tensor], base: int, target: int,
+                        stats: SyncStats, anchor: bool = False) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
+        """The fused path: one scan of every slice, the sync's one host read (sizes), then per bucket one
+        writer launch per element size straight into the bucket (snapshot and hashes updated on the way).
+        An anchor is this path with every slice dense and the full hash of the new bits as target."""
+        t0 = time.perf_counter()
+        jobs = self._jobs(new_bits)
+        self._reserve(target)
+        dev = self._device()
+        with torch.no_grad():
+            plan = scan_jobs(jobs, span_log2=self.span_log2, impl=self.impl)
+            full = None
+            if anchor and self.with_hash and jobs:
+                full = _lanes32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
+            self._mark("scan")
+            read_plan(plan)  # the host sync of this sync: every slice's change count and body size
+            self._mark("sync_sizes")
+        kinds = [pick_codec(codec, plan.sizes(k)) for k in range(len(jobs))]
+        nbytes = [plan.sizes(k)[kinds[k]] for k in range(len(jobs))]
+        cuts = self._cuts(nbytes)
+        stats.encode_s += time.perf_counter() - t0
+        for index, (a, b) in enumerate(cuts):
+            t0 = time.perf_counter()
+            info = BucketInfo(self.run_id, base, target, index, index == len(cuts) - 1, anchor)
+            metas = [self._meta(k, kinds[k], nbytes[k], plan.counts[k]) for k in range(a, b)]
+            layout = plan_bucket(info, metas, hashes=self.with_hash)
+            buf = torch.zeros(layout.total, dtype=torch.uint8, device=dev)
+            tab = None
+            if self.with_hash and b > a:
+                tab = table_view(buf, layout)
+                tab[:, :2] = self._lanes[a:b]
+                tab[:, 2:] = self._lanes[a:b] if full is None else full[a:b]
+            with torch.no_grad():
+                write_jobs(plan, range(a, b), {k: kinds[k] for k in range(a, b)}, buf,
+                           {k: layout.body_start + metas[k - a].offset for k in range(a, b)}, update_old=True,
+                           hash_out=tab[:, 2:] if tab is not None and full is None else None,
+                           hash_rows={k: k - a for k in range(a, b)}, max_changes=self.max_group_changes)
+            self._mark("write")
+            if tab is not None:
+                self._lanes[a:b] = tab[:, 2:]
+            finish_bucket(buf, layout)
+            self._mark("bucket")
+            self._count(stats, metas, buf)
+            stats.encode_s += time.perf_counter() - t0
+            yield buf, info
+
+    def _encode_anchor(self, new_bits: dict[str, torch.Tensor], base: int, target: int,
+                       stats: SyncStats) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
+        """A dense anchor: every slice's new bits, the full hash of the new bits as target (a receiver rebases
+        on it), the snapshot updated."""
+        yield from self._encode_builtin("dense", new_bits, base, target, stats, anchor=True)
+
+    def _encode_user(self, codec: WeightCodec, new_bits: dict[str, torch.Tensor], base: int, target: int,
+                     stats: SyncStats) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
         """A user codec: ``encode`` per slice (nothing is written until every slice is encoded), the full
-        hash of every new slice (one host sync), then the snapshot takes the new bits."""
+        hash of every new slice (on the device), then the snapshot takes the new bits."""
+        t0 = time.perf_counter()
         name = codec.name
         jobs = self._jobs(new_bits)
         with torch.no_grad():
@@ -214,55 +313,31 @@ class SyncSender:
                 dtype = self.snapshot[tname].dtype
                 payloads.append(encode_user_slice(codec, name, j.old.view(dtype), j.new.view(dtype),
                                                   f"{tname}[{s}:{s + n}]"))
-            if self.timer is not None:
-                self.timer.mark("user_encode")
-            hashes: list[int | None] = [None] * len(jobs)
+            self._mark("user_encode")
+            lanes = None
             if self.with_hash and jobs:
-                host = hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl).tolist()
-                hashes = [fold_lanes(a, b) for a, b in host]  # one host sync for every slice
+                lanes = _lanes32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
             self._reserve(target)
             for j in jobs:
                 j.old.copy_(j.new)
-        if self.timer is not None:
-            self.timer.mark("user_hash_update")
-        return [encoded_slice(name, p, h) for p, h in zip(payloads, hashes)]
-
-    def _buckets(self, enc: list[EncodedSlice], base: int, target: int, is_anchor: bool,
-                 stats: SyncStats) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
-        """Manifest entries of the encoded slices, cut into buckets of at most ``bucket_bytes`` of bodies."""
-        index = 0
-        pending: list[tuple[EntryMeta, torch.Tensor]] = []
-        pending_bytes = 0
-        for i, ((name, s, n), e) in enumerate(zip(self._slices, enc)):
-            snap = self.snapshot[name]
-            meta = EntryMeta(name, snap.dtype, tuple(snap.shape), s, n, e.codec, 0, e.body.numel(),
-                             e.nchanged, e.target_hash, self._hash[i] if self.with_hash else None, e.payload)
-            self._hash[i] = e.target_hash
-            stats.entries += 1
-            stats.numel += n
-            stats.changed += e.nchanged
-            stats.dense_bytes += n * snap.element_size()
-            stats.payload_bytes += e.body.numel()
-            stats.count(e.codec, e.body.numel())
-            if pending and pending_bytes + e.body.numel() > self.bucket_bytes:
-                yield self._finish(pending, base, target, index, False, is_anchor, stats)
-                index += 1
-                pending, pending_bytes = [], 0
-            pending.append((meta, e.body))
-            pending_bytes += e.body.numel()
-        yield self._finish(pending, base, target, index, True, is_anchor, stats)
-
-    def _finish(self, entries, base, target, index, last, anchor, stats) -> tuple[torch.Tensor, BucketInfo]:
-        t0 = time.perf_counter()
-        info = BucketInfo(self.run_id, base, target, index, last, anchor)
-        device = next(iter(self.snapshot.values())).device if self.snapshot else torch.device("cpu")
-        bucket = build_bucket(info, entries, device=device)
-        if self.timer is not None:
-            self.timer.mark("bucket")
-        stats.buckets += 1
-        stats.wire_bytes += bucket.numel()
+        self._mark("user_hash_update")
+        enc = [encoded_slice(name, p, None) for p in payloads]
+        cuts = self._cuts([e.body.numel() for e in enc])
         stats.encode_s += time.perf_counter() - t0
-        return bucket, info
+        for index, (a, b) in enumerate(cuts):
+            t0 = time.perf_counter()
+            info = BucketInfo(self.run_id, base, target, index, index == len(cuts) - 1, False)
+            metas = [self._meta(k, enc[k].codec, enc[k].body.numel(), enc[k].nchanged, enc[k].payload)
+                     for k in range(a, b)]
+            table = torch.cat([self._lanes[a:b], lanes[a:b]], 1) if lanes is not None and b > a else None
+            bucket = build_bucket(info, [(m, enc[k].body) for m, k in zip(metas, range(a, b))], self._device(),
+                                  table=table)
+            if lanes is not None and b > a:
+                self._lanes[a:b] = lanes[a:b]
+            self._mark("bucket")
+            self._count(stats, metas, bucket)
+            stats.encode_s += time.perf_counter() - t0
+            yield bucket, info
 
     def send(self, new_named: Mapping[str, torch.Tensor], transport: Transport, *,
              anchor: bool | None = None) -> SyncStats:

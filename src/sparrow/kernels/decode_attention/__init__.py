@@ -1,3 +1,3 @@
-from .api import decode_attention
+from .api import cascade_decode_attention, cascade_local_attention, decode_attention, prefix_groups
 
-__all__ = ["decode_attention"]
+__all__ = ["cascade_decode_attention", "cascade_local_attention", "decode_attention", "prefix_groups"]

@@ -49,8 +49,21 @@ def _virtual(prefix, gen, row_slot, prefix_slot, prefix_len, length: int) -> tor
     return full.gather(2, src[:, None, :, None].expand(A, H, length, X))
 
 
+def project_indexer_queries(q_pre: torch.Tensor, indexer_q: torch.Tensor, ret_heads: torch.Tensor,
+                            q_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Indexer queries [A, H_ret, T, r] float32: each retrieval head's pre-RoPE query group q_pre [A, Hq, T, D]
+    (heads ``h * q_per_kv + g``, concatenated as ``g * D + d``) times indexer_q [H_ret, q_per_kv * D, r], times
+    ``q_scale`` [H_ret]."""
+    A, Hq, T, D = q_pre.shape
+    Hr = ret_heads.shape[0]
+    qpk = indexer_q.shape[1] // D
+    g = q_pre.view(A, Hq // qpk, qpk, T, D)[:, ret_heads].permute(0, 1, 3, 2, 4).reshape(A, Hr, T, qpk * D)
+    q_idx = torch.einsum("ahtc,hcr->ahtr", g.float(), indexer_q.float())
+    return q_idx if q_scale is None else q_idx * q_scale.float()[None, :, None, None]
+
+
 def sparse_decode_reference(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
-                            *, top_p: float, block: int, num_sinks: int, window: int, ret_window: int,
+                            *, top_p: float | torch.Tensor, block: int, num_sinks: int, window: int, ret_window: int,
                             scale: float | None = None, return_selection: bool = False):
     """q: [A, Hq, T, D]; q_idx: [A, H_ret, T, r]. Returns [A, Hq, T, D] (and the block mask if asked)."""
     A, Hq, T, D = q.shape
@@ -65,7 +78,8 @@ def sparse_decode_reference(q, q_idx, cache, row_slot, prefix_slot, prefix_len, 
                                                    prefix_len, cached_len, block)
         NB = bs.shape[-1]
         pos4 = pos[:, None, :].expand(A, Hr, T)
-        sel = topp_select_reference(bs, pos4, pos4, top_p, block=block, sink_blocks=_cdiv(num_sinks, block),
+        tp = top_p[:, None, None] if isinstance(top_p, torch.Tensor) and top_p.dim() else top_p  # per row
+        sel = topp_select_reference(bs, pos4, pos4, tp, block=block, sink_blocks=_cdiv(num_sinks, block),
                                     local_window=ret_window)  # [A, Hr, T, NB]
         selection = sel
         L = NB * block

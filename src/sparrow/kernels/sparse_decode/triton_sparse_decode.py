@@ -1,19 +1,27 @@
 """Triton kernels for RTPurbo decode: indexer block scores, top-p selection, sparse + local split-KV attention.
 
-One decode call is four launches, none of which waits on the host:
+The default (*fused*) pipeline is two launches per decode call, none of which waits on the host:
 
-1. ``_score_kernel`` — program per (row, retrieval head, new token, split): indexer scores
-   ``q_idx . k_idx`` of the split's tokens (prompt tokens read in place from the prefix slot, generated
-   ones from the row's slot), reduced to one log-mass per 64-token block (logsumexp).
-2. :func:`sparrow.kernels.topp.triton_topp.topp_select_triton` — bisection threshold on the block
-   log-masses (no sort), compacted list of kept blocks (top-p + sinks + local window) per query.
-3. ``_attn_kernel`` — both kinds of heads in one launch. A retrieval program (row, retrieval head, new
-   token, split; ``_ret_attn``) takes the split's share of the *kept-block list* (so work is balanced
-   whatever the selection's layout): exact attention with an online softmax for the head's ``q_per_kv``
-   queries as one tile. A local program (row, local head, split; ``_local_attn``) reads sinks + sliding
-   window from the ring buffers, like the dense split-KV kernel but over at most ``window + T - 1``
-   positions.
-4. ``_merge_kernel`` — per (row, query head, new token): log-sum-exp merge of the splits.
+1. ``_score_kernel`` — program per (row, retrieval head, new token, split): the indexer query (projected here
+   from the pre-RoPE queries when the caller passes them instead of ``q_idx``), then the indexer scores
+   ``q_idx . k_idx`` of the split's tokens (prompt tokens read in place from the prefix slot, generated ones
+   from the row's slot), reduced to one log-mass per 64-token block (logsumexp). It also zeroes the merge
+   counters of launch 2.
+2. ``_attn_kernel`` — both kinds of heads, each program one split of one (row, head[, token]). A retrieval
+   program first selects: it reads the query's block log-masses (at most 4096 blocks, in registers), finds
+   the top-p threshold by bisection and writes the kept blocks (top-p + sinks + local window) in order, as
+   the top-p kernel would; then it takes its share of that *kept-block list* (so work is balanced whatever
+   the selection's layout) and attends exactly, the head's ``q_per_kv`` queries as one tile. A local program
+   reads sinks + sliding window from the ring buffers. Every program stores its partial result and counts
+   itself in; the last of a (row, head[, token]) group to finish merges the group's splits (log-sum-exp).
+
+So one row pays two dependent launches, not four: the selection runs beside the local heads' attention
+instead of in a launch of its own, and there is no merge launch. Every retrieval split repeats its query's
+selection, so rows longer than 4096 blocks, and batches with more than 256 retrieval programs (where the repeats
+would cost more than the launch they save), take the selection from the top-p kernel: a third launch. The
+*staged* pipeline — scores, the top-p kernel
+(:func:`sparrow.kernels.topp.triton_topp.topp_select_triton`), attention, a merge launch — stays selectable
+(``fused=False``) so both can be measured in one run.
 
 Selection is block-granular (64 tokens): a block's score is the logsumexp of its tokens' indexer scores,
 i.e. its exact share of the indexer's softmax mass, so "top-p over blocks" keeps whole blocks whose mass
@@ -24,6 +32,7 @@ costs ``L / 64`` values per query instead of ``L``.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -38,19 +47,24 @@ from .cache import SparseDecodeCache
 
 @triton.jit
 def _score_kernel(
-    QI, PIK, GIK, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, BS,
+    QI, QP, WQ, QSCALE, RET_HEADS, PIK, GIK, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, BS, COUNTERS,
     stride_qa, stride_qh, stride_qt,
     stride_ps, stride_ph, stride_pl,
     stride_gs, stride_gh, stride_gl,
-    stride_bn, H_RET,
+    stride_bn, stride_wh, stride_wc, H_RET, NG,
     T: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, BB: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_BLOCKS: tl.constexpr,
+    MIN_BLOCKS: tl.constexpr, PROJECT: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr,
+    ZERO: tl.constexpr, NG_P2: tl.constexpr,
 ):
     a = tl.program_id(0)
     ht = tl.program_id(1)
     split = tl.program_id(2)
     hr = ht // T
     t = ht % T
+    if ZERO:  # the merge counters of this row, for the attention launch that follows
+        if (ht == 0) & (split == 0):
+            offs_g = tl.arange(0, NG_P2)
+            tl.store(COUNTERS + a * NG + offs_g, tl.zeros([NG_P2], dtype=tl.int32), mask=offs_g < NG)
     pslot = tl.load(PREFIX_SLOT + a)
     rslot = tl.load(ROW_SLOT + a)
     plen = tl.load(PREFIX_LEN + a)
@@ -61,7 +75,17 @@ def _score_kernel(
     b_end = tl.minimum(b_start + per, nb)
 
     offs_r = tl.arange(0, R)
-    qv = tl.load(QI + a * stride_qa + hr * stride_qh + t * stride_qt + offs_r).to(tl.float32)
+    if PROJECT:  # q_idx = scale[hr] * sum over the group's heads g and dims d of q_pre[g, d] * W[g * D + d]
+        hkv = tl.load(RET_HEADS + hr)
+        offs_dd = tl.arange(0, D)
+        qv = tl.zeros([R], dtype=tl.float32)
+        for g in tl.static_range(QPK):
+            x = tl.load(QP + a * stride_qa + (hkv * QPK + g) * stride_qh + t * stride_qt + offs_dd).to(tl.float32)
+            w = tl.load(WQ + hr * stride_wh + (g * D + offs_dd)[:, None] * stride_wc + offs_r[None, :])
+            qv += tl.sum(x[:, None] * w.to(tl.float32), 0)
+        qv = qv * tl.load(QSCALE + hr).to(tl.float32)
+    else:
+        qv = tl.load(QI + a * stride_qa + hr * stride_qh + t * stride_qt + offs_r).to(tl.float32)
     offs_tok = tl.arange(0, BB * BLOCK)
     pbase = PIK + pslot * stride_ps + hr * stride_ph
     gbase = GIK + rslot * stride_gs + hr * stride_gh
@@ -82,6 +106,75 @@ def _score_kernel(
         lse = tl.where(z > 0.0, mx_safe + tl.log(tl.where(z > 0.0, z, 1.0)), float("-inf"))
         bidx = b0 + tl.arange(0, BB)
         tl.store(out + bidx, lse, mask=bidx < b_end)
+
+
+@triton.jit
+def _select_decode_row(row, out, pos, NB, top_p, BLOCK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
+                       LOCAL_WINDOW: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr,
+                       KEEP_ALL: tl.constexpr, TOP_P_PTR: tl.constexpr):
+    """The kept blocks of one decode query (position ``pos``), ascending, written to ``out``; returns their count.
+
+    The top-p kernel's rule on a row held in registers (``NB <= CHUNK``): the largest threshold ``tau`` whose
+    blocks ``x_b >= tau`` hold ``top_p`` of the row's mass, found by ``ITERS`` halvings of a bracket at most
+    81 nats wide, plus the sink blocks and the blocks overlapping ``[pos - LOCAL_WINDOW + 1, pos]``. A ``top_p``
+    read from the device (``TOP_P_PTR``) keeps every block at 1, as ``KEEP_ALL`` does for a launch constant.
+    """
+    n_valid = tl.minimum(pos // BLOCK + 1, NB)
+    if LOCAL_WINDOW > 0:
+        first_local = tl.maximum(pos - LOCAL_WINDOW + 1, 0) // BLOCK
+    else:
+        first_local = n_valid
+    offs = tl.arange(0, CHUNK)
+    valid = offs < n_valid
+    x = tl.load(row + offs, mask=valid, other=float("-inf"))
+    tau = tl.full([], float("-inf"), dtype=tl.float32)
+    if not KEEP_ALL:
+        m = tl.max(x, 0)
+        mn = tl.min(tl.where(x > float("-inf"), x, float("inf")), 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        e = tl.exp(x - m_safe)
+        target = top_p * tl.sum(e, 0)
+        lo = tl.maximum(mn, m_safe - 80.0)
+        lo = tl.where(tl.sum(tl.where(x >= lo, e, 0.0), 0) >= target, lo, mn)
+        hi = m_safe + 1.0
+        for _ in range(ITERS):
+            mid = (lo + hi) * 0.5
+            ok = tl.sum(tl.where(x >= mid, e, 0.0), 0) >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        tau = tl.where(m == float("-inf"), float("-inf"), lo)
+        if TOP_P_PTR:
+            tau = tl.where(top_p >= 1.0, float("-inf"), tau)
+    sel = valid & ((x >= tau) | (offs < SINK_BLOCKS) | (offs >= first_local))
+    rank = tl.cumsum(sel.to(tl.int32), 0) - 1
+    tl.store(out + rank, offs.to(tl.int32), mask=sel)
+    return tl.sum(sel.to(tl.int32), 0)
+
+
+@triton.jit
+def _merge_rows(O_PART, LSE_PART, OUT, o_row, l_row, out_row, m_valid, n_splits, stride_os, offs_d,
+                BLOCK_M: tl.constexpr, D: tl.constexpr, SPL: tl.constexpr):
+    """out[row] = sum_s 2^(lse_s - lse) o_s over splits ``0 .. n_splits - 1`` of ``BLOCK_M`` rows, ``SPL`` splits
+    at a time (the partials were written by other programs of this launch: read past L1)."""
+    offs_s = tl.arange(0, SPL)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for s0 in range(0, n_splits, SPL):
+        sv = m_valid[:, None] & (s0 + offs_s < n_splits)[None, :]
+        lse = tl.load(LSE_PART + l_row[:, None] + (s0 + offs_s)[None, :], mask=sv, other=float("-inf"),
+                      cache_modifier=".cg")
+        o = tl.load(O_PART + o_row[:, None, None] + (s0 + offs_s)[None, :, None] * stride_os
+                    + offs_d[None, None, :], mask=sv[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, tl.max(lse, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe[:, None])
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 1)
+        den = den * alpha + tl.sum(w, 1)
+        m_i = m_new
+    out = acc / tl.maximum(den, 1e-30)[:, None]  # a row that saw nothing gets zeros
+    tl.store(OUT + out_row[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=m_valid[:, None])
 
 
 @triton.jit
@@ -109,18 +202,23 @@ def _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_
 @triton.jit
 def _ret_attn(
     a, ht, split,
-    Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    Q, PK, PV, GK, GV, BS, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART,
+    LSE_PART, OUT, COUNTERS,
     stride_qa, stride_qh, stride_qt,
     stride_ps, stride_ph, stride_pl,
     stride_gs, stride_gh, stride_gl,
-    stride_si,
+    stride_si, stride_bn,
     stride_oa, stride_oh, stride_ot, stride_os,
     stride_la, stride_lh, stride_lt,
-    qk_scale, H_RET,
+    stride_a, stride_h, stride_t,
+    qk_scale, TOP_P, stride_tp, H_RET, NB, NG,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
+    SELECT: tl.constexpr, MERGE: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr,
+    SINK_BLOCKS: tl.constexpr, RET_WINDOW: tl.constexpr, SPL: tl.constexpr, TOP_P_PTR: tl.constexpr,
 ):
-    """Program (row ``a``, retrieval head and new token ``ht``, ``split``) of the retrieval-head attention."""
+    """Program (row ``a``, retrieval head and new token ``ht``, ``split``) of the retrieval-head attention:
+    selection first when ``SELECT``, the group's merge at the end when ``MERGE`` and it finishes last."""
     hr = ht // T
     t = ht % T
     hkv = tl.load(RET_HEADS + hr)
@@ -129,7 +227,18 @@ def _ret_attn(
     plen = tl.load(PREFIX_LEN + a)
     pos = plen + tl.load(CACHED_LEN + a) + t
     n = ((a * H_RET + hr) * T + t).to(tl.int64)
-    cnt = tl.load(SEL_CNT + n)
+    if SELECT:  # every split of the query computes the same list; each then reads its own share of it
+        if TOP_P_PTR:  # a device value, 0-dim (stride 0) or one per row
+            top_p = tl.load(TOP_P + a * stride_tp).to(tl.float32)
+        else:
+            top_p = TOP_P
+        cnt = _select_decode_row(BS + n * stride_bn, SEL_IDX + n * stride_si, pos, NB, top_p, BLOCK, SINK_BLOCKS,
+                                 RET_WINDOW, CHUNK, ITERS, KEEP_ALL, TOP_P_PTR)
+        if split == 0:
+            tl.store(SEL_CNT + n, cnt)
+        tl.debug_barrier()  # the list is in memory before any thread reads an entry another one wrote
+    else:
+        cnt = tl.load(SEL_CNT + n)
     per = tl.maximum(tl.cdiv(cnt, NUM_SPLITS), MIN_BLOCKS)
     i_start = split * per
     i_end = tl.minimum(i_start + per, cnt)
@@ -167,26 +276,34 @@ def _ret_attn(
             k = tl.load(gk_base + jg, mask=mg[:, None], other=0.0)
             v = tl.load(gv_base + jg, mask=mg[:, None], other=0.0)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, mg[None, :] & m_valid[:, None], qk_scale, IEEE)
-    o_row = a * stride_oa + heads * stride_oh + t * stride_ot + split * stride_os
-    l_row = a * stride_la + heads * stride_lh + t * stride_lt + split
-    _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
+    o_row = a * stride_oa + heads * stride_oh + t * stride_ot
+    l_row = a * stride_la + heads * stride_lh + t * stride_lt
+    _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row + split * stride_os, l_row + split, m_valid, offs_d)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(COUNTERS + a * NG + ht, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the group's last split
+            _merge_rows(O_PART, LSE_PART, OUT, o_row, l_row, a * stride_a + heads * stride_h + t * stride_t,
+                        m_valid, tl.cdiv(cnt, per), stride_os, offs_d, BLOCK_M, D, SPL)
 
 
 @triton.jit
 def _local_attn(
     a, hl, split,
-    Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, OUT, COUNTERS,
     stride_qa, stride_qh, stride_qt,
     stride_ps, stride_ph, stride_pl,
     stride_gs, stride_gh, stride_gl,
     stride_oa, stride_oh, stride_ot, stride_os,
     stride_la, stride_lh, stride_lt,
-    qk_scale,
+    stride_a, stride_h, stride_t,
+    qk_scale, G0, NG,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, SINKS: tl.constexpr, SINK_P2: tl.constexpr,
-    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr,
+    WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
+    SPL: tl.constexpr,
 ):
-    """Program (row ``a``, local head ``hl``, ``split``) of the sinks + window attention."""
+    """Program (row ``a``, local head ``hl``, ``split``) of the sinks + window attention (the head's merge at the
+    end when ``MERGE`` and it finishes last; its counter is entry ``G0 + hl`` of the row's)."""
     hkv = tl.load(LOC_HEADS + hl)
     pslot = tl.load(PREFIX_SLOT + a)
     rslot = tl.load(ROW_SLOT + a)
@@ -240,47 +357,61 @@ def _local_attn(
             k = tl.load(g_base_k + jg, mask=mg[:, None], other=0.0)
             v = tl.load(g_base_v + jg, mask=mg[:, None], other=0.0)
             acc, m_i, l_i = _attend(acc, m_i, l_i, q, k, v, visible & mg[None, :], qk_scale, IEEE)
-    o_row = a * stride_oa + heads * stride_oh + t_of_m * stride_ot + split * stride_os
-    l_row = a * stride_la + heads * stride_lh + t_of_m * stride_lt + split
-    _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row, l_row, m_valid, offs_d)
+    o_row = a * stride_oa + heads * stride_oh + t_of_m * stride_ot
+    l_row = a * stride_la + heads * stride_lh + t_of_m * stride_lt
+    _store_partial(O_PART, LSE_PART, acc, m_i, l_i, o_row + split * stride_os, l_row + split, m_valid, offs_d)
+    if MERGE:
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(COUNTERS + a * NG + G0 + hl, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the head's last split
+            _merge_rows(O_PART, LSE_PART, OUT, o_row, l_row, a * stride_a + heads * stride_h + t_of_m * stride_t,
+                        m_valid, tl.cdiv(hi - lo, chunk), stride_os, offs_d, BLOCK_M, D, SPL)
 
 
 @triton.jit
 def _attn_kernel(
-    Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, PLK, PLV, GLK, GLV, LOC_HEADS,
-    ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART,
+    Q, PK, PV, GK, GV, BS, SEL_IDX, SEL_CNT, RET_HEADS, PLK, PLV, GLK, GLV, LOC_HEADS,
+    ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, OUT, COUNTERS,
     stride_qa, stride_qh, stride_qt,
-    stride_ps, stride_ph, stride_pl, stride_gs, stride_gh, stride_gl, stride_si,
+    stride_ps, stride_ph, stride_pl, stride_gs, stride_gh, stride_gl, stride_si, stride_bn,
     stride_lps, stride_lph, stride_lpl, stride_lgs, stride_lgh, stride_lgl,
     stride_oa, stride_oh, stride_ot, stride_os,
     stride_la, stride_lh, stride_lt,
-    qk_scale, H_RET,
+    stride_a, stride_h, stride_t,
+    qk_scale, TOP_P, stride_tp, H_RET, NB, NG,
     T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr,
     RET_BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, RET_BLOCK_N: tl.constexpr, NS_RET: tl.constexpr,
     MIN_BLOCKS: tl.constexpr,
     LOC_BLOCK_M: tl.constexpr, LOC_BLOCK_N: tl.constexpr, NS_LOC: tl.constexpr, MIN_CHUNK: tl.constexpr,
     SINKS: tl.constexpr, SINK_P2: tl.constexpr, WINDOW: tl.constexpr, WP: tl.constexpr, WG: tl.constexpr,
+    SELECT: tl.constexpr, MERGE: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr,
+    SINK_BLOCKS: tl.constexpr, RET_WINDOW: tl.constexpr, RET_SPL: tl.constexpr, LOC_SPL: tl.constexpr,
+    TOP_P_PTR: tl.constexpr,
 ):
     """Retrieval and local heads in one launch: programs ``(a, 0 .. H_RET*T - 1, split)`` are retrieval
     (head, token) pairs, the following ones local heads (either kind may be absent); each runs only its own
-    number of splits."""
+    number of splits. ``SELECT``: retrieval programs select their blocks from the block scores ``BS`` (else
+    they read the top-p kernel's ``SEL_IDX`` / ``SEL_CNT``); ``MERGE``: the last split of each group merges
+    into ``OUT`` (else the merge kernel does)."""
     a = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     if h < H_RET * T:
         if split < NS_RET:
-            _ret_attn(a, h, split, Q, PK, PV, GK, GV, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN,
-                      CACHED_LEN, O_PART, LSE_PART, stride_qa, stride_qh, stride_qt, stride_ps, stride_ph, stride_pl,
-                      stride_gs, stride_gh, stride_gl, stride_si, stride_oa, stride_oh, stride_ot, stride_os,
-                      stride_la, stride_lh, stride_lt, qk_scale, H_RET, T, QPK, D, RET_BLOCK_M, BLOCK, RET_BLOCK_N,
-                      NS_RET, MIN_BLOCKS, IEEE)
+            _ret_attn(a, h, split, Q, PK, PV, GK, GV, BS, SEL_IDX, SEL_CNT, RET_HEADS, ROW_SLOT, PREFIX_SLOT,
+                      PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, OUT, COUNTERS, stride_qa, stride_qh, stride_qt,
+                      stride_ps, stride_ph, stride_pl, stride_gs, stride_gh, stride_gl, stride_si, stride_bn,
+                      stride_oa, stride_oh, stride_ot, stride_os, stride_la, stride_lh, stride_lt, stride_a,
+                      stride_h, stride_t, qk_scale, TOP_P, stride_tp, H_RET, NB, NG, T, QPK, D, RET_BLOCK_M,
+                      BLOCK, RET_BLOCK_N, NS_RET, MIN_BLOCKS, IEEE, SELECT, MERGE, CHUNK, ITERS, KEEP_ALL,
+                      SINK_BLOCKS, RET_WINDOW, RET_SPL, TOP_P_PTR)
     else:
         if split < NS_LOC:
             _local_attn(a, h - H_RET * T, split, Q, PLK, PLV, GLK, GLV, LOC_HEADS, ROW_SLOT, PREFIX_SLOT,
-                        PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, stride_qa, stride_qh, stride_qt, stride_lps,
-                        stride_lph, stride_lpl, stride_lgs, stride_lgh, stride_lgl, stride_oa, stride_oh, stride_ot,
-                        stride_os, stride_la, stride_lh, stride_lt, qk_scale, T, QPK, D, LOC_BLOCK_M, LOC_BLOCK_N,
-                        NS_LOC, MIN_CHUNK, SINKS, SINK_P2, WINDOW, WP, WG, IEEE)
+                        PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, OUT, COUNTERS, stride_qa, stride_qh, stride_qt,
+                        stride_lps, stride_lph, stride_lpl, stride_lgs, stride_lgh, stride_lgl, stride_oa, stride_oh,
+                        stride_ot, stride_os, stride_la, stride_lh, stride_lt, stride_a, stride_h, stride_t,
+                        qk_scale, H_RET * T, NG, T, QPK, D, LOC_BLOCK_M, LOC_BLOCK_N, NS_LOC, MIN_CHUNK, SINKS,
+                        SINK_P2, WINDOW, WP, WG, IEEE, MERGE, LOC_SPL)
 
 
 @triton.jit
@@ -309,6 +440,16 @@ RET_MIN_BLOCKS = 4  # kept blocks per split at least (256 tokens)
 LOCAL_MIN_CHUNK = 256
 SCORE_MIN_BLOCKS = 16
 SCORE_BB = 8
+SELECT_CHUNK = 4096  # longest row (blocks) the fused launch selects in registers; longer: the top-p kernel
+# every retrieval split of a query repeats its selection (a bisection over the row in registers): worth a launch
+# saved while the repeats stay few; past this many retrieval programs the top-p kernel selects once per query
+SELECT_PROGRAMS = 256
+
+
+def merge_splits_per_step(block_m: int, d: int) -> int:
+    """Splits the in-kernel merge reads at once (a power of two): ``block_m x splits x d`` float32 values, at most
+    16K."""
+    return max(1, min(16, 16384 // (block_m * d)))
 
 
 def splits_for(n_units: int, min_units: int, max_splits: int = 64) -> int:
@@ -317,13 +458,20 @@ def splits_for(n_units: int, min_units: int, max_splits: int = 64) -> int:
 
 def sparse_decode_triton(
     q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads, head_is_ret, *,
-    top_p: float, block: int, num_sinks: int, window: int, ret_window: int, scale: float | None = None,
-    return_selection: bool = False, ret_splits: int | None = None, local_splits: int | None = None,
-    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK,
+    top_p: float | torch.Tensor, block: int, num_sinks: int, window: int, ret_window: int,
+    scale: float | None = None, return_selection: bool = False, q_pre: torch.Tensor | None = None,
+    indexer_q: torch.Tensor | None = None, q_scale: torch.Tensor | None = None, fused: bool = True,
+    ret_splits: int | None = None, local_splits: int | None = None,
+    ret_min_blocks: int = RET_MIN_BLOCKS, local_min_chunk: int = LOCAL_MIN_CHUNK, select_chunk: int = SELECT_CHUNK,
+    select_programs: int = SELECT_PROGRAMS,
 ):
-    """The four launches of one decode call (arguments as :func:`.api.sparse_decode_attention`, ``cache`` a
-    :class:`SparseDecodeCache`, no validation). ``ret_splits`` / ``local_splits`` and the minimum work per split
-    override the split heuristics (tests). Returns [A, Hq, T, D] (and ``(block ids, counts)`` when asked)."""
+    """The launches of one decode call (arguments as :func:`.api.sparse_decode_attention`, ``cache`` a
+    :class:`SparseDecodeCache`, no validation). ``q_idx`` None: the score kernel projects ``q_pre`` with
+    ``indexer_q`` (and multiplies by ``q_scale`` [H_ret], if given). ``fused``: two launches (three when the
+    selection goes to the top-p kernel: rows longer than ``select_chunk`` blocks, or more than
+    ``select_programs`` retrieval programs), else the staged four. ``ret_splits`` / ``local_splits`` and the
+    minimum work per split override the split heuristics (tests). Returns [A, Hq, T, D] (and
+    ``(block ids, counts)`` when asked)."""
     A, Hq, T, D = q.shape
     Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
     qpk = Hq // (Hr + Hl)
@@ -337,96 +485,128 @@ def sparse_decode_triton(
     Wg = cache.gen_lk.shape[2]
     ns_loc = local_splits or splits_for(min(window, Lp + Lg) + T - 1, local_min_chunk)
     ns = max(ns_ret if Hr else 1, ns_loc if Hl else 1)
+    ng = Hr * T + Hl  # merge groups per row: (retrieval head, token) pairs, then local heads
     o_part = torch.empty((A, Hq, T, ns, D), device=q.device, dtype=torch.float32)
     lse_part = torch.empty((A, Hq, T, ns), device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    # the fused launch counts finished splits per group: zeroed by the score kernel, or here without one
+    counters = (torch.zeros if fused and not Hr else torch.empty)((max(A * ng, 1),), device=q.device,
+                                                                  dtype=torch.int32)
+    on_device = isinstance(top_p, torch.Tensor)  # read by the kernels, 0-dim or one value per row
+    tp, stride_tp = (top_p.float(), top_p.stride(0) if top_p.dim() else 0) if on_device else (float(top_p), 0)
+    sink_blocks = _cdiv(num_sinks, block)
+    select = fused and nb_max <= select_chunk and A * Hr * T * ns_ret <= select_programs
     selection = None
+    bs = sel_idx = sel_cnt = row_slot
     if Hr:
-        r = q_idx.shape[-1]
+        r = cache.prefix_ik.shape[-1]
+        project = q_idx is None
+        if project:
+            q_pre = q_pre if q_pre.stride(-1) == 1 else q_pre.contiguous()
+            wq = indexer_q if indexer_q.stride(-1) == 1 else indexer_q.contiguous()
+            qs = q_scale if q_scale is not None else torch.ones(Hr, device=q.device)
+        qi, qp, qs, wq = (q, q_pre, qs, wq) if project else (q_idx, q_idx, q_idx, q_idx)  # unread: placeholders
         bs = torch.empty((A * Hr * T, nb_max), device=q.device, dtype=torch.float32)
         ns_score = splits_for(nb_max, SCORE_MIN_BLOCKS, 128)
         _score_kernel[(A, Hr * T, ns_score)](
-            q_idx, cache.prefix_ik, cache.gen_ik, row_slot, prefix_slot, prefix_len, cached_len, bs,
-            q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
+            qi, qp, wq, qs, ret_heads, cache.prefix_ik, cache.gen_ik, row_slot, prefix_slot,
+            prefix_len, cached_len, bs, counters,
+            qp.stride(0), qp.stride(1), qp.stride(2),
             cache.prefix_ik.stride(0), cache.prefix_ik.stride(1), cache.prefix_ik.stride(2),
             cache.gen_ik.stride(0), cache.gen_ik.stride(1), cache.gen_ik.stride(2),
-            bs.stride(0), Hr,
+            bs.stride(0), wq.stride(0), wq.stride(1), Hr, ng,
             T=T, R=r, BLOCK=block, BB=SCORE_BB, NUM_SPLITS=ns_score, MIN_BLOCKS=SCORE_MIN_BLOCKS,
+            PROJECT=project, QPK=qpk, D=D, ZERO=fused, NG_P2=triton.next_power_of_2(ng),
         )
-        sel_idx, sel_cnt = topp_select_triton(
-            bs, prefix_len, cached_len, top_p, mode=MODE_DECODE, block=block, sink_blocks=_cdiv(num_sinks, block),
-            local_window=ret_window, inner=T, h_inner=Hr * T,
-        )
+        sel_idx = torch.empty((A * Hr * T, nb_max), device=q.device, dtype=torch.int32)
+        if select:
+            sel_cnt = torch.empty((A * Hr * T,), device=q.device, dtype=torch.int32)
+        else:
+            sel_idx, sel_cnt = topp_select_triton(
+                bs, prefix_len, cached_len, top_p, mode=MODE_DECODE, block=block, sink_blocks=sink_blocks,
+                local_window=ret_window, inner=T, h_inner=Hr * T, sel_idx=sel_idx,
+            )
         selection = (sel_idx, sel_cnt)
-    ret = dict(BLOCK=block, MIN_BLOCKS=ret_min_blocks, NS_RET=ns_ret if Hr else 1,
-               RET_BLOCK_M=max(16, triton.next_power_of_2(qpk)), RET_BLOCK_N=max(16, block))
+    ret_block_m = max(16, triton.next_power_of_2(qpk))
+    ret = dict(BLOCK=block, MIN_BLOCKS=ret_min_blocks, NS_RET=ns_ret if Hr else 1, RET_BLOCK_M=ret_block_m,
+               RET_BLOCK_N=max(16, block))
     loc_block_m = max(16, triton.next_power_of_2(T * qpk))
     loc = dict(LOC_BLOCK_M=loc_block_m, LOC_BLOCK_N=64 if D <= 64 or loc_block_m <= 64 else 32,
                NS_LOC=ns_loc if Hl else 1, MIN_CHUNK=local_min_chunk, SINKS=num_sinks,
                SINK_P2=max(16, triton.next_power_of_2(max(num_sinks, 1))), WINDOW=window, WP=max(Wp, 1), WG=Wg)
-    q_strides = (q.stride(0), q.stride(1), q.stride(2))
-    out_strides = (o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-                   lse_part.stride(0), lse_part.stride(1), lse_part.stride(2))
+    chunk = max(16, triton.next_power_of_2(nb_max))
+    fuse = dict(SELECT=select, MERGE=fused, CHUNK=chunk if select else 16, ITERS=32,
+                KEEP_ALL=not on_device and top_p >= 1.0 - 2.0**-25, TOP_P_PTR=on_device, SINK_BLOCKS=sink_blocks,
+                RET_WINDOW=ret_window,
+                RET_SPL=merge_splits_per_step(ret_block_m, D), LOC_SPL=merge_splits_per_step(loc_block_m, D))
     full = (cache.prefix_k.stride(0), cache.prefix_k.stride(1), cache.prefix_k.stride(2),
             cache.gen_k.stride(0), cache.gen_k.stride(1), cache.gen_k.stride(2))
     ring = (cache.prefix_lk.stride(0), cache.prefix_lk.stride(1), cache.prefix_lk.stride(2),
             cache.gen_lk.stride(0), cache.gen_lk.stride(1), cache.gen_lk.stride(2))
-    if not Hr:
-        sel_idx = sel_cnt = row_slot
 
     def live(t: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
         # a kind of head the layer lacks has empty tensors, whose pointers may be null: no program reads them
         return t if t.numel() else fallback
 
     _attn_kernel[(A, Hr * T + Hl, ns)](
-        q, *(live(t, q) for t in (cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v)), sel_idx, sel_cnt,
+        q, *(live(t, q) for t in (cache.prefix_k, cache.prefix_v, cache.gen_k, cache.gen_v)), bs, sel_idx, sel_cnt,
         live(ret_heads, row_slot), *(live(t, q) for t in (cache.prefix_lk, cache.prefix_lv, cache.gen_lk,
                                                            cache.gen_lv)), live(loc_heads, row_slot),
-        row_slot, prefix_slot, prefix_len, cached_len, o_part, lse_part,
-        *q_strides, *full, sel_idx.stride(0), *ring, *out_strides, qk_scale, Hr,
-        T=T, QPK=qpk, D=D, IEEE=ieee, **ret, **loc, num_warps=8 if D >= 128 else 4,
-    )
-    out = torch.empty_like(q)
-    _merge_kernel[(A, Hq, T)](
-        o_part, lse_part, out, head_is_ret,
+        row_slot, prefix_slot, prefix_len, cached_len, o_part, lse_part, out, counters,
+        q.stride(0), q.stride(1), q.stride(2), *full, sel_idx.stride(0), bs.stride(0), *ring,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        QPK=qpk, D=D, NS_RET=ns_ret if Hr else 1, NS_LOC=ns_loc if Hl else 1,
-        SPLITS_P2=max(2, triton.next_power_of_2(ns)),
+        lse_part.stride(0), lse_part.stride(1), lse_part.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        qk_scale, tp, stride_tp, Hr, nb_max, ng,
+        T=T, QPK=qpk, D=D, IEEE=ieee, **ret, **loc, **fuse, num_warps=8 if D >= 128 else 4,
     )
+    if not fused:
+        _merge_kernel[(A, Hq, T)](
+            o_part, lse_part, out, head_is_ret,
+            o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
+            lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            QPK=qpk, D=D, NS_RET=ns_ret if Hr else 1, NS_LOC=ns_loc if Hl else 1,
+            SPLITS_P2=max(2, triton.next_power_of_2(ns)),
+        )
     return (out, selection) if return_selection else out
 
 
 @torch.library.custom_op("sparrow::sparse_decode", mutates_args=())
 def _sparse_decode_op(
-    q: torch.Tensor, q_idx: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, gen_k: torch.Tensor,
+    q: torch.Tensor, q_idx: Optional[torch.Tensor], prefix_k: torch.Tensor, prefix_v: torch.Tensor, gen_k: torch.Tensor,
     gen_v: torch.Tensor, prefix_ik: torch.Tensor, gen_ik: torch.Tensor, prefix_lk: torch.Tensor,
     prefix_lv: torch.Tensor, gen_lk: torch.Tensor, gen_lv: torch.Tensor, row_slot: torch.Tensor,
     prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor, ret_heads: torch.Tensor,
-    loc_heads: torch.Tensor, head_is_ret: torch.Tensor, top_p: float, block: int, num_sinks: int, window: int,
-    ret_window: int, scale: float,
+    loc_heads: torch.Tensor, head_is_ret: torch.Tensor, top_p: torch.Tensor, block: int, num_sinks: int, window: int,
+    ret_window: int, scale: float, q_pre: Optional[torch.Tensor] = None, indexer_q: Optional[torch.Tensor] = None,
+    q_scale: Optional[torch.Tensor] = None, fused: bool = True,
 ) -> torch.Tensor:
     cache = SparseDecodeCache(prefix_k, prefix_v, gen_k, gen_v, prefix_ik, gen_ik, prefix_lk, prefix_lv, gen_lk, gen_lv)
     return sparse_decode_triton(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
                                 head_is_ret, top_p=top_p, block=block, num_sinks=num_sinks, window=window,
-                                ret_window=ret_window, scale=scale)
+                                ret_window=ret_window, scale=scale, q_pre=q_pre, indexer_q=indexer_q, q_scale=q_scale,
+                                fused=fused)
 
 
 @_sparse_decode_op.register_fake
 def _(q, q_idx, prefix_k, prefix_v, gen_k, gen_v, prefix_ik, gen_ik, prefix_lk, prefix_lv, gen_lk, gen_lv, row_slot,
       prefix_slot, prefix_len, cached_len, ret_heads, loc_heads, head_is_ret, top_p, block, num_sinks, window,
-      ret_window, scale):
+      ret_window, scale, q_pre=None, indexer_q=None, q_scale=None, fused=True):
     return torch.empty_like(q)
 
 
 def sparse_decode_op(q, q_idx, cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
-                     head_is_ret, *, top_p: float, block: int, num_sinks: int, window: int, ret_window: int,
-                     scale: float | None = None) -> torch.Tensor:
+                     head_is_ret, *, top_p: float | torch.Tensor, block: int, num_sinks: int, window: int, ret_window: int,
+                     scale: float | None = None, q_pre: torch.Tensor | None = None,
+                     indexer_q: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+                     fused: bool = True) -> torch.Tensor:
     """:func:`sparse_decode_triton` as the custom op ``sparrow::sparse_decode``: opaque to ``torch.compile``
     (Inductor does not re-trace the Triton kernels; it re-typed a float argument as float64 inside them) and
     safe inside CUDA graphs. Returns the attention output only."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if not isinstance(top_p, torch.Tensor):  # the op reads top_p on the device (a schedule updates it in place)
+        top_p = torch.full((), float(top_p), dtype=torch.float32, device=q.device)
     return _sparse_decode_op(q, q_idx, *cache, row_slot, prefix_slot, prefix_len, cached_len, ret_heads, loc_heads,
-                             head_is_ret, float(top_p), int(block), int(num_sinks), int(window), int(ret_window),
-                             float(scale))
+                             head_is_ret, top_p, int(block), int(num_sinks), int(window), int(ret_window),
+                             float(scale), q_pre, indexer_q, q_scale, bool(fused))
 

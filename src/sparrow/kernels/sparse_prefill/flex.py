@@ -1,10 +1,12 @@
 """RTPurbo prefill through block-sparse FlexAttention: retrieval heads over their kept blocks, local heads over
-sinks + window, both with masks built on the device from block indices (:mod:`.masks`); compiled."""
+sinks + window, both with masks built on the device from block indices (:mod:`.masks`); compiled. Local heads
+can instead take the chunked path of :mod:`.local_chunked` (dense kernels over exactly the window band)."""
 
 from __future__ import annotations
 
 import torch
 
+from .local_chunked import local_attention_chunked
 from .masks import local_block_mask, retrieval_block_mask
 
 _compiled_flex: dict = {}
@@ -22,9 +24,10 @@ def flex_attention_compiled(dynamic: bool | None = None):
 
 
 def sparse_prefill_flex(q, k, v, selection, ret_heads, loc_heads, *, block: int, num_sinks: int, window: int,
-                        scale: float | None, flex_dynamic: bool | None) -> torch.Tensor:
+                        scale: float | None, flex_dynamic: bool | None, local_impl: str = "flex") -> torch.Tensor:
     """q: [P, Hq, S, D]; k, v: [P, Hkv, S, D]; ``selection``: the retrieval heads' kept blocks
-    ``(ids [P*H_ret*Qb, KVb] int32, cnt [P*H_ret*Qb])`` (None without retrieval heads). Returns [P, Hq, S, D]."""
+    ``(ids [P*H_ret*Qb, KVb] int32, cnt [P*H_ret*Qb])`` (None without retrieval heads); ``local_impl``:
+    ``"flex"`` or ``"chunked"`` for the local heads. Returns [P, Hq, S, D]."""
     P, Hq, S, D = q.shape
     Hr, Hl = ret_heads.shape[0], loc_heads.shape[0]
     Hkv = Hr + Hl
@@ -44,7 +47,15 @@ def sparse_prefill_flex(q, k, v, selection, ret_heads, loc_heads, *, block: int,
         vr = v[:, ret_heads].reshape(P * Hr, 1, S, D)
         o = flex(qr, kr, vr, block_mask=mask, scale=scale, enable_gqa=qpk > 1, kernel_options=opts)
         out.index_copy_(1, ret_heads, o.view(P, Hr, qpk, S, D))
-    if Hl:
+    if Hl and local_impl == "chunked":
+        # without retrieval heads the local heads are all of q's, in order: no gather
+        ql, kl, vl = (q, k, v) if not Hr else (q5[:, loc_heads].reshape(P, Hl * qpk, S, D), k[:, loc_heads],
+                                                 v[:, loc_heads])
+        src = torch.arange(Hkv, device=q.device) if not Hr else loc_heads
+        head_map = (src[:, None] * qpk + torch.arange(qpk, device=q.device)).reshape(-1)
+        local_attention_chunked(ql, kl, vl, num_sinks=num_sinks, window=window, scale=scale,
+                                out=out.view(P, Hq, S, D), head_map=head_map)
+    elif Hl:
         mask = local_block_mask(S, block, num_sinks=num_sinks, window=window, device=q.device)
         ql = q5[:, loc_heads].reshape(P, Hl * qpk, S, D)
         o = flex(ql, k[:, loc_heads].contiguous(), v[:, loc_heads].contiguous(), block_mask=mask, scale=scale,

@@ -57,6 +57,12 @@ def local_token_mask(S: int, *, num_sinks: int, window: int, device) -> torch.Te
     return causal & ((i[:, None] - i[None, :] < window) | (i[None, :] < num_sinks))
 
 
+def local_prefill_reference(q, k, v, *, num_sinks: int, window: int, scale: float | None = None) -> torch.Tensor:
+    """q: [P, Hq, S, D]; k, v: [P, Hkv, S, D] -> [P, Hq, S, D]: SDPA under the dense sink + window mask."""
+    mask = local_token_mask(q.shape[2], num_sinks=num_sinks, window=window, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
 def sparse_prefill_reference(q, k, v, q_idx, k_idx, prompt_len, ret_heads, loc_heads, *, top_p: float, block: int,
                              num_sinks: int, window: int, ret_window: int, scale: float | None = None,
                              return_selection: bool = False):

@@ -1,35 +1,45 @@
-"""Kernels of SparseRL-Sync: bit-pattern diff, compaction, compact packing, decode and in-place apply.
+"""Kernels of SparseRL-Sync: block scan, fused compact encode, fused decode + apply, hashing, records.
 
 See :mod:`sparrow.kernels.sync.api` for the entry points (``impl="auto" | "reference" | "triton"``).
 """
 
 from .api import (
-    DiffScan,
+    MODES,
+    BlockScan,
     Impl,
-    GroupScan,
+    apply_compact,
     apply_records,
-    diff_collect,
+    body_nbytes,
+    check_compact_entries,
+    check_compact_headers,
+    decode_compact,
     diff_records,
-    diff_scan,
     group_apply_records,
-    group_diff_collect,
-    group_diff_scan,
     group_hash_bits,
-    group_pack_compact,
-    group_unpack_compact,
     hash_bits,
-    pack_compact,
+    hash_zeros,
     positions_bad,
     resolve_impl,
+    scan_blocks,
     triton_available,
-    unpack_compact,
-    unpack_compact_deferred,
+    write_bodies,
 )
-from .common import SyncFormatError, bits_view, combine_hash, element_bits
+from .common import (
+    DEFAULT_SPAN_LOG2,
+    HEADER_WORDS,
+    MAX_SPAN_LOG2,
+    MIN_SPAN_LOG2,
+    SyncFormatError,
+    bits_view,
+    block_words,
+    combine_hash,
+    element_bits,
+)
 
 __all__ = [
-    "DiffScan", "GroupScan", "Impl", "SyncFormatError", "apply_records", "bits_view", "combine_hash",
-    "diff_collect", "diff_records", "diff_scan", "element_bits", "group_apply_records", "group_diff_collect",
-    "group_diff_scan", "group_hash_bits", "group_pack_compact", "group_unpack_compact", "hash_bits", "pack_compact",
-    "positions_bad", "resolve_impl", "triton_available", "unpack_compact", "unpack_compact_deferred",
+    "BlockScan", "DEFAULT_SPAN_LOG2", "HEADER_WORDS", "Impl", "MAX_SPAN_LOG2", "MIN_SPAN_LOG2", "MODES",
+    "SyncFormatError", "apply_compact", "apply_records", "bits_view", "block_words", "body_nbytes",
+    "check_compact_entries", "check_compact_headers", "combine_hash", "decode_compact", "diff_records", "element_bits",
+    "group_apply_records", "group_hash_bits", "hash_bits", "hash_zeros", "positions_bad", "resolve_impl",
+    "scan_blocks", "triton_available", "write_bodies",
 ]

@@ -5,18 +5,24 @@ Nothing here imports either implementation, so the fast path never pulls in the 
 Bit views: a bf16 / fp16 tensor is handled as ``int16`` bit patterns, fp32 as ``int32`` bit patterns
 (``tensor.view(torch.int16)``); every comparison and every arithmetic step works on those integers, so
 NaN payloads, signed zeros, infinities and subnormals are ordinary values.
+
+Compact body (format 2; the layout is described in :mod:`sparrow.kernels.sync.reference` and ``docs/sync.md``):
+a slice is cut into *blocks* of ``2**span_log2`` consecutive elements; each block's encoded size follows from
+two numbers the diff scan counts (its changed elements and the bit lengths of their value codes), so every
+block's place in the body is a prefix sum computed on the device before anything is written.
 """
 
 from __future__ import annotations
 
 import torch
 
-#: Changed elements per compact block (every block but the last holds exactly this many).
-RANK_BLOCK = 1024
-#: ``uint32`` words of per-block metadata at the start of a compact body.
-META_WORDS = 4
-#: Elements per program of the diff kernels (must be a multiple of 32: one mask word per 32 lanes).
-DIFF_TILE = 1024
+#: Elements per block of the compact format unless a sender picks another span (``2**17``).
+DEFAULT_SPAN_LOG2 = 17
+#: Smallest / largest block span a compact body may use (``2**10`` .. ``2**20`` elements).
+MIN_SPAN_LOG2 = 10
+MAX_SPAN_LOG2 = 20
+#: ``uint32`` words of per-block header at the start of a compact body: rank offset, value bits, body offset.
+HEADER_WORDS = 3
 #: Largest element count of one encoded slice (positions are stored as int32).
 MAX_SLICE_ELEMS = 2**31 - 1
 
@@ -55,15 +61,27 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(BITS_DTYPE[t.dtype])
 
 
-def compact_num_blocks(nchanged: int) -> int:
-    return (nchanged + RANK_BLOCK - 1) // RANK_BLOCK
+def check_span_log2(span_log2: object) -> int:
+    """``span_log2`` if it is an int in ``[MIN_SPAN_LOG2, MAX_SPAN_LOG2]``; ``ValueError`` otherwise."""
+    if not isinstance(span_log2, int) or isinstance(span_log2, bool) or not (
+            MIN_SPAN_LOG2 <= span_log2 <= MAX_SPAN_LOG2):
+        raise ValueError(f"span_log2 must be an int in [{MIN_SPAN_LOG2}, {MAX_SPAN_LOG2}], got {span_log2!r}")
+    return span_log2
 
 
-def slot_words(ebits: int) -> int:
-    """Upper bound on the body words of one compact block (see ``docs/sync.md``)."""
-    # low bits <= 31 per change, high bits < 3 per change, values + exceptions <= ebits per change,
-    # plus padding of four regions.
-    return (RANK_BLOCK * (31 + 3 + ebits) + 31) // 32 + 8
+def num_blocks(n: int, span_log2: int) -> int:
+    """Blocks of ``2**span_log2`` elements covering ``n`` elements."""
+    return -(-int(n) // (1 << span_log2))
+
+
+def block_words(cnt: int, kbits: int, span: int) -> int:
+    """Body words of one compact block with ``cnt`` changes whose value codes have ``kbits`` mantissa bits in
+    all, in a block of ``span`` elements (the four regions, each padded to whole words; 0 when ``cnt == 0``)."""
+    if cnt == 0:
+        return 0
+    low = (span // cnt).bit_length() - 1
+    high = cnt + ((span - 1) >> low)
+    return -(-cnt * low // 32) + -(-high // 32) + -(-(cnt + kbits) // 32) + -(-kbits // 32)
 
 
 def fold_lanes(a: int, b: int) -> int:
@@ -74,6 +92,11 @@ def fold_lanes(a: int, b: int) -> int:
 def add_lanes(h: int, da: int, db: int) -> int:
     """The 64-bit hash ``h`` advanced by the lane changes ``(da, db)`` (host ints, mod 2^32 per lane)."""
     return fold_lanes((h & M32) + int(da), (h >> 32) + int(db))
+
+
+def split_lanes(h: int) -> tuple[int, int]:
+    """The two 32-bit lanes of a 64-bit hash (inverse of :func:`fold_lanes`)."""
+    return int(h) & M32, (int(h) >> 32) & M32
 
 
 def combine_hash(lanes: torch.Tensor) -> int:

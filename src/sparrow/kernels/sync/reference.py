@@ -3,22 +3,27 @@
 All functions take flat integer bit views (``int16`` for 16-bit floats, ``int32`` for fp32; see
 :func:`sparrow.kernels.sync.common.bits_view`) and never look at float values.
 
-Compact body layout (format 1, all little-endian ``uint32`` words), for ``m`` changed positions
-``p_0 < p_1 < ...`` of a slice of ``n`` elements with ``E``-bit elements, grouped in blocks of
-``RANK_BLOCK`` consecutive changes:
+Compact body layout (format 2, little-endian ``uint32`` words) of a slice of ``n`` elements with ``E``-bit
+elements whose ``m >= 1`` changed positions are ``p_0 < p_1 < ...`` (``m == 0``: the body is empty). The slice
+is cut into ``nb = ceil(n / S)`` blocks of ``S = 2**span_log2`` elements; block ``j`` spans
+``[j S, j S + span_j)``, ``span_j = min(S, n - j S)``, and holds ``cnt_j`` of the changes. Per change ``i``
+of a block: ``u_i = p_i - j S`` (offset in the block), ``v_i = zigzag((new - old) mod 2**E)`` (``+-1`` ULP ->
+2 / 1; ``1 <= v_i < 2**E``) and ``k_i = floor(log2 v_i)``. ``K_j = sum k_i``.
 
-* ``nb = ceil(m / RANK_BLOCK)`` metadata records of 4 words: ``p_first``, body word offset,
-  ``L | W << 8 | e << 16``, ``high_len``.
-* per block, four regions, each padded to a whole word:
-  - low bits: ``cnt * L`` bits, field ``i`` = ``u_i & (2^L - 1)`` where ``u_i = p_i - p_first``
-    (Elias-Fano low part, ``L = floor(log2((u_last + 1) // cnt))``);
-  - high bits: ``high_len = (u_last >> L) + cnt`` bits with bit ``(u_i >> L) + i`` set (Elias-Fano
-    high part: the gaps of the bucket indices in unary);
-  - value codes: ``cnt * W`` bits, code ``min(c_i, 2^W - 1)`` where ``c_i = zigzag(new - old) - 1`` is
-    the zig-zag code of the bit-pattern difference (``±1`` ULP -> 0 / 1) and ``2^W - 1`` is an escape;
-  - exceptions: the full ``E``-bit ``c_i`` of each escaped value, in order.
+* ``nb`` headers of 3 words: ``R_j`` (changes in the blocks before ``j``), ``K_j``, ``off_j`` (word offset of
+  the block's body after the headers; ``off_0 = 0``, each block starts where the previous ends).
+  ``cnt_j = R_{j+1} - R_j`` (the last block: ``m - R_j``).
+* per block with ``cnt_j > 0``, four regions, each padded to whole words, with
+  ``L = floor(log2(span_j // cnt_j))``:
+  - A, low bits: ``cnt * L`` bits, field ``i`` = ``u_i & (2**L - 1)`` (Elias-Fano low part);
+  - B, high bits: ``H = cnt + ((span_j - 1) >> L)`` bits, bit ``(u_i >> L) + i`` set (the high parts in unary);
+  - C, value lengths: ``cnt + K`` bits, bit ``k_0 + ... + k_i + i`` set (each code's ``k_i`` in unary);
+  - D, value bits: ``K`` bits, field ``i`` (``k_i`` bits at bit ``k_0 + ... + k_{i-1}``) = ``v_i - 2**k_i``.
 
-``W`` (1..E) minimises ``cnt * W + E * escapes`` per block (ties: smaller ``W``).
+The values are Elias-gamma codes split into a unary stream (C) and a mantissa stream (D): ``-1`` ULP costs 1
+bit, ``+1`` and ``-2`` ULP 3 bits, ``+2``, ``+-3`` and ``-4`` ULP 5 bits. Every block's size is a function of
+``(cnt_j, K_j, span_j)`` only, so an encoder knows every offset from a diff scan before it writes a word, and
+every field is at a computable offset (a set bit of B or C is found by a prefix count), so decode is parallel too.
 """
 
 from __future__ import annotations
@@ -32,9 +37,8 @@ from .common import (
     H_MUL_I,
     H_MUL_X,
     H_XOR_B,
+    HEADER_WORDS,
     M32,
-    META_WORDS,
-    RANK_BLOCK,
     SyncFormatError,
 )
 
@@ -161,11 +165,10 @@ def _ceil32(bits: torch.Tensor) -> torch.Tensor:
     return (bits + 31) >> 5
 
 
-def _bitlen(x: torch.Tensor, maxbits: int) -> torch.Tensor:
-    out = torch.zeros_like(x)
-    for k in range(maxbits):
-        out += ((x >> k) > 0).to(x.dtype)
-    return out
+def floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2 x) of an int64 tensor with ``1 <= x < 2**52`` (exact: float64 ``frexp``)."""
+    _, e = torch.frexp(x.to(torch.float64))
+    return e.to(_I64) - 1
 
 
 def _excl_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -185,141 +188,189 @@ def _pack_fields(words: torch.Tensor, bitpos: torch.Tensor, val: torch.Tensor, w
     words.index_add_(0, w[spill] + 1, hi[spill])
 
 
-def _unpack_fields(words_u: torch.Tensor, bitpos: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
-    """Read fields from unsigned int64 words (with one extra zero word at the end)."""
+def _read_fields(words_u: torch.Tensor, bitpos: torch.Tensor, width: torch.Tensor) -> torch.Tensor:
+    """Fields of ``width`` bits at ``bitpos`` from unsigned int64 words (with two zero words at the end)."""
     w = bitpos >> 5
     s = bitpos & 31
     two = words_u[w] | (words_u[w + 1] << 32)
     return (two >> s) & ((torch.ones_like(width) << width) - 1)
 
 
-def _block_layout(cnt: torch.Tensor, L: torch.Tensor, W: torch.Tensor, e: torch.Tensor,
-                  high_len: torch.Tensor, ebits: int) -> tuple[torch.Tensor, ...]:
-    lw = _ceil32(cnt * L)
-    hw = _ceil32(high_len)
-    vw = _ceil32(cnt * W)
-    xw = e if ebits == 32 else (e + 1) >> 1
-    return lw, hw, vw, xw, lw + hw + vw + xw
+def value_codes(old_bits: torch.Tensor, new_bits: torch.Tensor) -> torch.Tensor:
+    """``v = zigzag((new - old) mod 2**E)`` (int64; 0 where nothing changed) of two bit views."""
+    ebits = 8 * old_bits.element_size()
+    m = _mask(ebits)
+    d = (_unsigned(new_bits) - _unsigned(old_bits)) & m
+    return torch.where((d >> (ebits - 1)) == 1, (~(d << 1)) & m, (d << 1) & m)
 
 
-def pack_compact(pos: torch.Tensor, codes: torch.Tensor, ebits: int) -> torch.Tensor:
-    """Compact body (int32 words) for ascending positions ``pos`` and delta codes ``codes``."""
-    dev = pos.device
+def apply_values(old_u: torch.Tensor, v: torch.Tensor, ebits: int, negate: bool = False) -> torch.Tensor:
+    """Inverse of :func:`value_codes`: ``old + unzigzag(v)`` (mod 2**E, unsigned int64); ``negate`` subtracts."""
+    return apply_codes(old_u, v - 1, ebits, negate)
+
+
+def _block_geometry(n: int, nb: int, span_log2: int, cnt: torch.Tensor, kbits: torch.Tensor, dev):
+    """Per block: span, L, H and the words of the four regions (int64 tensors of length ``nb``)."""
+    S = 1 << span_log2
+    span = torch.clamp(n - torch.arange(nb, device=dev, dtype=_I64) * S, max=S)
+    has = cnt > 0
+    L = torch.where(has, floor_log2(torch.where(has, span // torch.clamp(cnt, min=1), 1)), 0)
+    H = torch.where(has, cnt + ((span - 1) >> L), 0)
+    regions = torch.stack([_ceil32(cnt * L), _ceil32(H), _ceil32(cnt + kbits), _ceil32(kbits)], 1)
+    return span, L, H, regions
+
+
+def compact_block_stats(old_bits: torch.Tensor, new_bits: torch.Tensor, span_log2: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of ``2**span_log2`` elements: the change count ``cnt`` and the value bits ``K`` (int64)."""
+    n = old_bits.numel()
+    nb = -(-n // (1 << span_log2))
+    dev = old_bits.device
+    v = value_codes(old_bits.reshape(-1), new_bits.reshape(-1))
+    pos = torch.nonzero(v).reshape(-1)
+    blk = pos >> span_log2
+    cnt = torch.zeros(nb, dtype=_I64, device=dev).index_add_(0, blk, torch.ones_like(blk))
+    kbits = torch.zeros(nb, dtype=_I64, device=dev).index_add_(0, blk, floor_log2(v[pos]))
+    return cnt, kbits
+
+
+def compact_words(n: int, span_log2: int, cnt: torch.Tensor, kbits: torch.Tensor) -> int:
+    """Words of a compact body with the given per-block counts (0 when nothing changed)."""
+    if int(cnt.sum()) == 0:
+        return 0
+    nb = cnt.numel()
+    _, _, _, regions = _block_geometry(n, nb, span_log2, cnt, kbits, cnt.device)
+    return HEADER_WORDS * nb + int(regions.sum())
+
+
+def compact_encode(old_bits: torch.Tensor, new_bits: torch.Tensor, span_log2: int) -> torch.Tensor:
+    """Compact body (int32 words, format 2: see the module docstring) of the change ``old -> new``."""
+    dev = old_bits.device
+    o, x = old_bits.reshape(-1), new_bits.reshape(-1)
+    n = o.numel()
+    v_all = value_codes(o, x)
+    pos = torch.nonzero(v_all).reshape(-1)
     m = pos.numel()
     if m == 0:
         return torch.zeros(0, dtype=torch.int32, device=dev)
-    p = pos.to(_I64)
-    c = codes.to(_I64) & _mask(ebits)
-    nb = (m + RANK_BLOCK - 1) // RANK_BLOCK
-    idx = torch.arange(m, device=dev, dtype=_I64)
-    blk = idx // RANK_BLOCK
-    i = idx % RANK_BLOCK
-    starts = torch.arange(nb, device=dev, dtype=_I64) * RANK_BLOCK
-    cnt = torch.clamp(m - starts, max=RANK_BLOCK)
-    p_first = p[starts]
-    span = p[starts + cnt - 1] - p_first
-    L = _bitlen((span + 1) // cnt, 32) - 1
-    Lb = L[blk]
-    u = p - p_first[blk]
-    high_len = (span >> L) + cnt
-    need = _bitlen(c + 1, ebits)
-    hist = torch.zeros(nb * (ebits + 1), dtype=_I64, device=dev)
-    hist.index_add_(0, blk * (ebits + 1) + need, torch.ones_like(need))
-    hist = hist.view(nb, ebits + 1)
-    gt = hist.flip(1).cumsum(1).flip(1)  # gt[:, w] = #(need >= w)
-    widths = torch.arange(1, ebits + 1, device=dev, dtype=_I64)
-    greater = torch.cat([gt[:, 2:], torch.zeros(nb, 1, dtype=_I64, device=dev)], 1)  # #(need > w), w=1..E
-    cost = cnt[:, None] * widths[None, :] + ebits * greater
-    W = torch.argmin(cost, dim=1) + 1
-    Wb = W[blk]
-    esc_code = (torch.ones_like(Wb) << Wb) - 1
-    esc = c >= esc_code
-    code = torch.where(esc, esc_code, c)
-    e = torch.zeros(nb, dtype=_I64, device=dev).index_add_(0, blk, esc.to(_I64))
-    lw, hw, vw, xw, body = _block_layout(cnt, L, W, e, high_len, ebits)
-    body_off = _excl_cumsum(body)
-    total = META_WORDS * nb + int(body.sum())
+    S = 1 << span_log2
+    nb = -(-n // S)
+    v = v_all[pos]
+    k = floor_log2(v)
+    blk = pos >> span_log2
+    u = pos & (S - 1)
+    cnt = torch.zeros(nb, dtype=_I64, device=dev).index_add_(0, blk, torch.ones_like(blk))
+    kbits = torch.zeros(nb, dtype=_I64, device=dev).index_add_(0, blk, k)
+    span, L, H, regions = _block_geometry(n, nb, span_log2, cnt, kbits, dev)
+    size = regions.sum(1)
+    off = _excl_cumsum(size)
+    R = _excl_cumsum(cnt)
+    total = HEADER_WORDS * nb + int(size.sum())
     words = torch.zeros(total + 1, dtype=_I64, device=dev)
-    start = META_WORDS * nb + body_off  # first word of each block body
-    _pack_fields(words, 32 * start[blk] + i * Lb, u, Lb)
+    words[: HEADER_WORDS * nb] = torch.stack([R, kbits, off], 1).reshape(-1)
+    start = HEADER_WORDS * nb + off
+    reg0 = torch.cumsum(regions, 1) - regions  # first word of each region, relative to the block body
+    i = torch.arange(m, device=dev, dtype=_I64) - R[blk]
+    Lb = L[blk]
+    kex = _excl_cumsum(k) - _excl_cumsum(kbits)[blk]  # k_0 + ... + k_{i-1} within the block
+    base = 32 * (start[:, None] + reg0)[blk]  # bit offset of each change's four regions
     one = torch.ones_like(u)
-    _pack_fields(words, 32 * (start + lw)[blk] + (u >> Lb) + i, one, one)
-    _pack_fields(words, 32 * (start + lw + hw)[blk] + i * Wb, code, Wb)
-    if bool(esc.any()):
-        eb = blk[esc]
-        erank = torch.arange(eb.numel(), device=dev, dtype=_I64) - _excl_cumsum(e)[eb]
-        _pack_fields(words, 32 * (start + lw + hw + vw)[eb] + ebits * erank, c[esc],
-                     torch.full_like(eb, ebits))
-    meta = torch.stack([p_first, body_off, L | (W << 8) | (e << 16), high_len], 1).reshape(-1)
-    words[: META_WORDS * nb] = meta
+    _pack_fields(words, base[:, 0] + i * Lb, u, Lb)
+    _pack_fields(words, base[:, 1] + (u >> Lb) + i, one, one)
+    _pack_fields(words, base[:, 2] + kex + k + i, one, one)
+    _pack_fields(words, base[:, 3] + kex, v, k)
     return _to_signed(words[:total], 32, torch.int32)
 
 
-def unpack_compact(words: torch.Tensor, n: int, ebits: int, nchanged: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode a compact body into (positions int32, delta codes int32), validating every field.
+def _bits_in(words_u: torch.Tensor, first_bit: torch.Tensor, nbits: torch.Tensor):
+    """Set bits of the bit ranges ``[first_bit_j, first_bit_j + nbits_j)``: (range index, offset in range)."""
+    seg = torch.repeat_interleave(torch.arange(nbits.numel(), device=words_u.device), nbits)
+    local = torch.arange(seg.numel(), device=words_u.device, dtype=_I64) - _excl_cumsum(nbits)[seg]
+    bitpos = first_bit[seg] + local
+    on = ((words_u[bitpos >> 5] >> (bitpos & 31)) & 1) == 1
+    return seg[on], local[on]
 
-    Raises :class:`SyncFormatError` when the body is not a canonical encoding of ``nchanged`` strictly
-    increasing positions in ``[0, n)`` (wrong length, bad metadata, bit counts, positions out of range).
+
+def compact_check_headers(words: torch.Tensor, n: int, ebits: int, nchanged: int, span_log2: int):
+    """The block headers of a compact body (``nchanged >= 1``), checked: ranks start at 0 and give change
+    counts in ``[0, span]``, ``K <= (E - 1) cnt``, body offsets start at 0 and tile the body exactly.
+    Returns ``(wu, cnt, kbits, off, span, L, H, regions)``; raises :class:`SyncFormatError`."""
+    dev = words.device
+    m = int(nchanged)
+    total = words.numel()
+    S = 1 << span_log2
+    nb = -(-n // S)
+    if total < HEADER_WORDS * nb:
+        raise SyncFormatError(f"compact body truncated: {total} words < {HEADER_WORDS * nb} header words")
+    wu = torch.cat([words.to(_I64) & M32, torch.zeros(2, dtype=_I64, device=dev)])  # reads may touch the end
+    R, kbits, off = wu[: HEADER_WORDS * nb].view(nb, HEADER_WORDS).unbind(1)
+    nxt = torch.cat([R[1:], torch.tensor([m], dtype=_I64, device=dev)])
+    cnt = nxt - R
+    span = torch.clamp(n - torch.arange(nb, device=dev, dtype=_I64) * S, max=S)
+    bad = (cnt < 0) | (cnt > span) | (kbits > (ebits - 1) * torch.clamp(cnt, min=0))
+    if int(R[0]) != 0 or bool(bad.any()):
+        b = int(torch.nonzero(bad)[0]) if bool(bad.any()) else 0
+        raise SyncFormatError(f"compact block {b}: invalid header (R={int(R[b])}, K={int(kbits[b])}, "
+                              f"next R={int(nxt[b])}, span={int(span[b])})")
+    _, L, H, regions = _block_geometry(n, nb, span_log2, cnt, kbits, dev)
+    size = regions.sum(1)
+    if not torch.equal(off, _excl_cumsum(size)) or HEADER_WORDS * nb + int(size.sum()) != total:
+        raise SyncFormatError(f"compact body length / block offsets inconsistent ({total} words for {nb} blocks)")
+    return wu, cnt, kbits, off, span, L, H, regions
+
+
+def compact_decode(words: torch.Tensor, n: int, ebits: int, nchanged: int, span_log2: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode a compact body into (positions int64 ascending, value codes ``v`` int64), checking every field.
+
+    Raises :class:`SyncFormatError` unless the body is the canonical encoding of ``nchanged`` strictly
+    increasing positions in ``[0, n)`` with valid value codes (headers, region lengths and padding, bit
+    counts, positions inside their blocks and increasing). Writes nothing.
     """
     dev = words.device
     m = int(nchanged)
     if m < 0 or m > n:
         raise SyncFormatError(f"compact body claims {m} changes for a slice of {n} elements")
     if m == 0:
-        if words.numel() != 0:
+        if words.numel():
             raise SyncFormatError(f"compact body with 0 changes must be empty, got {words.numel()} words")
-        return (torch.zeros(0, dtype=torch.int32, device=dev), torch.zeros(0, dtype=torch.int32, device=dev))
-    nb = (m + RANK_BLOCK - 1) // RANK_BLOCK
-    total = words.numel()
-    if total < META_WORDS * nb:
-        raise SyncFormatError(f"compact body truncated: {total} words < {META_WORDS * nb} metadata words")
-    wu = torch.cat([words.to(_I64) & M32, torch.zeros(1, dtype=_I64, device=dev)])
-    meta = wu[: META_WORDS * nb].view(nb, META_WORDS)
-    p_first, body_off, packed, high_len = meta.unbind(1)
-    L, W, e = packed & 0xFF, (packed >> 8) & 0xFF, packed >> 16
-    starts = torch.arange(nb, device=dev, dtype=_I64) * RANK_BLOCK
-    cnt = torch.clamp(m - starts, max=RANK_BLOCK)
-    bad = (L > 31) | (W < 1) | (W > ebits) | (e > cnt) | (p_first >= n) | (high_len < cnt) \
-        | (high_len > cnt + (n >> torch.clamp(L, max=31)) + 1)
-    if bool(bad.any()):
-        b = int(torch.nonzero(bad)[0])
-        raise SyncFormatError(f"compact block {b}: invalid metadata (p_first={int(p_first[b])}, L={int(L[b])}, "
-                              f"W={int(W[b])}, e={int(e[b])}, high_len={int(high_len[b])}, cnt={int(cnt[b])})")
-    lw, hw, vw, xw, body = _block_layout(cnt, L, W, e, high_len, ebits)
-    if not torch.equal(body_off, _excl_cumsum(body)) or META_WORDS * nb + int(body.sum()) != total:
-        raise SyncFormatError(f"compact body length / block offsets inconsistent ({total} words for {nb} blocks)")
-    start = META_WORDS * nb + body_off
-    # high bits: expand every block's high region, find the set bits
-    seg = torch.repeat_interleave(torch.arange(nb, device=dev), high_len)
-    local = torch.arange(seg.numel(), device=dev, dtype=_I64) - _excl_cumsum(high_len)[seg]
-    bitpos = 32 * (start + lw)[seg] + local
-    bit = (wu[bitpos >> 5] >> (bitpos & 31)) & 1
-    set_at = torch.nonzero(bit).reshape(-1)
-    if set_at.numel() != m or not torch.equal(torch.bincount(seg[set_at], minlength=nb), cnt):
-        raise SyncFormatError("compact body: high-bit counts do not match the number of changes")
-    idx = torch.arange(m, device=dev, dtype=_I64)
-    blk = idx // RANK_BLOCK
-    i = idx % RANK_BLOCK
-    high = local[set_at] - i
-    Lb, Wb = L[blk], W[blk]
-    low = _unpack_fields(wu, 32 * start[blk] + i * Lb, Lb)
-    u = (high << Lb) | low
-    pos = p_first[blk] + u
-    if bool((u[starts] != 0).any()):
-        raise SyncFormatError("compact body: first position of a block differs from its p_first")
-    if bool((pos >= n).any()) or (m > 1 and bool((pos[1:] <= pos[:-1]).any())):
+        empty = torch.zeros(0, dtype=_I64, device=dev)
+        return empty, empty.clone()
+    S = 1 << span_log2
+    nb = -(-n // S)
+    wu, cnt, kbits, off, span, L, H, regions = compact_check_headers(words, n, ebits, m, span_log2)
+    R = _excl_cumsum(cnt)
+    reg0 = torch.cumsum(regions, 1) - regions
+    first = 32 * (HEADER_WORDS * nb + off[:, None] + reg0)  # [nb, 4] first bit of each region
+    # padding bits of every region must be zero
+    used = torch.stack([cnt * L, H, cnt + kbits, kbits], 1)
+    pad = 32 * regions - used
+    pseg, _ = _bits_in(wu, (first + used).reshape(-1), pad.reshape(-1))
+    if pseg.numel():
+        raise SyncFormatError(f"compact block {int(pseg[0]) // 4}: padding bits are not zero")
+    # B: high parts; C: value lengths (one set bit per change in each)
+    bseg, bloc = _bits_in(wu, first[:, 1], H)
+    cseg, cloc = _bits_in(wu, first[:, 2], cnt + kbits)
+    if not (torch.equal(torch.bincount(bseg, minlength=nb), cnt)
+            and torch.equal(torch.bincount(cseg, minlength=nb), cnt)):
+        raise SyncFormatError("compact body: set-bit counts of the high-bit / value-length regions do not match "
+                              "the block change counts")
+    last = cnt > 0
+    ends = torch.cumsum(cnt, 0) - 1
+    if not torch.equal(cloc[ends[last]], (cnt + kbits - 1)[last]):
+        raise SyncFormatError("compact body: a value-length region does not end with its last code")
+    blk = bseg
+    i = torch.arange(m, device=dev, dtype=_I64) - R[blk]
+    Lb = L[blk]
+    low = _read_fields(wu, first[blk, 0] + i * Lb, Lb)
+    u = ((bloc - i) << Lb) | low
+    pos = blk * S + u
+    if bool((u >= span[blk]).any()) or (m > 1 and bool((pos[1:] <= pos[:-1]).any())):
         raise SyncFormatError(f"compact body: positions out of range [0, {n}) or not strictly increasing")
-    code = _unpack_fields(wu, 32 * (start + lw + hw)[blk] + i * Wb, Wb)
-    esc_code = (torch.ones_like(Wb) << Wb) - 1
-    esc = code == esc_code
-    if not torch.equal(torch.zeros(nb, dtype=_I64, device=dev).index_add_(0, blk, esc.to(_I64)), e):
-        raise SyncFormatError("compact body: escape count does not match block metadata")
-    c = code
-    if bool(esc.any()):
-        eb = blk[esc]
-        erank = torch.arange(int(esc.sum()), device=dev, dtype=_I64) - _excl_cumsum(e)[eb]
-        c = c.clone()
-        c[esc] = _unpack_fields(wu, 32 * (start + lw + hw + vw)[eb] + ebits * erank, torch.full_like(eb, ebits))
-    if bool((c > _mask(ebits) - 1).any()):
-        raise SyncFormatError("compact body: value code encodes a zero change")
-    return pos.to(torch.int32), _to_signed(c, 32, torch.int32)
+    prev = torch.where(i > 0, torch.cat([cloc.new_full((1,), -1), cloc[:-1]]), -1)
+    k = cloc - prev - 1
+    if bool((k > ebits - 1).any()):
+        raise SyncFormatError("compact body: a value code is longer than the element")
+    kex = prev + 1 - i  # bits of the codes before i in the block
+    v = (torch.ones_like(k) << k) | _read_fields(wu, first[blk, 3] + kex, k)
+    return pos, v

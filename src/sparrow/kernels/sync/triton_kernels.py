@@ -1,30 +1,27 @@
-"""Triton kernels for bit-exact sparse weight sync (diff, compaction, compact packing, decode, apply).
+"""Triton kernels for bit-exact sparse weight sync: block scan, fused encode, fused decode + apply, hashing.
 
-Layout and semantics are those of :mod:`sparrow.kernels.sync.reference` (the test oracle); this module
-never imports it. Scheme on the GPU (no host round trip of indices):
+Layout and semantics are those of :mod:`sparrow.kernels.sync.reference` (the test oracle); this module never
+imports it. A slice is cut into blocks of ``SPAN = 2**span_log2`` elements; one program handles one block.
 
-1. ``_diff_count_group_kernel``: one program per ``DIFF_TILE`` elements reads old and new bit patterns once,
-   writes the tile's change count and a 1-bit-per-element change mask (1/16 of the bf16 input), and
-   optionally the two hash lanes of the new bits.
-2. exclusive scan of the tile counts on the device (``torch.cumsum``, no sync).
-3. ``_diff_collect_group_kernel``: one program per tile reads only the mask words, ranks the set bits with an
-   in-tile prefix sum and gathers old/new bits of the changed lanes only (masked loads touch only the
-   memory sectors that hold changes), writing ``(position, code)`` records at ``tile offset + rank``;
-   optionally it writes the new bits into the old tensor (the sender's snapshot update).
-4. ``_pack_group_kernel``: one program per block of ``RANK_BLOCK`` records computes the Elias-Fano parameter
-   ``L``, the value width ``W`` (exact cost minimisation), escapes, and packs the four bit regions
-   word-parallel (each output word gathers the fields it overlaps; no atomics) into a fixed-capacity slot.
-5. exclusive scan of the slot sizes on the device, ``_assemble_group_kernel`` copies the used part of every
-   slot behind the metadata.
+Sender, two launches per bit width and sync:
 
-Every kernel works on a *group* of slices in one launch (per-slice base addresses, lengths and
-cumulative tile / block counts in small device arrays; a program finds its slice in a per-tile table
-(full-data kernels) or by binary search over the cumulative counts (per-change kernels)), so
-the launch count per sync does not grow with the number of tensors.
+1. ``_scan_kernel`` reads old and new bits once (16-byte loads when slices are aligned), writes a 1-bit change
+   mask (1/16 of the bf16 input) and per block the change count ``cnt`` and value bits ``K``, from which it
+   computes the block's compact size; per slice change counts and body words through atomics. The device
+   prefix sums of ``cnt`` and of the sizes give every block's rank and word offset: nothing else is needed to
+   place it.
+2. ``_encode_kernel`` (after the sender's one host read, which sizes the buckets) reads the block's mask
+   words, lists the changed offsets by rank (one lane per mask word: popcount, prefix sum, lowest set bit),
+   then per chunk of ranks gathers old / new bits of the changed elements only, adds the hash change, writes
+   the new bits into the snapshot and writes the packed words straight into the bucket: each region's words
+   come from one segmented prefix sum over the chunk's fields (disjoint bit fields add up to their OR), the
+   word a chunk shares with the next carried over. COO and dense slices are written by the same kernel.
 
-Decode: ``_unpack_group_kernel`` (one program per block) expands the high bits tile by tile, ranks them with a
-prefix sum, and reads low bits, value codes and exceptions by rank; it validates every field and flags
-bad blocks instead of writing out of range. ``_apply_group_kernel`` then adds the decoded deltas in place.
+Receiver, per bucket: ``_check_headers_kernel`` validates every block header (ranks, value bits, offsets
+tiling the body) into a gate flag; ``_apply_kernel`` checks the gate, decodes its block (a prefix count over
+the bits of the two unary regions, fields read by rank), validates every field, and only then adds the
+deltas in place, summing the hash change of the written elements per entry. ``_hash_group_kernel`` hashes
+whole slices (full verification, anchors, bucket bodies); ``_apply_records_kernel`` writes COO records.
 """
 
 from __future__ import annotations
@@ -41,7 +38,17 @@ H_ADD_I = tl.constexpr(_c.H_ADD_I)
 H_MUL_I = tl.constexpr(_c.H_MUL_I)
 H_MUL_X = tl.constexpr(_c.H_MUL_X)
 H_XOR_B = tl.constexpr(_c.H_XOR_B)
+HEADER_WORDS = tl.constexpr(_c.HEADER_WORDS)
+BIG = tl.constexpr(1 << 30)  # word key of padding lanes (larger than any real key)
 
+MODE_COMPACT = tl.constexpr(0)
+MODE_COO = tl.constexpr(1)
+MODE_DENSE = tl.constexpr(2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------------------------------
 
 @triton.jit
 def _fmix32(h):
@@ -62,69 +69,24 @@ def _unsigned32(x, EBITS: tl.constexpr):
 
 
 @triton.jit
-def _delta_code(old, new, EBITS: tl.constexpr):
-    """c = zigzag(new - old) - 1 as int64 (unsigned value < 2^EBITS)."""
-    MASK: tl.constexpr = (1 << EBITS) - 1
-    o = old.to(tl.int64) & MASK
-    x = new.to(tl.int64) & MASK
-    d = (x - o) & MASK
-    zz = tl.where((d >> (EBITS - 1)) == 1, (~(d << 1)) & MASK, (d << 1) & MASK)
-    return zz - 1
+def _lanes(xu, pos):
+    """The two uint32 hash lanes of each element (uint32 bit pattern ``xu`` at uint32 position ``pos``);
+    a range's hash is the lane-wise sum mod 2^32 (see ``reference.hash_bits``)."""
+    t = (xu * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)
+    return _fmix32(t), _fmix32(t ^ H_XOR_B)
 
 
 @triton.jit
-def _pack_fixed(dst_ptr, nwords, src_ptr, count, width, WT: tl.constexpr):
-    """Words [0, nwords) of dst = the fields src[0..count) of ``width`` bits packed back to back."""
-    wsafe = tl.maximum(width, 1).to(tl.int64)
-    fmask = (tl.full((WT,), 1, tl.int64) << wsafe) - 1
-    kmax = 32 // wsafe + 2
-    for w0 in range(0, nwords, WT):
-        wi = w0 + tl.arange(0, WT)
-        active = wi < nwords
-        bit0 = wi.to(tl.int64) * 32
-        f0 = bit0 // wsafe
-        acc = tl.zeros((WT,), tl.int64)
-        for k in range(0, kmax):
-            f = f0 + k
-            fs = f * wsafe - bit0
-            fa = active & (f < count) & (fs < 32)
-            v = tl.load(src_ptr + f, mask=fa, other=0).to(tl.int64) & fmask
-            left = v << tl.maximum(fs, 0)
-            right = v >> tl.maximum(-fs, 0)
-            acc = acc | tl.where(fa, tl.where(fs >= 0, left, right), 0)
-        tl.store(dst_ptr + wi, (acc & 0xFFFFFFFF).to(tl.int32), mask=active)
-
-
-@triton.jit
-def _pack_bitset(dst_ptr, nwords, h_ptr, count, WT: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """Words [0, nwords) of dst = bitset with bits h[0..count) set (h strictly increasing)."""
-    for w0 in range(0, nwords, WT):
-        wi = w0 + tl.arange(0, WT)
-        active = wi < nwords
-        bit0 = wi * 32
-        lo = tl.zeros((WT,), tl.int32)
-        hi = tl.zeros((WT,), tl.int32) + count
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi) >> 1
-            go = lo < hi
-            hv = tl.load(h_ptr + mid, mask=go & (mid < count), other=0)
-            right = go & (hv < bit0)
-            lo = tl.where(right, mid + 1, lo)
-            hi = tl.where(go & (hv >= bit0), mid, hi)
-        acc = tl.zeros((WT,), tl.int64)
-        for k in tl.static_range(32):
-            idx = lo + k
-            a = active & (idx < count)
-            hv = tl.load(h_ptr + idx, mask=a, other=0)
-            rel = hv - bit0
-            a = a & (rel < 32) & (rel >= 0)
-            acc = acc | tl.where(a, tl.full((WT,), 1, tl.int64) << tl.maximum(rel, 0).to(tl.int64), 0)
-        tl.store(dst_ptr + wi, (acc & 0xFFFFFFFF).to(tl.int32), mask=active)
+def _bits_ptr(addr, EBITS: tl.constexpr):
+    if EBITS == 16:
+        return addr.to(tl.pointer_type(tl.int16))
+    else:
+        return addr.to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
 def _find(cum_ptr, nslices, x, STEPS: tl.constexpr):
-    """Largest s in [0, nslices) with cum[s] <= x (cum ascending, cum[0] = 0)."""
+    """Largest s in [0, nslices) with cum[s] <= x (cum ascending, cum[0] = 0); ``x`` scalar or tensor."""
     lo = (x * 0).to(tl.int64)
     hi = lo + nslices - 1
     for _ in tl.static_range(STEPS):
@@ -137,20 +99,121 @@ def _find(cum_ptr, nslices, x, STEPS: tl.constexpr):
 
 
 @triton.jit
-def _bits_ptr(addr, EBITS: tl.constexpr):
-    if EBITS == 16:
-        return addr.to(tl.pointer_type(tl.int16))
-    else:
-        return addr.to(tl.pointer_type(tl.int32))
+def _popc32(x):
+    """Set bits of each uint32 (SWAR)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24
 
 
 @triton.jit
-def _lanes(xu, pos):
-    """The two uint32 hash lanes of each element (uint32 bit pattern ``xu`` at uint32 position ``pos``);
-    a range's hash is the lane-wise sum mod 2^32 (see ``reference.hash_bits``)."""
-    t = (xu * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)
-    return _fmix32(t), _fmix32(t ^ H_XOR_B)
+def _flog2_small(x):
+    """floor(log2 x) for integers 1 <= x < 2**24 (exact through the float32 exponent; -127 for x == 0)."""
+    return (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
 
+
+@triton.jit
+def _ilog2_u32(x):
+    """floor(log2 x) of uint32 x >= 1, exact for every x (shift search)."""
+    r = (x > 0xFFFF).to(tl.uint32) << 4
+    x = x >> r
+    s = (x > 0xFF).to(tl.uint32) << 3
+    x = x >> s
+    r = r | s
+    s = (x > 0xF).to(tl.uint32) << 2
+    x = x >> s
+    r = r | s
+    s = (x > 0x3).to(tl.uint32) << 1
+    x = x >> s
+    r = r | s
+    return (r | (x >> 1)).to(tl.int32)
+
+
+@triton.jit
+def _zigzag(o, x, EBITS: tl.constexpr):
+    """``v = zigzag((x - o) mod 2**E)`` as uint32 (0 where unchanged) from int16 / int32 bit patterns."""
+    d = x.to(tl.int32) - o.to(tl.int32)
+    if EBITS == 16:
+        d = (d << 16) >> 16
+    return ((d << 1) ^ (d >> 31)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _vlog2(v, EBITS: tl.constexpr):
+    """floor(log2 v) of value codes (``v | 1`` makes unchanged lanes 0)."""
+    if EBITS == 16:
+        return _flog2_small(v | 1)
+    else:
+        return _ilog2_u32(v | 1)
+
+
+@triton.jit
+def _block_regions(cnt, kbits, span):
+    """L and the words of the four regions of a block (int32 scalars; all 0 when ``cnt == 0``)."""
+    has = cnt > 0
+    low = tl.where(has, _flog2_small(span // tl.maximum(cnt, 1)), 0)
+    high = tl.where(has, cnt + ((span - 1) >> low), 0)
+    lw = (cnt * low + 31) // 32
+    hw = (high + 31) // 32
+    uw = (cnt + kbits + 31) // 32
+    mw = (kbits + 31) // 32
+    return low, high, lw, hw, uw, mw
+
+
+@triton.jit
+def _read_bits(words_ptr, region, bitpos, width, mask):
+    """Fields of ``width`` (< 32) bits at bit ``bitpos`` of the region starting at word ``region`` (no word is
+    read for an empty field, so a field at the region's end never reads past it)."""
+    wi = region + (bitpos >> 5)
+    s = (bitpos & 31).to(tl.int64)
+    lo = tl.load(words_ptr + wi, mask=mask & (width > 0), other=0).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.load(words_ptr + wi + 1, mask=mask & ((s + width) > 32), other=0).to(tl.int64) & 0xFFFFFFFF
+    return (((lo | (hi << 32)) >> s) & ((tl.full(bitpos.shape, 1, tl.int64) << width.to(tl.int64)) - 1))
+
+
+@triton.jit
+def _emit(dst, nwords, bitpos, val, width, valid, ck, cs, cp, CH: tl.constexpr, RUN: tl.constexpr):
+    """Store the words of a chunk of bit fields (``val`` of ``width`` < 32 bits at increasing, disjoint
+    ``bitpos``; at most ``2**RUN`` fields start in one word) into ``dst[0, nwords)``. Disjoint fields add up to
+    their OR, so a word is a difference of one prefix sum over the chunk (plus the spill of the field that
+    straddles into it). ``(ck, cs, cp)`` carries the previous chunk's last word (key, partial value, spill into
+    the next word); returns this chunk's. Words without a field are left alone (the caller zeroes them)."""
+    lane = tl.arange(0, CH)
+    key = tl.where(valid, bitpos >> 5, BIG)
+    sh = (bitpos & 31).to(tl.uint32)
+    vv = tl.where(valid, val, 0).to(tl.uint32)
+    lo = vv << sh
+    sp = tl.where((sh + width.to(tl.uint32)) > 32, (vv >> 1) >> (31 - sh), 0)
+    prv = tl.maximum(lane - 1, 0)
+    first = lane  # first lane of this lane's word (keys ascend): binary lifting over the run
+    for t in tl.static_range(RUN):
+        cand = first - (1 << (RUN - 1 - t))
+        same = (cand >= 0) & (tl.gather(key, tl.maximum(cand, 0), 0) == key)
+        first = tl.where(same, cand, first)
+    spill_in = (first == lane) & (lane > 0) & (tl.gather(key, prv, 0) == key - 1)
+    inc = tl.where(spill_in, tl.gather(sp, prv, 0), 0)
+    tcum = tl.cumsum((lo + inc).to(tl.int64), axis=0)
+    before = tl.where(first > 0, tl.gather(tcum, tl.maximum(first - 1, 0), 0), 0)
+    cin = tl.where(first == 0, tl.where(key == ck, cs, tl.where(key == ck + 1, cp, 0)), 0)
+    word = ((tcum - before + cin.to(tl.int64)) & 0xFFFFFFFF).to(tl.uint32)
+    nk = tl.gather(key, tl.minimum(lane + 1, CH - 1), 0)
+    nk = tl.where(lane == CH - 1, BIG + 1, nk)
+    tl.store(dst + key, word.to(tl.int32, bitcast=True), mask=valid & (nk != key) & (key < nwords))
+    last = lane == tl.sum(valid.to(tl.int32), axis=0) - 1
+    return (tl.sum(tl.where(last, key, 0), axis=0), tl.sum(tl.where(last, word, 0), axis=0),
+            tl.sum(tl.where(last, sp, 0), axis=0))
+
+
+@triton.jit
+def _flush(dst, nwords, ck, cp):
+    """The spill of a region's last field into the word after it."""
+    tl.store(dst + ck + 1, cp.to(tl.int32, bitcast=True), mask=(cp != 0) & (ck + 1 < nwords) & (ck >= 0))
+
+
+# ---------------------------------------------------------------------------------------------------
+# hashing
+# ---------------------------------------------------------------------------------------------------
 
 @triton.jit
 def _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE: tl.constexpr, TPP: tl.constexpr):
@@ -201,296 +264,381 @@ def _hash_group_kernel(addr_ptr, n_ptr, start_ptr, tile_cum_ptr, prog_cum_ptr, p
     tl.atomic_add(out_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
 
 
+# ---------------------------------------------------------------------------------------------------
+# sender
+# ---------------------------------------------------------------------------------------------------
+
 @triton.jit
-def _diff_count_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, prog_cum_ptr,
-                             prog_slice_ptr, counts_ptr, maskw_ptr, slice_counts_ptr, hash_ptr,
-                             EBITS: tl.constexpr, TILE: tl.constexpr, TPP: tl.constexpr, HASH: tl.constexpr,
-                             ALIGNED: tl.constexpr):
-    """Per tile: change count and 1-bit change mask; per slice (atomics): change count and, with HASH,
-    the hash lanes of the new bits."""
-    pid = tl.program_id(0).to(tl.int64)
-    s, n, j0, t0, nt = _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE, TPP)
-    old_addr = tl.load(old_addr_ptr + s)
-    new_addr = tl.load(new_addr_ptr + s)
+def _block_of(b, blk_slice_ptr, block_cum_ptr, n_ptr, SPAN: tl.constexpr):
+    """Slice of block ``b``, the block's index in it, its first element and its length."""
+    s = tl.load(blk_slice_ptr + b).to(tl.int64)
+    j = b - tl.load(block_cum_ptr + s)
+    e0 = j * SPAN
+    span = tl.minimum(tl.load(n_ptr + s) - e0, SPAN).to(tl.int32)
+    return s, j, e0, span
+
+
+@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
+def _scan_kernel(old_addr_ptr, new_addr_ptr, n_ptr, block_cum_ptr, blk_slice_ptr, mask_off_ptr, mask_ptr,
+                 cnt_ptr, kbits_ptr, words_ptr, slice_acc_ptr, nslices,
+                 EBITS: tl.constexpr, SPAN: tl.constexpr, TILE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Per block: change mask words, ``cnt``, ``K`` and compact body words; per slice (atomics into
+    ``slice_acc``: counts in ``[0, S)``, words in ``[S, 2S)``) the sums."""
+    b = tl.program_id(0).to(tl.int64)
+    s, j, e0, span = _block_of(b, blk_slice_ptr, block_cum_ptr, n_ptr, SPAN)
+    old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS) + e0
+    new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS) + e0
+    if ALIGNED:
+        old_p = tl.multiple_of(old_p, 16)
+        new_p = tl.multiple_of(new_p, 16)
+    mbase = tl.load(mask_off_ptr + s) + j * (SPAN // 32)
     lane = tl.arange(0, TILE)
     wl = tl.arange(0, TILE // 32)
-    acc_c = tl.zeros((TILE,), tl.int32)
-    acc_a = tl.zeros((TILE,), tl.uint32)
-    acc_b = tl.zeros((TILE,), tl.uint32)
-    if HASH:
-        start = tl.load(start_ptr + s)
-    for k in range(0, nt):
-        ts = (j0 + k) * TILE
-        old_p, rem = _tile_base(old_addr, ts, n, TILE, EBITS, ALIGNED)
-        new_p, _ = _tile_base(new_addr, ts, n, TILE, EBITS, ALIGNED)
+    bitc = (tl.full((TILE,), 1, tl.int32) << (lane & 31)).to(tl.uint32)
+    acc_w = tl.zeros((TILE // 32,), tl.int32)
+    acc_k = tl.zeros((TILE,), tl.int32)
+    for t0 in range(0, span, TILE):
+        rem = span - t0
+        if ALIGNED:
+            rem = tl.multiple_of(rem, 8)
         valid = lane < rem
-        old = tl.load(old_p + lane, mask=valid, other=0)
-        new = tl.load(new_p + lane, mask=valid, other=0)
-        c = (old != new).to(tl.int32)  # masked lanes load 0 == 0
-        tl.store(counts_ptr + t0 + k, tl.sum(c, axis=0))
-        acc_c += c
-        bitv = c.to(tl.uint32) << (lane & 31).to(tl.uint32)
-        words = tl.sum(tl.reshape(bitv, (TILE // 32, 32)), axis=1)
-        tl.store(maskw_ptr + (t0 + k) * (TILE // 32) + wl, words.to(tl.int32, bitcast=True))
-        if HASH:
-            a, b = _lanes(_unsigned32(new, EBITS), (ts + start).to(tl.uint32) + lane.to(tl.uint32))
-            acc_a += tl.where(valid, a, 0)
-            acc_b += tl.where(valid, b, 0)
-    tl.atomic_add(slice_counts_ptr + s, tl.sum(acc_c, axis=0))
-    if HASH:
-        tl.atomic_add(hash_ptr + 2 * s, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
-        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
+        o = tl.load(old_p + t0 + lane, mask=valid, other=0)
+        x = tl.load(new_p + t0 + lane, mask=valid, other=0)  # padding lanes: 0 == 0, no change
+        d = x.to(tl.int32) - o.to(tl.int32)
+        if EBITS == 16:
+            d = (d << 16) >> 16
+            # floor(log2(zigzag(d) | 1)) = floor(log2(2 (d ^ (d >> 31)) + 1)): the float32 exponent, its bias
+            # of 127 per lane taken off once at the end
+            acc_k += (((d ^ (d >> 31)) * 2 + 1).to(tl.float32).to(tl.int32, bitcast=True) >> 23)
+        else:
+            acc_k += _ilog2_u32(((d << 1) ^ (d >> 31)).to(tl.uint32, bitcast=True) | 1) + 127
+        words = tl.sum(tl.reshape(tl.where(d != 0, bitc, 0), (TILE // 32, 32)), axis=1)
+        acc_w += _popc32(words).to(tl.int32)
+        tl.store(mask_ptr + mbase + t0 // 32 + wl, words.to(tl.int32, bitcast=True), mask=wl * 32 < rem)
+    cnt = tl.sum(acc_w, axis=0)
+    kbits = tl.sum(acc_k, axis=0) - 127 * TILE * ((span + TILE - 1) // TILE)
+    _, _, lw, hw, uw, mw = _block_regions(cnt, kbits, span)
+    wb = (lw + hw + uw + mw).to(tl.int64)
+    tl.store(cnt_ptr + b, cnt)
+    tl.store(kbits_ptr + b, kbits)
+    tl.store(words_ptr + b, wb)
+    tl.atomic_add(slice_acc_ptr + s, cnt.to(tl.int64))
+    tl.atomic_add(slice_acc_ptr + nslices + s, wb)
 
 
 @triton.jit
-def _diff_collect_group_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, tile_cum_ptr, prog_cum_ptr,
-                               prog_slice_ptr, prog0, counts_ptr, offsets_ptr, rec_base, maskw_ptr, pos_ptr,
-                               val_ptr, hash_ptr, EBITS: tl.constexpr, TILE: tl.constexpr, TPP: tl.constexpr,
-                               DELTA: tl.constexpr, UPDATE_OLD: tl.constexpr, HASH: tl.constexpr):
-    """Records of the changed lanes (tiles without changes are skipped); with HASH the per-slice sum of
-    ``lanes(new) - lanes(old)`` over the changed elements (the incremental hash update)."""
-    pid = tl.program_id(0).to(tl.int64) + prog0
-    s, n, j0, t0, nt = _prog_tiles(pid, prog_slice_ptr, prog_cum_ptr, tile_cum_ptr, n_ptr, TILE, TPP)
-    old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS)
-    new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS)
-    lane = tl.arange(0, TILE)
-    acc_a = tl.zeros((TILE,), tl.uint32)
-    acc_b = tl.zeros((TILE,), tl.uint32)
-    if HASH:
-        start = tl.load(start_ptr + s)
-    for k in range(0, nt):
-        t = t0 + k
-        if tl.load(counts_ptr + t) > 0:
-            offs = (j0 + k) * TILE + lane
-            w = tl.load(maskw_ptr + t * (TILE // 32) + (lane >> 5))
-            ch = (((w.to(tl.uint32, bitcast=True) >> (lane & 31).to(tl.uint32)) & 1) != 0) & (offs < n)
-            rank = tl.cumsum(ch.to(tl.int32), axis=0) - 1
-            dst = tl.load(offsets_ptr + t) - rec_base + rank
-            new = tl.load(new_p + offs, mask=ch, other=0)
-            if DELTA or HASH:
-                old = tl.load(old_p + offs, mask=ch, other=0)
-            if DELTA:
-                val = _delta_code(old, new, EBITS)
-            else:
-                val = new.to(tl.int64) & ((1 << EBITS) - 1)
-            tl.store(pos_ptr + dst, offs.to(tl.int32), mask=ch)
-            tl.store(val_ptr + dst, val.to(tl.int32), mask=ch)
-            if UPDATE_OLD:
-                tl.store(old_p + offs, new, mask=ch)
-            if HASH:
-                hp = (offs + start).to(tl.uint32)
-                na, nb = _lanes(_unsigned32(new, EBITS), hp)
-                oa, ob = _lanes(_unsigned32(old, EBITS), hp)
-                acc_a += tl.where(ch, na - oa, 0)
-                acc_b += tl.where(ch, nb - ob, 0)
-    if HASH:
-        tl.atomic_add(hash_ptr + 2 * s, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
-        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
+def _excl(cum_ptr, cnt_ptr, b):
+    """Exclusive prefix at block ``b`` of an inclusive cumulative sum (0 for b < 0 is not needed: b >= 0)."""
+    return tl.load(cum_ptr + b) - tl.load(cnt_ptr + b)
 
 
-@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
-def _pack_group_kernel(pos_ptr, val_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nslices,
-                       slots_ptr, sizes_ptr, meta_ptr, scratch_ptr,
-                       EBITS: tl.constexpr, R: tl.constexpr, SLOT: tl.constexpr, WT: tl.constexpr,
-                       SEARCH_STEPS: tl.constexpr, STEPS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    s = _find(block_cum_ptr, nslices, b, STEPS)
-    j = b - tl.load(block_cum_ptr + s)
-    m = tl.load(m_ptr + s)
-    i = tl.arange(0, R)
-    cnt = tl.minimum(m - j * R, R)
-    valid = i < cnt
-    g = tl.load(rec_off_ptr + s) + j * R + i
-    p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
-    p_first = tl.min(tl.where(valid, p, 2**40), axis=0)  # positions ascend
-    p_last = tl.max(tl.where(valid, p, -1), axis=0)
-    span = p_last - p_first
-    q = (span + 1) // cnt
-    L = (q * 0).to(tl.int64)
-    for k in tl.static_range(1, 32):
-        L += ((q >> k) > 0).to(tl.int64)
-    u = p - p_first
-    low = u & ((tl.full((R,), 1, tl.int64) << L) - 1)
-    h = (u >> L) + i
-    high_len = (span >> L) + cnt
-    MASK: tl.constexpr = (1 << EBITS) - 1
-    cu = tl.load(val_ptr + g, mask=valid, other=0).to(tl.int64) & MASK
-    zz = cu + 1
-    need = tl.zeros((R,), tl.int32)
-    for k in tl.static_range(EBITS):
-        need += ((zz >> k) > 0).to(tl.int32)
-    best = cnt * EBITS + 1
-    W = (cnt * 0 + 1).to(tl.int64)
-    for w in tl.static_range(1, EBITS + 1):
-        cost = cnt * w + EBITS * tl.sum((valid & (need > w)).to(tl.int64), axis=0)
-        better = cost < best
-        W = tl.where(better, w, W)
-        best = tl.where(better, cost, best)
-    esc_code = (tl.full((R,), 1, tl.int64) << W) - 1
-    esc = valid & (cu >= esc_code)
-    code = tl.where(esc, esc_code, cu)
-    e = tl.sum(esc.to(tl.int64), axis=0)
-    erank = tl.cumsum(esc.to(tl.int32), axis=0) - 1
-    lw = (cnt * L + 31) // 32
-    hw = (high_len + 31) // 32
-    vw = (cnt * W + 31) // 32
-    if EBITS == 32:
-        xw = e
-    else:
-        xw = (e + 1) // 2
-    scr = scratch_ptr + b * (4 * R)
-    tl.store(scr + i, low.to(tl.int32), mask=valid)
-    tl.store(scr + R + i, h.to(tl.int32), mask=valid)
-    tl.store(scr + 2 * R + i, code.to(tl.int32), mask=valid)
-    tl.store(scr + 3 * R + erank, cu.to(tl.int32), mask=esc)
+@triton.jit(do_not_specialize=["b0", "hash_stride"])  # a launch's first block varies
+def _encode_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, block_cum_ptr, blk_slice_ptr, mask_off_ptr,
+                   mask_ptr, cnt_ptr, kbits_ptr, cnt_cum_ptr, words_ptr, words_cum_ptr, b0,
+                   mode_ptr, out_off_ptr, hash_row_ptr, out_ptr, scratch_ptr, hash_ptr, hash_stride,
+                   EBITS: tl.constexpr, SPAN: tl.constexpr, WL: tl.constexpr, CH: tl.constexpr,
+                   CH_LOG2: tl.constexpr, UPDATE_OLD: tl.constexpr, HASH: tl.constexpr):
+    """Write block ``b0 + pid`` of its slice's body (compact / COO / dense, per ``mode[s]``) into ``out`` (a byte
+    buffer; slice ``s`` at byte ``out_off[s]``), write the new bits of its changed elements into the old
+    tensor (UPDATE_OLD) and add their hash change to ``hash[hash_row[s] * hash_stride + 0 / 1]`` (HASH)."""
+    b = b0 + tl.program_id(0).to(tl.int64)
+    s, j, e0, span = _block_of(b, blk_slice_ptr, block_cum_ptr, n_ptr, SPAN)
+    mode = tl.load(mode_ptr + s)
+    old_p = _bits_ptr(tl.load(old_addr_ptr + s), EBITS) + e0
+    new_p = _bits_ptr(tl.load(new_addr_ptr + s), EBITS) + e0
+    cnt = tl.load(cnt_ptr + b)
+    kbits = tl.load(kbits_ptr + b)
+    bfirst = tl.load(block_cum_ptr + s)
+    nb = tl.load(block_cum_ptr + s + 1) - bfirst
+    blast = bfirst + nb - 1
+    r_slice = _excl(cnt_cum_ptr, cnt_ptr, b) - _excl(cnt_cum_ptr, cnt_ptr, bfirst)  # changes before b in s
+    m_slice = tl.load(cnt_cum_ptr + blast) - _excl(cnt_cum_ptr, cnt_ptr, bfirst)
+    rank0 = _excl(cnt_cum_ptr, cnt_ptr, b) - _excl(cnt_cum_ptr, cnt_ptr, b0)  # scratch base of this launch
+    off = _excl(words_cum_ptr, words_ptr, b) - _excl(words_cum_ptr, words_ptr, bfirst)
+    out_b = out_ptr + tl.load(out_off_ptr + s)
+    lane_w = tl.arange(0, WL)
+    lane = tl.arange(0, CH)
+    low, _, lw, hw, uw, mw = _block_regions(cnt, kbits, span)
+    out_w = out_b.to(tl.pointer_type(tl.int32))
+    body = out_w + HEADER_WORDS * nb + off
+    if mode == MODE_DENSE:
+        out_e = _bits_ptr(out_b.to(tl.int64, bitcast=True), EBITS) + e0
+        for t0 in range(0, span, WL):
+            ok = t0 + lane_w < span
+            tl.store(out_e + t0 + lane_w, tl.load(new_p + t0 + lane_w, mask=ok, other=0), mask=ok)
+    if mode == MODE_COMPACT:
+        if m_slice > 0:
+            k3 = tl.arange(0, 4)
+            hdr = tl.where(k3 == 0, r_slice, tl.where(k3 == 1, kbits.to(tl.int64), off))
+            tl.store(out_w + HEADER_WORDS * j + k3, hdr.to(tl.int32), mask=k3 < HEADER_WORDS)
+        size = lw + hw + uw + mw
+        for t0 in range(0, size, WL):  # bitset regions have words without set bits: zero the block first
+            tl.store(body + t0 + lane_w, tl.zeros((WL,), tl.int32), mask=t0 + lane_w < size)
+    # list the changed offsets of the block by rank: one lane per mask word
+    mbase = mask_ptr + tl.load(mask_off_ptr + s) + j * (SPAN // 32)
+    nwords = (span + 31) // 32
+    running = cnt * 0
+    for w0 in range(0, nwords, WL):
+        wi = w0 + lane_w
+        wv = tl.load(mbase + wi, mask=wi < nwords, other=0).to(tl.uint32, bitcast=True)
+        pc = _popc32(wv).to(tl.int32)
+        ex = running + tl.cumsum(pc, axis=0) - pc
+        for t in range(0, tl.max(pc, axis=0)):
+            lowbit = wv & ((~wv) + 1)
+            u = wi * 32 + _flog2_small(lowbit)
+            tl.store(scratch_ptr + rank0 + ex + t, u, mask=wv != 0)
+            wv = wv ^ lowbit
+        running += tl.sum(pc, axis=0)
     tl.debug_barrier()
-    slot = slots_ptr + b * SLOT
-    _pack_fixed(slot, lw, scr, cnt, L, WT)
-    _pack_bitset(slot + lw, hw, scr + R, cnt, WT, SEARCH_STEPS)
-    _pack_fixed(slot + lw + hw, vw, scr + 2 * R, cnt, W, WT)
-    _pack_fixed(slot + lw + hw + vw, xw, scr + 3 * R, e, W * 0 + EBITS, WT)
-    tl.store(sizes_ptr + b, lw + hw + vw + xw)
-    k4 = tl.arange(0, 4)
-    meta = tl.where(k4 == 0, p_first, tl.where(k4 == 2, L | (W << 8) | (e << 16), high_len))
-    tl.store(meta_ptr + 4 * b + k4, meta.to(tl.int32))
+    hstart = tl.load(start_ptr + s) + e0
+    acc_a = tl.zeros((CH,), tl.uint32)
+    acc_b = tl.zeros((CH,), tl.uint32)
+    one = tl.full((CH,), 1, tl.uint32)
+    breg = body + lw
+    creg = breg + hw
+    dreg = creg + uw
+    ksum = cnt * 0
+    a_k, a_s, a_p = cnt * 0 - 2, tl.zeros((), tl.uint32), tl.zeros((), tl.uint32)
+    b_k, b_s, b_p = cnt * 0 - 2, tl.zeros((), tl.uint32), tl.zeros((), tl.uint32)
+    c_k, c_s, c_p = cnt * 0 - 2, tl.zeros((), tl.uint32), tl.zeros((), tl.uint32)
+    d_k, d_s, d_p = cnt * 0 - 2, tl.zeros((), tl.uint32), tl.zeros((), tl.uint32)
+    for c0 in range(0, cnt, CH):
+        r = c0 + lane
+        valid = r < cnt
+        u = tl.load(scratch_ptr + rank0 + r, mask=valid, other=0)
+        o = tl.load(old_p + u, mask=valid, other=0)
+        x = tl.load(new_p + u, mask=valid, other=0)
+        if HASH:
+            hp = (hstart + u).to(tl.uint32)
+            na, nb_ = _lanes(_unsigned32(x, EBITS), hp)
+            oa, ob = _lanes(_unsigned32(o, EBITS), hp)
+            acc_a += tl.where(valid, na - oa, 0)
+            acc_b += tl.where(valid, nb_ - ob, 0)
+        if UPDATE_OLD:
+            tl.store(old_p + u, x, mask=valid)
+        if mode == MODE_COMPACT:
+            v = _zigzag(o, x, EBITS)
+            k = tl.where(valid, _vlog2(v, EBITS), 0)
+            kex = ksum + tl.cumsum(k, axis=0) - k
+            ksum += tl.sum(k, axis=0)
+            lmask = (one << low.to(tl.uint32)) - 1
+            a_k, a_s, a_p = _emit(body, lw, r * low, u.to(tl.uint32) & lmask, low + r * 0, valid,
+                                  a_k, a_s, a_p, CH, 5)  # L >= 1 bits per field (L = 0: no words)
+            b_k, b_s, b_p = _emit(breg, hw, (u >> low) + r, one, r * 0 + 1, valid, b_k, b_s, b_p, CH, 5)
+            c_k, c_s, c_p = _emit(creg, uw, kex + k + r, one, r * 0 + 1, valid, c_k, c_s, c_p, CH, 5)
+            d_k, d_s, d_p = _emit(dreg, mw, kex, v & ((one << k.to(tl.uint32)) - 1), k, valid,
+                                  d_k, d_s, d_p, CH, CH_LOG2)  # zero-width fields: any number per word
+        if mode == MODE_COO:
+            rr = r_slice + r
+            tl.store(out_w + rr, (e0 + u).to(tl.int32), mask=valid)
+            vals = _bits_ptr((out_b + 4 * m_slice).to(tl.int64, bitcast=True), EBITS)
+            tl.store(vals + rr, x, mask=valid)
+        tl.debug_barrier()  # a chunk re-stores the word it shares with the previous one
+    if mode == MODE_COMPACT:
+        _flush(body, lw, a_k, a_p)
+        _flush(dreg, mw, d_k, d_p)
+    if HASH:
+        row = tl.load(hash_row_ptr + s).to(tl.int64)
+        if row >= 0:
+            tl.atomic_add(hash_ptr + row * hash_stride, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
+            tl.atomic_add(hash_ptr + row * hash_stride + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
 
 
-@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
-def _assemble_group_kernel(slots_ptr, sizes_ptr, size_excl_ptr, block_cum_ptr, base_ptr, nslices, meta_ptr,
-                           out_ptr, SLOT: tl.constexpr, CT: tl.constexpr, STEPS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    s = _find(block_cum_ptr, nslices, b, STEPS)
-    b0 = tl.load(block_cum_ptr + s)
-    nb = tl.load(block_cum_ptr + s + 1) - b0
-    size = tl.load(sizes_ptr + b)
-    off = tl.load(size_excl_ptr + b) - tl.load(size_excl_ptr + b0)  # body offset within the slice
-    base = tl.load(base_ptr + s)
-    dst = out_ptr + base + 4 * nb + off
-    for w0 in range(0, size, CT):
-        wi = w0 + tl.arange(0, CT)
-        a = wi < size
-        tl.store(dst + wi, tl.load(slots_ptr + b * SLOT + wi, mask=a, other=0), mask=a)
-    k = tl.arange(0, 4)
-    meta = tl.load(meta_ptr + 4 * b + k)
-    meta = tl.where(k == 1, off.to(tl.int32), meta)
-    tl.store(out_ptr + base + 4 * (b - b0) + k, meta)
-
+# ---------------------------------------------------------------------------------------------------
+# receiver
+# ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _read_field(words_ptr, region, idx, width, mask):
-    """Field ``idx`` of ``width`` bits (int64 tensors) in the region starting at word ``region``."""
-    bitpos = idx * width
-    wi = region + (bitpos >> 5)
-    s = bitpos & 31
-    lo = tl.load(words_ptr + wi, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-    hi = tl.load(words_ptr + wi + 1, mask=mask & (s + width > 32), other=0).to(tl.int64) & 0xFFFFFFFF
-    return ((lo | (hi << 32)) >> s) & ((tl.full(idx.shape, 1, tl.int64) << width) - 1)
+def _entry_block(g, block_cum_ptr, nentries, STEPS: tl.constexpr):
+    """Entry of (global) block ``g`` and the block's index in it (scalars or tensors)."""
+    e = _find(block_cum_ptr, nentries, g, STEPS)
+    return e, g - tl.load(block_cum_ptr + e)
 
 
-@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
-def _unpack_group_kernel(words_ptr, word_off_ptr, total_ptr, n_ptr, m_ptr, rec_off_ptr, block_cum_ptr, nslices,
-                         pos_ptr, val_ptr, err_ptr, EBITS: tl.constexpr, R: tl.constexpr, STEPS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    s = _find(block_cum_ptr, nslices, b, STEPS)
-    b0 = tl.load(block_cum_ptr + s)
-    j = b - b0
-    nb = tl.load(block_cum_ptr + s + 1) - b0
-    words = words_ptr + tl.load(word_off_ptr + s)
-    total = tl.load(total_ptr + s)
-    n = tl.load(n_ptr + s)
-    m = tl.load(m_ptr + s)
-    lane = tl.arange(0, R).to(tl.int64)
-    cnt = tl.minimum(m - j * R, R)
-    # this block's metadata and the next block's offset / first position (cross-block checks)
-    k8 = tl.arange(0, 8)
+@triton.jit(do_not_specialize=["nentries", "nblocks"])
+def _check_headers_kernel(words_ptr, woff_ptr, nwords_ptr, n_ptr, m_ptr, block_cum_ptr, nentries, nblocks,
+                          gate_ptr, EBITS: tl.constexpr, SPAN: tl.constexpr, BLK: tl.constexpr,
+                          STEPS: tl.constexpr):
+    """Every block header of the compact entries: ranks ``R`` start at 0 and give counts in ``[0, span]``,
+    ``K <= (E - 1) cnt``, body offsets start at 0 and tile the entry's body exactly. Any failure sets the gate
+    (``gate[0]``), so that no block of the bucket is written."""
+    g = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+    act = g < nblocks
+    gg = tl.where(act, g, 0)
+    e, j = _entry_block(gg, block_cum_ptr, nentries, STEPS)
+    nb = tl.load(block_cum_ptr + e + 1) - tl.load(block_cum_ptr + e)
+    n = tl.load(n_ptr + e)
+    m = tl.load(m_ptr + e)
+    total = tl.load(nwords_ptr + e)
+    w = words_ptr + tl.load(woff_ptr + e)
     has_next = j + 1 < nb
-    meta = tl.load(words + 4 * j + k8, mask=k8 < tl.where(has_next, 8, 4), other=0).to(tl.int64) & 0xFFFFFFFF
-    p_first = tl.sum(tl.where(k8 == 0, meta, 0), axis=0)
-    body_off = tl.sum(tl.where(k8 == 1, meta, 0), axis=0)
-    packed = tl.sum(tl.where(k8 == 2, meta, 0), axis=0)
-    high_len = tl.sum(tl.where(k8 == 3, meta, 0), axis=0)
-    next_first = tl.sum(tl.where(k8 == 4, meta, 0), axis=0)
-    next_off = tl.sum(tl.where(k8 == 5, meta, 0), axis=0)
-    L = packed & 0xFF
-    W = (packed >> 8) & 0xFF
-    e = packed >> 16
-    ok = (L <= 31) & (W >= 1) & (W <= EBITS) & (e <= cnt) & (p_first < n) & (high_len >= cnt)
-    ok = ok & ((j > 0) | (body_off == 0))
-    L = tl.minimum(L, 31)
-    W = tl.maximum(tl.minimum(W, EBITS), 1)
-    ok = ok & (high_len <= cnt + (n >> L) + 1)
-    high_len = tl.where(ok, high_len, 0)
-    e = tl.where(ok, e, 0)
-    lw = (cnt * L + 31) // 32
-    hw = (high_len + 31) // 32
-    vw = (cnt * W + 31) // 32
-    if EBITS == 32:
-        xw = e
-    else:
-        xw = (e + 1) // 2
-    start = 4 * nb + body_off
-    end = start + lw + hw + vw + xw
-    # blocks tile the body exactly: each ends where the next begins, the last at the body's end
-    ok = ok & (end <= total) & tl.where(has_next, end == 4 * nb + next_off, end == total)
-    high_len = tl.where(ok, high_len, 0)
-    e = tl.where(ok, e, 0)
-    hreg = start + lw
-    vreg = hreg + hw
-    xreg = vreg + vw
-    esc_code = (tl.full((R,), 1, tl.int64) << W) - 1
-    MAXC: tl.constexpr = (1 << EBITS) - 2
-    running = (cnt * 0).to(tl.int64)
-    erun = (cnt * 0).to(tl.int64)
-    bad = (cnt * 0).to(tl.int64)
-    last_p = (cnt * 0 - 1).to(tl.int64)
-    for t in range(0, (high_len + R - 1) // R):
-        jb = t * R + lane
-        inb = jb < high_len
-        wv = tl.load(words + hreg + (jb >> 5), mask=inb, other=0).to(tl.int64) & 0xFFFFFFFF
-        sbit = inb & (((wv >> (jb & 31)) & 1) != 0)
-        r = running + tl.cumsum(sbit.to(tl.int64), axis=0) - 1
-        v = sbit & (r < cnt)
-        bad += tl.sum((sbit & (r >= cnt)).to(tl.int64), axis=0)
-        low = _read_field(words, start, r, L, v)
-        u = ((jb - r) << L) | low
-        p = p_first + u
-        bad += tl.sum((v & ((p >= n) | ((r == 0) & (u != 0)))).to(tl.int64), axis=0)
-        last_p = tl.maximum(last_p, tl.max(tl.where(v, p, -1), axis=0))
-        code = _read_field(words, vreg, r, W, v)
-        esc = v & (code == esc_code)
-        er = erun + tl.cumsum(esc.to(tl.int64), axis=0) - 1
-        esc_ok = esc & (er < e)
-        bad += tl.sum((esc & (er >= e)).to(tl.int64), axis=0)
-        exc = _read_field(words, xreg, er, tl.full((R,), EBITS, tl.int64), esc_ok)
-        c = tl.where(esc, exc, code)
-        bad += tl.sum((v & (c > MAXC)).to(tl.int64), axis=0)
-        dst = tl.load(rec_off_ptr + s) + j * R + r
-        tl.store(pos_ptr + dst, p.to(tl.int32), mask=v)
-        tl.store(val_ptr + dst, c.to(tl.int32), mask=v)
-        running += tl.sum(sbit.to(tl.int64), axis=0)
-        erun += tl.sum(esc.to(tl.int64), axis=0)
-    bad += (running != cnt).to(tl.int64) + (erun != e).to(tl.int64)
-    bad += (has_next & (next_first <= last_p)).to(tl.int64)  # blocks in increasing position order
-    tl.store(err_ptr + b, tl.where(ok, bad, 1).to(tl.int32))
+    rr = tl.load(w + HEADER_WORDS * j, mask=act, other=0).to(tl.int64) & 0xFFFFFFFF
+    kb = tl.load(w + HEADER_WORDS * j + 1, mask=act, other=0).to(tl.int64) & 0xFFFFFFFF
+    off = tl.load(w + HEADER_WORDS * j + 2, mask=act, other=0).to(tl.int64) & 0xFFFFFFFF
+    r_next = tl.load(w + HEADER_WORDS * (j + 1), mask=act & has_next, other=0).to(tl.int64) & 0xFFFFFFFF
+    r_next = tl.where(has_next, r_next, m)
+    off_next = tl.load(w + HEADER_WORDS * (j + 1) + 2, mask=act & has_next, other=0).to(tl.int64) & 0xFFFFFFFF
+    span = tl.minimum(n - j * SPAN, SPAN)
+    cnt = r_next - rr
+    ok = (cnt >= 0) & (cnt <= span) & (kb <= (EBITS - 1) * cnt) & ((j > 0) | ((rr == 0) & (off == 0)))
+    c32 = tl.where(ok, cnt, 0).to(tl.int32)
+    k32 = tl.where(ok, kb, 0).to(tl.int32)
+    _, _, lw, hw, uw, mw = _block_regions(c32, k32, span.to(tl.int32))
+    end = off + (lw + hw + uw + mw).to(tl.int64)
+    ok = ok & tl.where(has_next, end == off_next, HEADER_WORDS * nb + end == total)
+    tl.atomic_max(gate_ptr, tl.max(tl.where(act & (ok == 0), 1, 0), axis=0))
 
 
-@triton.jit(do_not_specialize=["nslices"])  # one compiled variant for any slice count
-def _apply_group_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos_ptr, val_ptr, start_ptr, hash_ptr,
-                        EBITS: tl.constexpr, BLOCK: tl.constexpr, DELTA: tl.constexpr, NEGATE: tl.constexpr,
-                        STEPS: tl.constexpr, HASH: tl.constexpr):
-    """Write records in place; with HASH also add the per-slice sum of ``lanes(new) - lanes(old)`` over
-    the written elements into ``hash[s]`` (int32 [S, 2], atomics): the incremental hash update."""
+@triton.jit(do_not_specialize=["nentries", "ngate"])
+def _apply_kernel(words_ptr, woff_ptr, n_ptr, m_ptr, block_cum_ptr, rank_base_ptr, addr_ptr, start_ptr,
+                  nentries, gate_ptr, ngate, err_ptr, scr_h_ptr, scr_p_ptr, hash_ptr,
+                  EBITS: tl.constexpr, SPAN: tl.constexpr, TB: tl.constexpr, CH: tl.constexpr,
+                  STEPS: tl.constexpr, NEGATE: tl.constexpr, HASH: tl.constexpr):
+    """Decode, validate and apply one block of a compact entry (validated headers: see
+    ``_check_headers_kernel``). Nothing is written when any gate flag is set or the block fails a check (then
+    ``err`` is incremented and the caller undoes the other blocks). HASH: per entry ``e`` the hash change of
+    the written elements into ``hash[e]`` (int32 [E, 2])."""
+    g = tl.program_id(0).to(tl.int64)
+    gk = tl.arange(0, 8)
+    closed = tl.sum(tl.load(gate_ptr + gk, mask=gk < ngate, other=0), axis=0) != 0
+    e, j = _entry_block(g, block_cum_ptr, nentries, STEPS)
+    nb = tl.load(block_cum_ptr + e + 1) - tl.load(block_cum_ptr + e)
+    n = tl.load(n_ptr + e)
+    m = tl.load(m_ptr + e)
+    w = words_ptr + tl.load(woff_ptr + e)
+    rr = tl.load(w + HEADER_WORDS * j).to(tl.int64) & 0xFFFFFFFF
+    kbits = (tl.load(w + HEADER_WORDS * j + 1).to(tl.int64) & 0xFFFFFFFF).to(tl.int32)
+    off = tl.load(w + HEADER_WORDS * j + 2).to(tl.int64) & 0xFFFFFFFF
+    r_next = tl.load(w + HEADER_WORDS * (j + 1), mask=j + 1 < nb, other=0).to(tl.int64) & 0xFFFFFFFF
+    r_next = tl.where(j + 1 < nb, r_next, m)
+    cnt = tl.where(closed, 0, r_next - rr).to(tl.int32)
+    e0 = j * SPAN
+    span = tl.minimum(n - e0, SPAN).to(tl.int32)
+    low, high, lw, hw, uw, mw = _block_regions(cnt, kbits, span)
+    areg = HEADER_WORDS * nb + off
+    breg = areg + lw
+    creg = breg + hw
+    dreg = creg + uw
+    base = tl.load(rank_base_ptr + e) + rr
+    sh = scr_h_ptr + base
+    sp = scr_p_ptr + base
+    tb = tl.arange(0, TB)
+    bad = cnt * 0
+    # B: the set bits of the high region, by rank (padding bits must be zero)
+    run = cnt * 0
+    for t0 in range(0, hw * 32, TB):
+        bp = t0 + tb
+        wv = tl.load(w + breg + (bp >> 5), mask=bp < hw * 32, other=0)
+        on = ((wv >> (bp & 31)) & 1) != 0
+        inr = on & (bp < high)
+        rank = run + tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        bad += tl.sum((on & (bp >= high)).to(tl.int32), axis=0) + tl.sum((inr & (rank >= cnt)).to(tl.int32), axis=0)
+        tl.store(sh + rank, bp - rank, mask=inr & (rank < cnt))
+        run += tl.sum(inr.to(tl.int32), axis=0)
+    bad += (run != cnt).to(tl.int32)
+    # C: the set bits of the value-length region, by rank; the region ends with the last code
+    run = cnt * 0
+    lastbit = cnt * 0 - 1
+    clen = cnt + kbits
+    for t0 in range(0, uw * 32, TB):
+        bp = t0 + tb
+        wv = tl.load(w + creg + (bp >> 5), mask=bp < uw * 32, other=0)
+        on = ((wv >> (bp & 31)) & 1) != 0
+        inr = on & (bp < clen)
+        rank = run + tl.cumsum(inr.to(tl.int32), axis=0) - 1
+        bad += tl.sum((on & (bp >= clen)).to(tl.int32), axis=0) + tl.sum((inr & (rank >= cnt)).to(tl.int32), axis=0)
+        tl.store(sp + rank, bp, mask=inr & (rank < cnt))
+        lastbit = tl.maximum(lastbit, tl.max(tl.where(inr, bp, -1), axis=0))
+        run += tl.sum(inr.to(tl.int32), axis=0)
+    bad += (run != cnt).to(tl.int32) + ((cnt > 0) & (lastbit != clen - 1)).to(tl.int32)
+    # padding of the two field regions
+    alen = cnt * low
+    apad = tl.load(w + areg + lw - 1, mask=(cnt > 0) & ((alen & 31) != 0), other=0).to(tl.uint32, bitcast=True)
+    bad += ((apad >> (alen & 31).to(tl.uint32)) != 0).to(tl.int32) * ((alen & 31) != 0).to(tl.int32)
+    dpad = tl.load(w + dreg + mw - 1, mask=(cnt > 0) & ((kbits & 31) != 0), other=0).to(tl.uint32, bitcast=True)
+    bad += ((dpad >> (kbits & 31).to(tl.uint32)) != 0).to(tl.int32) * ((kbits & 31) != 0).to(tl.int32)
+    tl.debug_barrier()
+    # by rank: position (low bits + high part), value code (length from C, bits from D); checks
+    lane = tl.arange(0, CH)
+    prev_p = cnt * 0 - 1
+    prev_pos = cnt * 0 - 1
+    for c0 in range(0, cnt, CH):
+        r = c0 + lane
+        valid = r < cnt
+        hv = tl.load(sh + r, mask=valid, other=0)
+        pv = tl.load(sp + r, mask=valid, other=0)
+        lowv = _read_bits(w, areg, r * low, low + r * 0, valid).to(tl.int32)
+        pos = (hv << low) | lowv
+        pp = tl.where(lane == 0, prev_p, tl.gather(pv, tl.maximum(lane - 1, 0), 0))
+        qq = tl.where(lane == 0, prev_pos, tl.gather(pos, tl.maximum(lane - 1, 0), 0))
+        k = pv - pp - 1
+        ok = (pos < span) & (pos > qq) & (k <= EBITS - 1) & (k >= 0)
+        bad += tl.sum((valid & (ok == 0)).to(tl.int32), axis=0)
+        kk = tl.where(valid & ok, k, 0)
+        mant = _read_bits(w, dreg, pp + 1 - r, kk, valid & ok)
+        v = (tl.full((CH,), 1, tl.int64) << kk.to(tl.int64)) | mant
+        tl.store(sh + r, pos, mask=valid)
+        tl.store(sp + r, v.to(tl.int32, bitcast=False), mask=valid)
+        last = lane == tl.sum(valid.to(tl.int32), axis=0) - 1
+        prev_p = tl.sum(tl.where(last, pv, 0), axis=0)
+        prev_pos = tl.sum(tl.where(last, pos, 0), axis=0)
+    if bad != 0:
+        tl.atomic_add(err_ptr, 1)
+    tl.debug_barrier()
+    bits = _bits_ptr(tl.load(addr_ptr + e), EBITS) + e0
+    hstart = tl.load(start_ptr + e) + e0
+    MASK: tl.constexpr = (1 << EBITS) - 1
+    acc_a = tl.zeros((CH,), tl.uint32)
+    acc_b = tl.zeros((CH,), tl.uint32)
+    nwrite = tl.where(bad == 0, cnt, 0)
+    for c0 in range(0, nwrite, CH):
+        r = c0 + lane
+        valid = r < nwrite
+        pos = tl.load(sh + r, mask=valid, other=0)
+        v = tl.load(sp + r, mask=valid, other=0).to(tl.int64) & 0xFFFFFFFF
+        old = tl.load(bits + pos, mask=valid, other=0).to(tl.int64) & MASK
+        d = ((v >> 1) ^ (0 - (v & 1))) & MASK
+        if NEGATE:
+            d = (0 - d) & MASK
+        new = (old + d) & MASK
+        if EBITS == 16:
+            out = (new - ((new >> 15) << 16)).to(tl.int16)
+        else:
+            out = (new - ((new >> 31) << 32)).to(tl.int32)
+        tl.store(bits + pos, out, mask=valid)
+        if HASH:
+            hp = (hstart + pos).to(tl.uint32)
+            na, nb_ = _lanes(new.to(tl.uint32), hp)
+            oa, ob = _lanes(old.to(tl.uint32), hp)
+            acc_a += tl.where(valid, na - oa, 0)
+            acc_b += tl.where(valid, nb_ - ob, 0)
+    if HASH:
+        tl.atomic_add(hash_ptr + 2 * e, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_add(hash_ptr + 2 * e + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit(do_not_specialize=["nslices", "ngate"])  # one compiled variant for any slice count
+def _apply_records_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, pos_ptr, val_ptr, start_ptr,
+                          hash_ptr, gate_ptr, ngate, undo_ptr, EBITS: tl.constexpr, BLOCK: tl.constexpr,
+                          DELTA: tl.constexpr, NEGATE: tl.constexpr, STEPS: tl.constexpr, HASH: tl.constexpr,
+                          UNDO: tl.constexpr):
+    """Write records in place (nothing when a gate flag is set); with HASH also add the per-slice sum of
+    ``lanes(new) - lanes(old)`` over the written elements into ``hash[s]`` (int32 [S, 2], atomics); with UNDO
+    store the overwritten bits (zero-extended) at the records' places in ``undo``."""
     tid = tl.program_id(0).to(tl.int64)
+    gk = tl.arange(0, 8)
+    open_ = (tl.sum(tl.load(gate_ptr + gk, mask=gk < ngate, other=0), axis=0) == 0).to(tl.int32)
     s = _find(tile_cum_ptr, nslices, tid, STEPS)
     bits = _bits_ptr(tl.load(addr_ptr + s), EBITS)
     offs = (tid - tl.load(tile_cum_ptr + s)) * BLOCK + tl.arange(0, BLOCK)
-    valid = offs < tl.load(m_ptr + s)
+    valid = (offs < tl.load(m_ptr + s)) & ((offs * 0 + open_) != 0)  # a scalar mask broadcast explicitly
     g = tl.load(rec_off_ptr + s) + offs
     p = tl.load(pos_ptr + g, mask=valid, other=0).to(tl.int64)
     MASK: tl.constexpr = (1 << EBITS) - 1
     v = tl.load(val_ptr + g, mask=valid, other=0).to(tl.int64) & MASK
-    if DELTA or HASH:
-        old = tl.load(bits + p, mask=valid, other=0).to(tl.int64) & MASK
+    old = tl.load(bits + p, mask=valid, other=0).to(tl.int64) & MASK
+    if UNDO:
+        tl.store(undo_ptr + g, old.to(tl.int32), mask=valid)
     if DELTA:
         zz = v + 1
         d = tl.where((zz & 1) == 1, (~(zz >> 1)) & MASK, zz >> 1)

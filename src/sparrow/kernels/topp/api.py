@@ -30,7 +30,7 @@ def topp_select(
     scores: torch.Tensor,
     q_lo: torch.Tensor,
     q_hi: torch.Tensor,
-    top_p: float,
+    top_p: float | torch.Tensor,
     *,
     block: int,
     sink_blocks: int = 0,
@@ -43,7 +43,9 @@ def topp_select(
         scores: [N, NB] float log-masses of the row's key blocks (``block`` tokens each); only blocks
             holding a position ``<= q_hi`` take part.
         q_lo, q_hi: [N] integer first / last query position of each row.
-        top_p: mass to reach, in (0, 1]; ``1`` keeps every valid block.
+        top_p: mass to reach, in (0, 1]; ``1`` keeps every valid block. A float, or a float32 device tensor read
+            when the selection runs (0-dim, or [N]: one mass per row): a compiled step or CUDA graph follows
+            in-place updates of it. A tensor's values are not checked (that would read them back to the host).
         sink_blocks: leading blocks always kept. local_window: blocks overlapping
             ``[q_lo - local_window + 1, q_hi]`` are always kept.
         impl: ``"triton"`` (bisection threshold, no sort), ``"reference"`` (sort), ``"auto"`` (Triton on CUDA
@@ -51,12 +53,17 @@ def topp_select(
 
     Returns: (ids [N, NB] int32 ascending, cnt [N] int32): the first ``cnt[n]`` ids of row ``n``.
 
-    Raises: ValueError on inconsistent shapes, ``top_p`` outside (0, 1] or an unknown ``impl``.
+    Raises: ValueError on inconsistent shapes, a float ``top_p`` outside (0, 1], a tensor ``top_p`` that is not
+    float32 of shape () or [N], or an unknown ``impl``.
     """
     if scores.dim() != 2 or q_lo.shape != (scores.shape[0],) or q_hi.shape != q_lo.shape:
         raise ValueError(f"expected scores [N, NB] and q_lo, q_hi [N]; got {tuple(scores.shape)}, "
                          f"{tuple(q_lo.shape)}, {tuple(q_hi.shape)}")
-    if not 0.0 < top_p <= 1.0:
+    if isinstance(top_p, torch.Tensor):
+        if top_p.dtype != torch.float32 or top_p.shape not in ((), q_lo.shape):
+            raise ValueError(f"a tensor top_p must be float32 of shape () or {tuple(q_lo.shape)}, got "
+                             f"{top_p.dtype} {tuple(top_p.shape)}")
+    elif not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if resolve_impl(impl, scores) == "triton":
         from .triton_topp import MODE_EXPLICIT, topp_select_triton
@@ -70,8 +77,8 @@ def topp_select(
                                                 sink_blocks=sink_blocks, local_window=local_window))
 
 
-def topp_select_dense(scores: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor, top_p: float, *, block: int,
-                      sink_blocks: int = 0, local_window: int = 0, impl: Impl = "auto") -> torch.Tensor:
+def topp_select_dense(scores: torch.Tensor, q_lo: torch.Tensor, q_hi: torch.Tensor, top_p: float | torch.Tensor, *,
+                      block: int, sink_blocks: int = 0, local_window: int = 0, impl: Impl = "auto") -> torch.Tensor:
     """:func:`topp_select` as a bool mask [N, NB]."""
     idx, cnt = topp_select(scores, q_lo, q_hi, top_p, block=block, sink_blocks=sink_blocks,
                            local_window=local_window, impl=impl)

@@ -8,6 +8,10 @@ bracket (below fp32 resolution after 32 halvings of an 80-nat range) — and wri
 kept blocks, forced blocks (sinks, local window) included, in ascending order, with their count.
 Nothing leaves the device: the threshold, the list and the count stay in device memory.
 
+``top_p`` is a Python float (a launch constant) or a float32 device tensor the program reads: one value for
+every row (0-dim) or one per batch entry (decode: per cache row, prefill: per prompt, explicit: per selection
+row). A tensor is read when the kernel runs, so a CUDA graph that captured the launch follows in-place updates.
+
 A row of at most 4096 blocks (256K tokens at 64-token blocks) is read once into registers and exponentiated
 once; each bisection step is then a compare and a sum in registers. Longer rows are re-read at every step.
 At batch 1 the selection is a single program, so these serial steps are the latency of a sparse decode step.
@@ -24,21 +28,23 @@ MODE_EXPLICIT, MODE_DECODE, MODE_PREFILL = 0, 1, 2
 
 @triton.jit
 def _row_bounds(n, A0, A1, H_INNER, INNER, MODE: tl.constexpr, QBLOCK: tl.constexpr):
-    """First and last query position of selection row ``n``."""
+    """First and last query position of selection row ``n``, and its batch entry (the index of a per-entry
+    ``top_p``)."""
     if MODE == 0:  # explicit bounds
         q_lo = tl.load(A0 + n).to(tl.int64)
         q_hi = tl.load(A1 + n).to(tl.int64)
+        e = n
     elif MODE == 1:  # decode: n = (row * H + head) * T + t; A0 = prefix_len, A1 = cached_len
-        a = n // H_INNER
+        e = n // H_INNER
         t = n % INNER
-        q_lo = tl.load(A0 + a).to(tl.int64) + tl.load(A1 + a).to(tl.int64) + t
+        q_lo = tl.load(A0 + e).to(tl.int64) + tl.load(A1 + e).to(tl.int64) + t
         q_hi = q_lo
     else:  # prefill: n = (prompt * H + head) * Qb + qb; A0 = prompt_len
-        p = n // H_INNER
+        e = n // H_INNER
         qb = n % INNER
         q_lo = qb * QBLOCK
-        q_hi = tl.maximum(q_lo, tl.minimum(q_lo + QBLOCK, tl.load(A0 + p).to(tl.int64)) - 1)
-    return q_lo, q_hi
+        q_hi = tl.maximum(q_lo, tl.minimum(q_lo + QBLOCK, tl.load(A0 + e).to(tl.int64)) - 1)
+    return q_lo, q_hi, e
 
 
 @triton.jit
@@ -55,13 +61,17 @@ def _mass_above(row, n_valid, thr, m_safe, CHUNK: tl.constexpr):
 @triton.jit
 def _topp_kernel(
     SCORES, SEL_IDX, SEL_CNT, A0, A1,
-    NB, stride_s, stride_i, H_INNER, INNER, top_p,
+    NB, stride_s, stride_i, H_INNER, INNER, TOP_P, stride_p,
     MODE: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr, SINK_BLOCKS: tl.constexpr,
     LOCAL_WINDOW: tl.constexpr, CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr,
-    ONE_CHUNK: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, TOP_P_PTR: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    q_lo, q_hi = _row_bounds(n, A0, A1, H_INNER, INNER, MODE, QBLOCK)
+    q_lo, q_hi, e = _row_bounds(n, A0, A1, H_INNER, INNER, MODE, QBLOCK)
+    if TOP_P_PTR:  # a device value (0-dim: stride 0; per batch entry: stride 1), read now
+        top_p = tl.load(TOP_P + e * stride_p).to(tl.float32)
+    else:
+        top_p = TOP_P
     n_valid = tl.minimum(q_hi // BLOCK + 1, NB)
     if LOCAL_WINDOW > 0:
         first_local = tl.maximum(q_lo - LOCAL_WINDOW + 1, 0) // BLOCK
@@ -89,18 +99,20 @@ def _topp_kernel(
                 lo = tl.where(ok, mid, lo)
                 hi = tl.where(ok, hi, mid)
             tau = tl.where(m == float("-inf"), float("-inf"), lo)
+            if TOP_P_PTR:  # a mass that float32 stores as 1: every block (KEEP_ALL of a launch constant)
+                tau = tl.where(top_p >= 1.0, float("-inf"), tau)
         sel = valid & ((x >= tau) | (offs < SINK_BLOCKS) | (offs >= first_local))
         pos = tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(SEL_IDX + n * stride_i + pos, offs.to(tl.int32), mask=sel)
         tl.store(SEL_CNT + n, tl.sum(sel.to(tl.int32), 0))
     else:
         _select_chunked(row, SEL_IDX + n * stride_i, SEL_CNT + n, n_valid, first_local, top_p, offs,
-                        SINK_BLOCKS, CHUNK, ITERS, KEEP_ALL)
+                        SINK_BLOCKS, CHUNK, ITERS, KEEP_ALL, TOP_P_PTR)
 
 
 @triton.jit
 def _select_chunked(row, out, cnt_ptr, n_valid, first_local, top_p, offs, SINK_BLOCKS: tl.constexpr,
-                    CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr):
+                    CHUNK: tl.constexpr, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr, TOP_P_PTR: tl.constexpr):
     """Rows longer than one chunk: every bisection step re-reads the row."""
     tau = tl.full([], float("-inf"), dtype=tl.float32)
     if not KEEP_ALL:
@@ -125,6 +137,8 @@ def _select_chunked(row, out, cnt_ptr, n_valid, first_local, top_p, offs, SINK_B
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid)
         tau = tl.where(m == float("-inf"), float("-inf"), lo)  # no finite score: keep every valid block
+        if TOP_P_PTR:
+            tau = tl.where(top_p >= 1.0, float("-inf"), tau)
 
     cnt = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, n_valid, CHUNK):
@@ -142,7 +156,7 @@ def topp_select_triton(
     scores: torch.Tensor,
     a0: torch.Tensor,
     a1: torch.Tensor,
-    top_p: float,
+    top_p: float | torch.Tensor,
     *,
     mode: int,
     block: int,
@@ -160,18 +174,25 @@ def topp_select_triton(
     ``mode`` picks how a row's query positions are found: explicit ``a0 = q_lo, a1 = q_hi`` [N];
     decode (``a0 = prefix_len, a1 = cached_len`` [A], rows ``(a * H + h) * T + t`` with ``inner = T``,
     ``h_inner = H * T``); prefill (``a0 = prompt_len`` [P], rows ``(p * H + h) * Qb + qb`` with
-    ``inner = Qb``, ``h_inner = H * Qb``, query blocks of ``qblock`` tokens). ``chunk`` (a power of two, at least
-    16) overrides the blocks read per step (tests: rows longer than one chunk at small sizes).
+    ``inner = Qb``, ``h_inner = H * Qb``, query blocks of ``qblock`` tokens). ``top_p``: a float, or a float32
+    tensor read by the kernel — 0-dim, or ``[E]`` with one value per batch entry (decode: ``A`` rows, prefill:
+    ``P`` prompts, explicit: ``N`` rows); not validated (no host read). ``chunk`` (a power of two, at least 16)
+    overrides the blocks read per step (tests: rows longer than one chunk at small sizes).
     """
     N, NB = scores.shape
     if sel_idx is None:
         sel_idx = torch.empty((N, NB), dtype=torch.int32, device=scores.device)
     cnt = torch.empty((N,), dtype=torch.int32, device=scores.device)
     chunk = chunk or min(4096, max(16, triton.next_power_of_2(NB)))
+    on_device = isinstance(top_p, torch.Tensor)
+    if on_device:
+        tp, stride_p, keep_all = top_p.float(), (top_p.stride(0) if top_p.dim() else 0), False
+    else:  # a mass that float32 stores as 1 keeps every block
+        tp, stride_p, keep_all = float(top_p), 0, top_p >= 1.0 - 2.0**-25
     _topp_kernel[(N,)](
-        scores, sel_idx, cnt, a0, a1, NB, scores.stride(0), sel_idx.stride(0), h_inner, inner, float(top_p),
+        scores, sel_idx, cnt, a0, a1, NB, scores.stride(0), sel_idx.stride(0), h_inner, inner, tp, stride_p,
         MODE=mode, BLOCK=block, QBLOCK=qblock, SINK_BLOCKS=sink_blocks, LOCAL_WINDOW=local_window, CHUNK=chunk,
-        ITERS=iters, KEEP_ALL=top_p >= 1.0 - 2.0**-25,  # a mass that float32 stores as 1: every block
-        ONE_CHUNK=NB <= chunk, num_warps=4 if chunk <= 1024 else 8,
+        ITERS=iters, KEEP_ALL=keep_all, ONE_CHUNK=NB <= chunk, TOP_P_PTR=on_device,
+        num_warps=4 if chunk <= 1024 else 8,
     )
     return sel_idx, cnt

@@ -1,0 +1,92 @@
+"""The wire formats: a compact body worked out by hand (pins the layout for both implementations), and buckets /
+payloads of earlier formats refused with a clear error."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+import sparrow.sync as sync
+from sparrow.kernels.sync import api, reference
+from sparrow.sync import CorruptPayloadError, Payload, SyncReceiver, SyncSender
+from sparrow.sync._util import hash_bytes
+from sparrow.sync.bucket import BUCKET_FORMAT, HEADER_BYTES, parse_bucket
+
+from .conftest import TRITON_DEVICE
+
+IMPLS = ["reference"] + (["triton"] if api.triton_available() else [])
+
+
+def _hand_case():
+    # 8 bf16 elements; element 1 moves by -1 ULP (v = 1, k = 0), element 5 by +1 ULP (v = 2, k = 1)
+    old = torch.tensor([100, 200, 300, 400, 500, 600, 700, 800], dtype=torch.int16)
+    new = old.clone()
+    new[1] -= 1
+    new[5] += 1
+    # one block (span 8, cnt 2, K 1): L = floor(log2(8 // 2)) = 2, high region 2 + (7 >> 2) = 3 bits
+    want = [0, 1, 0,  # header: rank offset 0, value bits 1, body offset 0
+            0b0101,  # A, low bits: u = 1 and 5, 2 bits each: 1 | 1 << 2
+            0b0101,  # B, high parts in unary: bit (1 >> 2) + 0 = 0, bit (5 >> 2) + 1 = 2
+            0b0101,  # C, code lengths in unary: bit k0 + 0 = 0, bit k0 + k1 + 1 = 2
+            0]  # D, code bits: v0 = 1 has none, v1 = 2 keeps 2 - 2**1 = 0 in its 1 bit
+    return old, new, want
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compact_body_worked_by_hand(impl):
+    old, new, want = _hand_case()
+    dev = TRITON_DEVICE if impl == "triton" else torch.device("cpu")
+    o, x = old.to(dev), new.to(dev)
+    scan = api.scan_blocks([o], [x], span_log2=10, impl=impl)
+    assert scan.counts.tolist() == [2] and scan.words.tolist() == [len(want)]
+    out = torch.zeros(64, dtype=torch.uint8, device=dev)
+    api.write_bodies([o], [x], scan, [2], [len(want)], ["compact"], out, [0])
+    assert out[:4 * len(want)].view(torch.int32).tolist() == want
+    assert reference.compact_encode(old, new, 10).tolist() == want
+    pos, v = api.decode_compact(torch.tensor(want, dtype=torch.int32), 8, 16, 2, 10)
+    assert pos.tolist() == [1, 5] and v.tolist() == [1, 2]
+
+
+def test_old_bucket_format_is_refused_clearly():
+    sender = SyncSender({"w": torch.zeros(64, dtype=torch.bfloat16)}, bucket_bytes=4096)
+    new = {"w": torch.ones(64, dtype=torch.bfloat16)}
+    (bucket, _), = list(sender.encode(new))
+    raw = bytearray(bucket.numpy().tobytes())
+    magic, fmt, *rest = struct.unpack_from("<8sIIQQQQQ", raw)
+    assert fmt == BUCKET_FORMAT == 3
+    head = struct.pack("<8sIIQQQQQ", magic, 2, *rest)  # the same bucket claiming the previous format
+    raw[:HEADER_BYTES] = head + struct.pack("<Q", hash_bytes(head))
+    with pytest.raises(CorruptPayloadError, match="unsupported bucket format 2.*same Sparrow version"):
+        parse_bucket(bytes(raw))
+    rx = SyncReceiver({"w": torch.zeros(64, dtype=torch.bfloat16)})
+    with pytest.raises(CorruptPayloadError, match="format 2"):
+        rx.apply_bucket(torch.frombuffer(raw, dtype=torch.uint8))
+    assert torch.equal(rx.tensors["w"], torch.zeros(64, dtype=torch.bfloat16))
+
+
+def test_old_payload_format_is_refused_clearly():
+    p = sync.encode(torch.zeros(100), torch.ones(100), codec="coo")
+    raw = bytearray(p.to_bytes())
+    magic, hlen, fmt, blen, hh, bh = struct.unpack_from("<8sIIQQQ", raw)
+    assert fmt == 2
+    struct.pack_into("<8sIIQQQ", raw, 0, magic, hlen, 1, blen, hh, bh)
+    with pytest.raises(CorruptPayloadError, match="unsupported payload format 1.*re-encode"):
+        Payload.from_bytes(bytes(raw))
+
+
+def test_compact_payload_needs_its_span():
+    base = torch.randn(3000).to(torch.bfloat16)
+    new = base.clone()
+    new.view(torch.int16)[::7] += 1
+    p = sync.encode(base, new, codec="compact", span_log2=11)
+    assert p.extra["span_log2"] == 11
+    q = Payload.from_bytes(p.to_bytes())
+    out = base.clone()
+    sync.apply_(out, q)
+    assert torch.equal(out.view(torch.int16), new.view(torch.int16))
+    for bad in ({}, {"span_log2": 9}, {"span_log2": "11"}):
+        crafted = Payload("compact", p.dtype, p.shape, p.nchanged, p.data, extra=bad)
+        with pytest.raises(CorruptPayloadError, match="span_log2"):
+            Payload.from_bytes(crafted.to_bytes())
