@@ -52,15 +52,14 @@ def overrides(name: str, calibration: Path | None) -> list[str]:
 def launch(args, name: str, cache: str, work: Path, calibration: Path | None) -> dict[str, Any]:
     """One launch of the recipe; returns its row."""
     out = work / f"{name}_{cache}"
-    cmd = [str(Path(sys.executable).parent / "tune"), "run", "sparrow_grpo", "--config", str(args.config),
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "sparrow_grpo", "--config", str(args.config),
            f"model_dir={args.model}", f"output_dir={out}", f"total_steps={args.steps}", "eval.every=0",
            "checkpoint_every=0", "plot=false", "metric_logger._component_=sparrow.rl.JsonlLogger",
            f"metric_logger.log_dir={out / 'logs'}", f"engine.compile_cache={work / (name + '_compile_cache')}",
            *overrides(name, calibration), *args.set]
     scratch = Path(tempfile.mkdtemp(prefix="startup_", dir=work))  # nothing cached outside the compile cache
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
-               TRITON_CACHE_DIR=str(scratch / "triton"))
-    log(f"{name} ({cache}): $ {shlex.join(cmd[1:])}")
+    env = dict(_env(), TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"), TRITON_CACHE_DIR=str(scratch / "triton"))
+    log(f"{name} ({cache}): $ tune {shlex.join(cmd[3:])}")
     metrics, first = out / "logs" / "metrics.jsonl", None
     with open(work / f"{name}_{cache}.log", "w") as out_log:
         t0 = time.perf_counter()
@@ -79,7 +78,7 @@ def launch(args, name: str, cache: str, work: Path, calibration: Path | None) ->
                            "steady_step_s": statistics.median(s["time/step_s"] for s in steps[1:] or steps),
                            "first_step_time_s": rec["time/step_s"], "wall_s": wall, "steps_run": len(steps),
                            "compiled_after_setup": steps[-1]["compile/graphs"] - rec["compile/graphs"],
-                           "command": shlex.join(cmd[1:])}
+                           "command": "tune " + shlex.join(cmd[3:])}
     row.update({f"{p}_s": rec.get(f"setup/{p}_s", 0.0) for p in PHASES})
     row.update({k[len("setup/"):]: v for k, v in rec.items() if k.startswith("setup/") and not k.endswith("_s")})
     row["rollout_setup_s"] = rec.get("setup/rollout_s")
@@ -87,13 +86,19 @@ def launch(args, name: str, cache: str, work: Path, calibration: Path | None) ->
     return row
 
 
+def _env() -> dict[str, str]:
+    """The launches' environment: the recipe and the library importable whether or not they are installed."""
+    path = os.pathsep.join([str(REPO / "recipes"), str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+
+
 def calibrate(args, work: Path) -> tuple[Path, float]:
     out = work / "rtpurbo"
-    cmd = [str(Path(sys.executable).parent / "sparrow"), "calibrate", "--checkpoint", str(args.model), "--out",
+    cmd = [sys.executable, "-m", "sparrow.cli", "calibrate", "--checkpoint", str(args.model), "--out",
            str(out), "--seq-len", str(args.calib_seq_len), "--steps", str(args.calib_steps), "--no-progress"]
     log(f"$ {shlex.join(cmd)}")
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     if r.returncode != 0:
         print(r.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"sparrow calibrate failed (exit {r.returncode})")

@@ -235,23 +235,22 @@ class CostModel:
         show = engine.config.progress if progress is None else progress
         bar = tqdm(total=len(buckets) * len(contexts) * (2 + len(ks)), desc="cost model", disable=not show,
                    leave=False, dynamic_ncols=True)
+
+        def timed(what: str, kind: str, b: int, L: int, k: int = 0) -> float:
+            bar.set_description(f"cost model: {what}, bucket {b}, context {L}")
+            seconds = engine.time_step(kind, b, k=k, context=L, steps=steps, params=params)
+            bar.update()
+            return seconds
+
         with torch.no_grad(), bar:
             for b in buckets:
                 pts: dict[str, list[float]] = {"target": [], "draft": []}
                 pts.update({f"cycle{k}": [] for k in ks})
                 for L in contexts:
-                    at = dict(context=L, steps=steps, params=params)
-
-                    def timed(what: str, kind: str, k: int = 0) -> float:
-                        bar.set_description(f"cost model: {what}, bucket {b}, context {L}")
-                        seconds = engine.time_step(kind, b, k=k, **at)
-                        bar.update()
-                        return seconds
-
-                    pts["target"].append(timed("decode step", "decode"))
-                    pts["draft"].append(timed("draft step", "draft"))
+                    pts["target"].append(timed("decode step", "decode", b, L))
+                    pts["draft"].append(timed("draft step", "draft", b, L))
                     for k in ks:
-                        pts[f"cycle{k}"].append(timed(f"cycle of {k} drafts", "cycle", k))
+                        pts[f"cycle{k}"].append(timed(f"cycle of {k} drafts", "cycle", b, L, k))
                 raw[str(b)] = pts
                 target[b] = _fit(contexts, pts["target"])
                 draft[b] = _fit(contexts, pts["draft"])
