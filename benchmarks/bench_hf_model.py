@@ -77,7 +77,7 @@ def tune_run(args, name: str, work: Path, calibration: Path | None) -> dict[str,
                       setup_s=wall - sum(s["time/step_s"] for s in steps),
                       compiled_after_setup=steps[-1].get("compile/graphs", 0) - steps[0].get("compile/graphs", 0),
                       outside_support_frac=mean(s.get("outside_support_frac") for s in steps))
-    return row | {"steps": steps}
+    return row | {"step_records": steps}
 
 
 def calibrate(args, work: Path) -> tuple[Path, float]:
@@ -95,7 +95,7 @@ def calibrate(args, work: Path) -> tuple[Path, float]:
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
-    plot_runs([s for r in doc["rows"] for s in r["steps"]], png, title=doc["config"].get("title", ""))
+    plot_runs([s for r in doc["rows"] for s in r["step_records"]], png, title=doc["config"].get("title", ""))
 
 
 def main() -> None:
