@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparrow.kernels.common.triton_dot import dot
 
-from .triton_decode import _sm_count, splits_for_batch
+from .triton_decode import _attend_block, _sm_count, splits_for_batch
 
 BIG = 2147483647  # above any position
 
@@ -72,16 +71,8 @@ def _walk(acc, m_i, l_i, q, k_base, v_base, stride_l, start, end, n_first, shift
         jj = j[None, :]
         visible = (kv_mask[None, :] & m_valid[:, None] & (jj <= lim[:, None])
                    & ((jj < n_sink[:, None]) | (jj >= q_lo[:, None])))
-        k = tl.load(k_base + idx[:, None] * stride_l + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
-        vv = tl.load(v_base + idx[:, None] * stride_l + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
-        s = tl.where(visible, dot(q, tl.trans(k), IEEE) * qk_scale, float("-inf"))  # [M, BLOCK_N], log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(vv.dtype), vv, IEEE)
-        m_i = m_new
+        off = idx[:, None] * stride_l + offs_d[None, :]
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_base + off, v_base + off, kv_mask, visible, qk_scale, IEEE)
     return acc, m_i, l_i
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from sparrow.kernels.common.triton_dot import dot
 from sparrow.kernels.common.triton_merge import merge_splits
-from sparrow.kernels.topp.triton_topp import MODE_DECODE, topp_select_triton
+from sparrow.kernels.topp.triton_topp import MODE_DECODE, top_p_threshold, topp_select_triton
 
 from .cache import SparseDecodeCache
 
@@ -127,24 +127,7 @@ def _select_decode_row(row, out, pos, NB, top_p, BLOCK: tl.constexpr, SINK_BLOCK
     offs = tl.arange(0, CHUNK)
     valid = offs < n_valid
     x = tl.load(row + offs, mask=valid, other=float("-inf"))
-    tau = tl.full([], float("-inf"), dtype=tl.float32)
-    if not KEEP_ALL:
-        m = tl.max(x, 0)
-        mn = tl.min(tl.where(x > float("-inf"), x, float("inf")), 0)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        e = tl.exp(x - m_safe)
-        target = top_p * tl.sum(e, 0)
-        lo = tl.maximum(mn, m_safe - 80.0)
-        lo = tl.where(tl.sum(tl.where(x >= lo, e, 0.0), 0) >= target, lo, mn)
-        hi = m_safe + 1.0
-        for _ in range(ITERS):
-            mid = (lo + hi) * 0.5
-            ok = tl.sum(tl.where(x >= mid, e, 0.0), 0) >= target
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid)
-        tau = tl.where(m == float("-inf"), float("-inf"), lo)
-        if TOP_P_PTR:
-            tau = tl.where(top_p >= 1.0, float("-inf"), tau)
+    tau = top_p_threshold(x, top_p, ITERS, KEEP_ALL, TOP_P_PTR)
     sel = valid & ((x >= tau) | (offs < SINK_BLOCKS) | (offs >= first_local))
     rank = tl.cumsum(sel.to(tl.int32), 0) - 1
     tl.store(out + rank, offs.to(tl.int32), mask=sel)

@@ -27,6 +27,31 @@ MODE_EXPLICIT, MODE_DECODE, MODE_PREFILL = 0, 1, 2
 
 
 @triton.jit
+def top_p_threshold(x, top_p, ITERS: tl.constexpr, KEEP_ALL: tl.constexpr, TOP_P_PTR: tl.constexpr):
+    """The score threshold of a row held in registers (``x``, -inf where invalid): the largest ``tau`` (by
+    ``ITERS`` bisection steps) whose blocks ``x >= tau`` hold ``top_p`` of the softmax mass; -inf keeps all."""
+    tau = tl.full([], float("-inf"), dtype=tl.float32)
+    if not KEEP_ALL:
+        m = tl.max(x, 0)
+        mn = tl.min(tl.where(x > float("-inf"), x, float("inf")), 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        e = tl.exp(x - m_safe)  # the same terms _mass_above sums: its results, bit for bit
+        target = top_p * tl.sum(e, 0)
+        lo = tl.maximum(mn, m_safe - 80.0)
+        lo = tl.where(tl.sum(tl.where(x >= lo, e, 0.0), 0) >= target, lo, mn)
+        hi = m_safe + 1.0
+        for _ in range(ITERS):
+            mid = (lo + hi) * 0.5
+            ok = tl.sum(tl.where(x >= mid, e, 0.0), 0) >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid)
+        tau = tl.where(m == float("-inf"), float("-inf"), lo)
+        if TOP_P_PTR:  # a mass that float32 stores as 1: every block (KEEP_ALL of a launch constant)
+            tau = tl.where(top_p >= 1.0, float("-inf"), tau)
+    return tau
+
+
+@triton.jit
 def _row_bounds(n, A0, A1, H_INNER, INNER, MODE: tl.constexpr, QBLOCK: tl.constexpr):
     """First and last query position of selection row ``n``, and its batch entry (the index of a per-entry
     ``top_p``)."""
@@ -83,24 +108,7 @@ def _topp_kernel(
     if ONE_CHUNK:  # the whole row in registers: loaded once, exponentiated once, bisected without reloads
         valid = offs < n_valid
         x = tl.load(row + offs, mask=valid, other=float("-inf"))
-        tau = tl.full([], float("-inf"), dtype=tl.float32)
-        if not KEEP_ALL:
-            m = tl.max(x, 0)
-            mn = tl.min(tl.where(x > float("-inf"), x, float("inf")), 0)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            e = tl.exp(x - m_safe)  # the same terms _mass_above sums: its results, bit for bit
-            target = top_p * tl.sum(e, 0)
-            lo = tl.maximum(mn, m_safe - 80.0)
-            lo = tl.where(tl.sum(tl.where(x >= lo, e, 0.0), 0) >= target, lo, mn)
-            hi = m_safe + 1.0
-            for _ in range(ITERS):
-                mid = (lo + hi) * 0.5
-                ok = tl.sum(tl.where(x >= mid, e, 0.0), 0) >= target
-                lo = tl.where(ok, mid, lo)
-                hi = tl.where(ok, hi, mid)
-            tau = tl.where(m == float("-inf"), float("-inf"), lo)
-            if TOP_P_PTR:  # a mass that float32 stores as 1: every block (KEEP_ALL of a launch constant)
-                tau = tl.where(top_p >= 1.0, float("-inf"), tau)
+        tau = top_p_threshold(x, top_p, ITERS, KEEP_ALL, TOP_P_PTR)
         sel = valid & ((x >= tau) | (offs < SINK_BLOCKS) | (offs >= first_local))
         pos = tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(SEL_IDX + n * stride_i + pos, offs.to(tl.int32), mask=sel)
