@@ -60,8 +60,9 @@ def test_auto_falls_back_where_triton_cannot_run_and_an_explicit_triton_says_why
     assert decode_impl("auto", 24, torch.device("cuda")) == "reference"
     assert decode_impl("auto", 32, torch.device("cuda")) == "triton"
     assert DenseAttention(LayerShape(0, 4, 2, 24)).validate_configuration(dtype=torch.float32, device=cpu) == []
+    # the device Triton runs on here (CUDA, or the CPU's interpreter), so head_dim is the one reason
     reasons = DenseAttention(LayerShape(0, 4, 2, 24), impl="triton").validate_configuration(dtype=torch.float32,
-                                                                                           device=cpu)
+                                                                                           device=DEVICE)
     assert len(reasons) == 1 and "head_dim" in reasons[0] and "24" in reasons[0]
     for impl in ("auto", "reference", "triton"):
         for head_dim in (16, 24):

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .triton_decode import _attend_block, _sm_count, splits_for_batch
 
-BIG = 2147483647  # above any position
+BIG = tl.constexpr(2147483647)  # above any position (a constexpr: compiled Triton reads no other globals)
 
 
 @triton.jit
