@@ -87,6 +87,96 @@ def _store(O_PART, LSE_PART, acc, m_i, l_i, o_off, l_off, m_valid, offs_d, wrote
 
 
 @triton.jit
+def _prefix_tile(
+    Q, PK, PV, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, ORDER, GROUP_START, O_PART, LSE_PART, A, i, h, split, gs,
+    stride_qa, stride_qh, stride_qt, stride_pks, stride_pkh, stride_pkl, stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt, qk_scale, window, sink, offs_d, offs_n,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, NS_P: tl.constexpr, CHUNK_P: tl.constexpr, LOCAL: tl.constexpr, SINKS: tl.constexpr, WP: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Prefix split ``split`` of the tile at sorted positions ``i .. i + ROWS - 1`` of one group: all their
+    queries over the group's prompt, read once."""
+    offs_m = tl.arange(0, BLOCK_M)
+    r_of_m = offs_m // (T * QPK)
+    t_of_m = (offs_m // QPK) % T
+    g_of_m = offs_m % QPK
+    sp = i + r_of_m
+    in_tile = (r_of_m < ROWS) & (sp < A)
+    sp = tl.where(in_tile, sp, i)
+    m_valid = in_tile & (tl.load(GROUP_START + sp) == gs)
+    a_m = tl.load(ORDER + sp)  # the row of each query
+    plen = tl.load(PREFIX_LEN + a_m)
+    n_sink, q_lo, _ = _bounds(plen, tl.load(CACHED_LEN + a_m), t_of_m, window, sink, T, LOCAL)
+    # the tile reads the union of its queries' prompt positions: sinks [0, ns), then [w_lo, w_hi)
+    has_win = m_valid & (q_lo < plen)
+    w_hi = tl.max(tl.where(has_win, plen, 0), 0)
+    w_lo = tl.min(tl.where(has_win, q_lo, BIG), 0)
+    ns = tl.max(tl.where(m_valid, tl.minimum(n_sink, plen), 0), 0)
+    no_win = w_lo >= w_hi  # no query's window reaches into the prompt: only sinks
+    w_lo = tl.where(no_win, ns, w_lo)
+    w_hi = tl.where(no_win, ns, w_hi)
+    ns = tl.minimum(ns, w_lo)
+    n_vis = ns + w_hi - w_lo
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(n_vis, NS_P), CHUNK_P), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, n_vis)
+    heads = h * QPK + g_of_m
+    q = tl.load(Q + a_m[:, None] * stride_qa + heads[:, None] * stride_qh + t_of_m[:, None] * stride_qt
+                + offs_d[None, :], mask=m_valid[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    pslot = tl.load(PREFIX_SLOT + tl.load(ORDER + i))
+    acc, m_i, l_i = _walk(acc, m_i, l_i, q, PK + pslot * stride_pks + h * stride_pkh,
+                          PV + pslot * stride_pks + h * stride_pkh, stride_pkl, start, end, ns, 0, w_lo - ns, 0,
+                          plen - 1, n_sink, q_lo, m_valid, offs_n, offs_d, qk_scale, LOCAL, SINKS, WP, BLOCK_N, IEEE)
+    o_off = a_m * stride_oa + heads * stride_oh + t_of_m * stride_ot + split * stride_os
+    l_off = a_m * stride_la + heads * stride_lh + t_of_m * stride_lt + split
+    _store(O_PART, LSE_PART, acc, m_i, l_i, o_off, l_off, m_valid, offs_d, start < n_vis)
+
+
+@triton.jit
+def _suffix_row(
+    Q, GK, GV, ROW_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, i, h, s2,
+    stride_qa, stride_qh, stride_qt, stride_gks, stride_gkh, stride_gkl, stride_oa, stride_oh, stride_ot, stride_os,
+    stride_la, stride_lh, stride_lt, qk_scale, window, sink, offs_d, offs_n,
+    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, BLOCK_MS: tl.constexpr, BLOCK_N: tl.constexpr,
+    NS_P: tl.constexpr, NS_S: tl.constexpr, CHUNK_S: tl.constexpr, LOCAL: tl.constexpr, WG: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Suffix split ``s2`` of row ``i``: its queries over its own generated tokens."""
+    offs_m = tl.arange(0, BLOCK_MS)
+    t_of_m = offs_m // QPK
+    g_of_m = offs_m % QPK
+    m_valid = offs_m < T * QPK
+    plen = tl.load(PREFIX_LEN + i)
+    clen = tl.load(CACHED_LEN + i)
+    n_sink, q_lo, q_hi = _bounds(plen, clen, t_of_m, window, sink, T, LOCAL)
+    total = plen + clen + T
+    # generated sinks [plen, s_hi) (a prompt shorter than the dense sinks), then [g_lo, total)
+    g_lo = tl.maximum(tl.min(tl.where(m_valid, q_lo, BIG), 0), plen)
+    s_hi = tl.maximum(tl.minimum(tl.max(tl.where(m_valid, n_sink, 0), 0), g_lo), plen)
+    n1 = s_hi - plen
+    n_vis = n1 + tl.maximum(total - g_lo, 0)
+    chunk = tl.cdiv(tl.maximum(tl.cdiv(n_vis, NS_S), CHUNK_S), BLOCK_N) * BLOCK_N
+    start = s2 * chunk
+    end = tl.minimum(start + chunk, n_vis)
+    heads = h * QPK + g_of_m
+    q = tl.load(Q + i * stride_qa + heads[:, None] * stride_qh + t_of_m[:, None] * stride_qt + offs_d[None, :],
+                mask=m_valid[:, None], other=0.0)
+    acc = tl.zeros([BLOCK_MS, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_MS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_MS], dtype=tl.float32)
+    rslot = tl.load(ROW_SLOT + i)
+    acc, m_i, l_i = _walk(acc, m_i, l_i, q, GK + rslot * stride_gks + h * stride_gkh,
+                          GV + rslot * stride_gks + h * stride_gkh, stride_gkl, start, end, n1, plen, g_lo - n1,
+                          plen, q_hi, n_sink, q_lo, m_valid, offs_n, offs_d, qk_scale, LOCAL, 0, WG, BLOCK_N, IEEE)
+    o_off = i * stride_oa + heads * stride_oh + t_of_m * stride_ot + (NS_P + s2) * stride_os
+    l_off = i * stride_la + heads * stride_lh + t_of_m * stride_lt + NS_P + s2
+    _store(O_PART, LSE_PART, acc, m_i, l_i, o_off, l_off, m_valid, offs_d, start < n_vis)
+
+
+@triton.jit
 def _cascade_kernel(
     Q, PK, PV, GK, GV, ROW_SLOT, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, ORDER, GROUP_START, O_PART, LSE_PART, A,
     stride_qa, stride_qh, stride_qt,
@@ -100,86 +190,26 @@ def _cascade_kernel(
     CHUNK_P: tl.constexpr, CHUNK_S: tl.constexpr, LOCAL: tl.constexpr, SINKS: tl.constexpr, WP: tl.constexpr,
     WG: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Program (position i, kv head h, split): prefix splits (the first ``NS_P``) of the tile starting at sorted
+    position ``i``, or suffix splits of row ``i``. The two kinds are separate functions: the branches of one ``if``
+    may not define a name with two block shapes."""
     i = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
     gs = tl.load(GROUP_START + i)
-    if (split < NS_P) & ((i - gs) % ROWS != 0):  # a prefix program not at the first row of a tile: no work
-        return
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     if split < NS_P:
-        # ---- prefix tile: sorted positions i .. i + ROWS - 1 of one group, their prompt read once
-        offs_m = tl.arange(0, BLOCK_M)
-        r_of_m = offs_m // (T * QPK)
-        t_of_m = (offs_m // QPK) % T
-        g_of_m = offs_m % QPK
-        sp = i + r_of_m
-        in_tile = (r_of_m < ROWS) & (sp < A)
-        sp = tl.where(in_tile, sp, i)
-        m_valid = in_tile & (tl.load(GROUP_START + sp) == gs)
-        a_m = tl.load(ORDER + sp)  # the row of each query
-        plen = tl.load(PREFIX_LEN + a_m)
-        n_sink, q_lo, _ = _bounds(plen, tl.load(CACHED_LEN + a_m), t_of_m, window, sink, T, LOCAL)
-        # the tile reads the union of its queries' prompt positions: sinks [0, ns), then [w_lo, w_hi)
-        has_win = m_valid & (q_lo < plen)
-        w_hi = tl.max(tl.where(has_win, plen, 0), 0)
-        w_lo = tl.min(tl.where(has_win, q_lo, BIG), 0)
-        ns = tl.max(tl.where(m_valid, tl.minimum(n_sink, plen), 0), 0)
-        no_win = w_lo >= w_hi  # no query's window reaches into the prompt: only sinks
-        w_lo = tl.where(no_win, ns, w_lo)
-        w_hi = tl.where(no_win, ns, w_hi)
-        ns = tl.minimum(ns, w_lo)
-        n_vis = ns + w_hi - w_lo
-        chunk = tl.cdiv(tl.maximum(tl.cdiv(n_vis, NS_P), CHUNK_P), BLOCK_N) * BLOCK_N
-        start = split * chunk
-        end = tl.minimum(start + chunk, n_vis)
-        heads = h * QPK + g_of_m
-        q = tl.load(Q + a_m[:, None] * stride_qa + heads[:, None] * stride_qh + t_of_m[:, None] * stride_qt
-                    + offs_d[None, :], mask=m_valid[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        pslot = tl.load(PREFIX_SLOT + tl.load(ORDER + i))
-        acc, m_i, l_i = _walk(acc, m_i, l_i, q, PK + pslot * stride_pks + h * stride_pkh,
-                              PV + pslot * stride_pks + h * stride_pkh, stride_pkl, start, end, ns, 0, w_lo - ns, 0,
-                              plen - 1, n_sink, q_lo, m_valid, offs_n, offs_d, qk_scale, LOCAL, SINKS, WP, BLOCK_N,
-                              IEEE)
-        o_off = a_m * stride_oa + heads * stride_oh + t_of_m * stride_ot + split * stride_os
-        l_off = a_m * stride_la + heads * stride_lh + t_of_m * stride_lt + split
-        _store(O_PART, LSE_PART, acc, m_i, l_i, o_off, l_off, m_valid, offs_d, start < n_vis)
+        if (i - gs) % ROWS == 0:  # a prefix program at the first row of its tile (the others have no work)
+            _prefix_tile(Q, PK, PV, PREFIX_SLOT, PREFIX_LEN, CACHED_LEN, ORDER, GROUP_START, O_PART, LSE_PART, A, i,
+                         h, split, gs, stride_qa, stride_qh, stride_qt, stride_pks, stride_pkh, stride_pkl, stride_oa,
+                         stride_oh, stride_ot, stride_os, stride_la, stride_lh, stride_lt, qk_scale, window, sink,
+                         offs_d, offs_n, T, QPK, D, ROWS, BLOCK_M, BLOCK_N, NS_P, CHUNK_P, LOCAL, SINKS, WP, IEEE)
     else:
-        # ---- suffix: row i's queries over its own generated tokens
-        s2 = split - NS_P
-        offs_m = tl.arange(0, BLOCK_MS)
-        t_of_m = offs_m // QPK
-        g_of_m = offs_m % QPK
-        m_valid = offs_m < T * QPK
-        plen = tl.load(PREFIX_LEN + i)
-        clen = tl.load(CACHED_LEN + i)
-        n_sink, q_lo, q_hi = _bounds(plen, clen, t_of_m, window, sink, T, LOCAL)
-        total = plen + clen + T
-        # generated sinks [plen, s_hi) (a prompt shorter than the dense sinks), then [g_lo, total)
-        g_lo = tl.maximum(tl.min(tl.where(m_valid, q_lo, BIG), 0), plen)
-        s_hi = tl.maximum(tl.minimum(tl.max(tl.where(m_valid, n_sink, 0), 0), g_lo), plen)
-        n1 = s_hi - plen
-        n_vis = n1 + tl.maximum(total - g_lo, 0)
-        chunk = tl.cdiv(tl.maximum(tl.cdiv(n_vis, NS_S), CHUNK_S), BLOCK_N) * BLOCK_N
-        start = s2 * chunk
-        end = tl.minimum(start + chunk, n_vis)
-        heads = h * QPK + g_of_m
-        q = tl.load(Q + i * stride_qa + heads[:, None] * stride_qh + t_of_m[:, None] * stride_qt + offs_d[None, :],
-                    mask=m_valid[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_MS, D], dtype=tl.float32)
-        m_i = tl.full([BLOCK_MS], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_MS], dtype=tl.float32)
-        rslot = tl.load(ROW_SLOT + i)
-        acc, m_i, l_i = _walk(acc, m_i, l_i, q, GK + rslot * stride_gks + h * stride_gkh,
-                              GV + rslot * stride_gks + h * stride_gkh, stride_gkl, start, end, n1, plen, g_lo - n1,
-                              plen, q_hi, n_sink, q_lo, m_valid, offs_n, offs_d, qk_scale, LOCAL, 0, WG, BLOCK_N, IEEE)
-        o_off = i * stride_oa + heads * stride_oh + t_of_m * stride_ot + (NS_P + s2) * stride_os
-        l_off = i * stride_la + heads * stride_lh + t_of_m * stride_lt + NS_P + s2
-        _store(O_PART, LSE_PART, acc, m_i, l_i, o_off, l_off, m_valid, offs_d, start < n_vis)
+        _suffix_row(Q, GK, GV, ROW_SLOT, PREFIX_LEN, CACHED_LEN, O_PART, LSE_PART, i, h, split - NS_P, stride_qa,
+                    stride_qh, stride_qt, stride_gks, stride_gkh, stride_gkl, stride_oa, stride_oh, stride_ot,
+                    stride_os, stride_la, stride_lh, stride_lt, qk_scale, window, sink, offs_d, offs_n, T, QPK, D,
+                    BLOCK_MS, BLOCK_N, NS_P, NS_S, CHUNK_S, LOCAL, WG, IEEE)
 
 
 @triton.jit
