@@ -74,8 +74,28 @@ def test_reference_is_the_per_row_attention(case):
 def test_triton_matches_the_oracle(case):
     """Default tiles and splits, or tiles of 2 rows (a group spans several tiles) and several splits per part."""
     args = _args(case)
-    out = cascade_attention_triton(*args, *prefix_groups(args[6], args[7]), **case[-1])
+    out = cascade_attention_triton(*args, *prefix_groups(args[6], args[7]), min_rows=0, **case[-1])
     assert rel_err(out, _naive(*args)) < 1e-5
+
+
+def test_small_batches_take_the_per_row_kernel():
+    """Below ``min_rows`` rows the op runs the per-row kernel: its output bit for bit; at ``min_rows`` the cascade
+    (a different summation order, so not the same bits: the dispatch is seen, not assumed). On CUDA the default
+    threshold applies unless launch parameters are fixed; on the CPU's interpreter the cascade always runs."""
+    from sparrow.kernels.decode_attention.triton_cascade import CASCADE_MIN_ROWS
+    from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+
+    args = _grouped_inputs([5, 3], 8, 2, 1, 16, 200, 9)
+    groups = prefix_groups(args[6], args[7])
+    per_row = decode_attention_triton(*args)
+    small = cascade_attention_triton(*args, *groups, min_rows=9)
+    assert torch.equal(small.view(torch.int32), per_row.view(torch.int32))
+    cascade = cascade_attention_triton(*args, *groups, min_rows=8)
+    assert not torch.equal(cascade.view(torch.int32), per_row.view(torch.int32))
+    assert rel_err(cascade, _naive(*args)) < 1e-5
+    default = cascade_attention_triton(*args, *groups)
+    want = per_row if DEVICE.type == "cuda" and 8 < CASCADE_MIN_ROWS else cascade
+    assert torch.equal(default.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("window,sink", [(5, 2), (24, 4), (1, 0)])

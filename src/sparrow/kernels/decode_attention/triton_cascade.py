@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 
-from .triton_decode import _attend_block, _sm_count, splits_for_batch
+from .triton_decode import _attend_block, _sm_count, decode_attention_triton, splits_for_batch
 
 BIG = tl.constexpr(2147483647)  # above any position (a constexpr: compiled Triton reads no other globals)
 
@@ -252,6 +252,9 @@ def _merge_kernel(
 PREFIX_MIN_CHUNK = 512  # a tile's split writes BLOCK_M partial outputs: longer chunks keep that traffic small
 SUFFIX_MIN_CHUNK = 256
 MAX_SPLITS = 64
+# below this many rows (one or two GRPO groups) the per-row kernel's finer splits beat the cascade on the H200
+# (docs/benchmarks/engine_shared_prefix.json: 1 and 8 rows 0.75-0.93x, 32 rows 1.10-1.20x of the per-row kernel)
+CASCADE_MIN_ROWS = 16
 
 
 def tile_rows(tokens: int, q_per_kv: int) -> int:
@@ -278,18 +281,24 @@ def cascade_attention_triton(
     row_slot: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor,
     prefix_order: torch.Tensor, group_start: torch.Tensor, scale: float | None = None, *, window: int | None = None,
     sink: int = 0, local: bool = False, splits: tuple[int, int] | None = None, rows_per_tile: int | None = None,
-    min_chunk: tuple[int, int] = (PREFIX_MIN_CHUNK, SUFFIX_MIN_CHUNK),
+    min_chunk: tuple[int, int] = (PREFIX_MIN_CHUNK, SUFFIX_MIN_CHUNK), min_rows: int | None = None,
 ) -> torch.Tensor:
     """Launch the cascade kernel and the merge (as the custom op ``sparrow::cascade_decode_attention``: opaque to
     ``torch.compile``, safe inside CUDA graphs). Arguments as :func:`.api.cascade_decode_attention` (``local``:
     RTPurbo's ring layout, :func:`.api.cascade_local_attention`, with ``sink`` its ``num_sinks``). ``splits``
     (prefix, suffix) and ``rows_per_tile`` fix what :func:`cascade_splits` / :func:`tile_rows` would choose
-    (decided inside the op, i.e. once per captured graph); ``min_chunk``: least tokens per split."""
+    (decided inside the op, i.e. once per captured graph); ``min_chunk``: least tokens per split. ``min_rows``: a
+    dense batch of fewer rows runs the per-row kernel (:func:`.triton_decode.decode_attention_triton`) instead;
+    default :data:`CASCADE_MIN_ROWS` on CUDA without explicit ``splits`` / ``rows_per_tile``, else 0 (always the
+    cascade). The batch size is read inside the op, so a graph compiled for symbolic sizes still decides per
+    captured bucket."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ns_p, ns_s = splits or (0, 0)
+    if min_rows is None:
+        min_rows = CASCADE_MIN_ROWS if q.is_cuda and not local and splits is None and rows_per_tile is None else 0
     return _cascade_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
                        prefix_order, group_start, float(scale), int(window or 0), int(sink), bool(local), int(ns_p),
-                       int(ns_s), int(rows_per_tile or 0), int(min_chunk[0]), int(min_chunk[1]))
+                       int(ns_s), int(rows_per_tile or 0), int(min_chunk[0]), int(min_chunk[1]), int(min_rows))
 
 
 @torch.library.custom_op("sparrow::cascade_decode_attention", mutates_args=())
@@ -298,8 +307,12 @@ def _cascade_op(
     row_slot: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor,
     prefix_order: torch.Tensor, group_start: torch.Tensor, scale: float, window: int, sink: int, local: bool,
     prefix_splits: int, suffix_splits: int, rows_per_tile: int, min_chunk_prefix: int, min_chunk_suffix: int,
+    min_rows: int = 0,
 ) -> torch.Tensor:
     A, Hq, T, D = q.shape
+    if not local and 0 < A < min_rows:  # here the batch is a plain int (one decision per captured bucket)
+        return decode_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
+                                       cached_len, scale, window=window or None, sink=sink)
     Hkv = prefix_k.shape[1]
     qpk = Hq // Hkv
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
@@ -346,5 +359,6 @@ def _cascade_op(
 
 @_cascade_op.register_fake
 def _(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, prefix_order, group_start,
-      scale, window, sink, local, prefix_splits, suffix_splits, rows_per_tile, min_chunk_prefix, min_chunk_suffix):
+      scale, window, sink, local, prefix_splits, suffix_splits, rows_per_tile, min_chunk_prefix, min_chunk_suffix,
+      min_rows=0):
     return q.new_empty(q.shape)  # contiguous, as the real op's output
