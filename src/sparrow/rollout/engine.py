@@ -49,6 +49,7 @@ from tqdm import tqdm
 from sparrow.attention.base import CacheSpec, PrefillMeta
 from sparrow.compile_cache import CompileCache, cache_counters, module_signature
 from sparrow.models.attention import attention_modules
+from sparrow.models.fuse import fuse_projections_, unfuse_projections_
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
 from sparrow.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
 from sparrow.rollout.state import DraftState, RowState
@@ -107,6 +108,12 @@ class EngineConfig:
         compile_cache: a directory for compiled code and cost-model calibrations, reused by later engines of the
             same compile key (:class:`sparrow.compile_cache.CompileCache`); ``None``: Inductor's own caches.
         progress: show progress bars over compilation, graph capture and calibration.
+        fuse_projections: run each layer's q / k / v projections as one matmul and its MLP's gate / up projections
+            as another (:func:`sparrow.models.fuse_projections_`, applied to the model when the engine is made:
+            every parameter keeps its name and object, as views of the fused storage, so the weight sync, the
+            drafter's refresh and ``load_state_dict`` work unchanged). ``False`` runs the separate projections
+            (a fused model is unfused, :func:`sparrow.models.unfuse_projections_`: structurally only, its storage
+            kept), for comparison.
     """
 
     max_rows: int = 64
@@ -124,8 +131,11 @@ class EngineConfig:
     dynamic_batch: bool = True
     compile_cache: str | None = None
     progress: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"EngineConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
         if self.compile_cache is not None:
             if not isinstance(self.compile_cache, (str, os.PathLike)) or not str(self.compile_cache):
                 raise ValueError(f"EngineConfig.compile_cache must be a directory path or None, got "
@@ -462,13 +472,21 @@ class RolloutEngine:
     Args:
         model: a torchtune decoder whose attention layers are :class:`SparrowAttention` (use the
             builders in :mod:`sparrow.models` or :func:`sparrow.models.use_attention`). The engine uses
-            it in place, in its current dtype and device, under ``torch.no_grad``.
+            it in place, in its current dtype and device, under ``torch.no_grad``, with its projections fused
+            (``EngineConfig.fuse_projections``): build a weight-sync receiver over its parameters after the
+            engine, and move or cast the model before it (``.to()`` keeps the fusion, but compiled steps and
+            CUDA graphs read the tensors of the time they were made).
         config: capacity and execution options.
         drafter: enables speculative decoding (e.g. :class:`sparrow.speculative.QuantizedSelfDrafter`);
             needs ``config.max_draft >= 1``. Sampled tokens follow the target's distribution exactly and
             their log-probs are the target's.
         toggle: decides before each block whether to speculate and how far (default: always, with
             ``config.max_draft`` drafts). Draft lengths above ``config.max_draft`` are clamped.
+
+    Raises:
+        ValueError: attention backends that cannot run on the model's device and dtype, a toggle without a
+            drafter, a drafter without ``config.max_draft``, or (``config.fuse_projections``) projections that
+            cannot be fused (the message names the module; see :func:`sparrow.models.fuse_projections_`).
     """
 
     def __init__(self, model: TransformerDecoder, config: EngineConfig | None = None,
@@ -490,6 +508,8 @@ class RolloutEngine:
             raise ValueError("speculative decoding needs EngineConfig.max_draft >= 1 (the draft scratch length)")
         self._drafter = drafter
         self._toggle = None if drafter is None else (toggle or AlwaysOn(self.config.max_draft))
+        # one matmul for q / k / v and one for gate / up (views keep every parameter's name and storage), or none
+        (fuse_projections_ if self.config.fuse_projections else unfuse_projections_)(model)
         self.caches: list | None = None
         self.rows: RowState | None = None
         self.drafts: DraftState | None = None

@@ -4,7 +4,10 @@
 target (no copies): token embeddings, every norm, RoPE tables, biases, the output projection (lm_head),
 the attention backends and the KV cache. Only the transformer layers' linear weights (q/k/v/o projections
 and the MLP) are quantized copies; with int8 (``fuse=True``) q/k/v are one linear and the MLP's gate/up
-another, whose biases are copies refreshed with the weights. ``int8`` uses Sparrow's weight-only int8 linear
+another, whose biases are copies refreshed with the weights (views of the target's fused biases when the target's
+projections are fused, :func:`sparrow.models.fuse_projections_`). A target fused before or after the drafter is
+built works either way: the target's parameters keep their objects, and draft copies of fused layers whose linears
+became quantized compute them separately. ``int8`` uses Sparrow's weight-only int8 linear
 (:class:`~sparrow.kernels.int8_linear.Int8Linear`: a Triton kernel on CUDA that reads the weight as int8);
 ``int4`` and ``fp8`` use torchao (torchao's own int8 weight-only linear goes through ATen's
 ``_weight_int8pack_mm``, which made a draft step slower than the bf16 step it was meant to undercut; see
@@ -34,6 +37,7 @@ from sparrow.attention.base import DecodeMeta
 from sparrow.attention.dense import DenseAttention
 from sparrow.kernels.int8_linear import Int8Linear
 from sparrow.models.attention import attention_modules
+from sparrow.models.fuse import FusedGateUpMLP, cat_bias, row_concat, unfuse_projections_
 from sparrow.speculative.base import Drafter
 from sparrow.speculative.window import WindowedDraftAttention
 
@@ -231,6 +235,9 @@ class QuantizedSelfDrafter(Drafter):
                     self._pairs[i] = (name, srcs, new)
                 else:
                     dst.weight = nn.Parameter(_quantize_weight(src.weight, self._qconfig), requires_grad=False)
+        # a target fused by fuse_projections_ shares its fused q / k / v and gate / up modules with these copies:
+        # where the copies' linears became quantized ones, the copies compute them separately
+        unfuse_projections_(self.layers, stale_only=True)
         if self.config.window is not None:
             for layer in self.layers:
                 layer.attn.backend = WindowedDraftAttention(layer.attn.backend.shape, window=self.config.window,
@@ -249,14 +256,14 @@ class QuantizedSelfDrafter(Drafter):
             if hasattr(d, "qkv_proj") and all(isinstance(getattr(a, n, None), nn.Linear)
                                               for n in ("q_proj", "k_proj", "v_proj")):
                 srcs = [a.q_proj, a.k_proj, a.v_proj]
-                d.qkv_proj = Int8Linear(torch.cat([s.weight for s in srcs]), _cat_bias(srcs))
+                d.qkv_proj = Int8Linear(row_concat([s.weight for s in srcs]), cat_bias(srcs))
                 d.q_proj = d.k_proj = d.v_proj = None  # the fused module replaces them
                 self._pairs.append((f"{i}.attn.qkv_proj", srcs, d.qkv_proj))
                 replaced |= {f"{i}.attn.{n}" for n in ("q_proj", "k_proj", "v_proj")}
             m, dm = src_layer.mlp, dst_layer.mlp
             if all(isinstance(getattr(m, n, None), nn.Linear) for n in ("w1", "w2", "w3")):
                 srcs = [m.w1, m.w3]
-                gate_up = Int8Linear(torch.cat([s.weight for s in srcs]), _cat_bias(srcs))
+                gate_up = Int8Linear(row_concat([s.weight for s in srcs]), cat_bias(srcs))
                 # w2 keeps its name: the per-linear pass below quantizes it like any other linear
                 dst_layer.mlp = FusedGateUpMLP(gate_up, dm.w2, dm.activation)
                 self._pairs.append((f"{i}.mlp.gate_up", srcs, gate_up))
@@ -286,9 +293,11 @@ class QuantizedSelfDrafter(Drafter):
         t0 = time.perf_counter()
         for _, srcs, dst in self._pairs:
             if isinstance(dst, Int8Linear):
-                dst.requantize_(srcs[0].weight if len(srcs) == 1 else torch.cat([s.weight for s in srcs]))
-                if len(srcs) > 1 and dst.bias is not None:  # a fused bias is a copy: refresh it too
-                    dst.bias.copy_(_cat_bias(srcs))
+                dst.requantize_(srcs[0].weight if len(srcs) == 1 else row_concat([s.weight for s in srcs]))
+                if len(srcs) > 1 and dst.bias is not None:
+                    bias = cat_bias(srcs)  # a copy, refreshed here; or (fused target) a view of the target's
+                    if bias.data_ptr() != dst.bias.data_ptr():
+                        dst.bias.copy_(bias)
             else:
                 copy_quantized_(dst.weight, _quantize_weight(srcs[0].weight, self._qconfig))
         if self.device.type == "cuda":
@@ -333,23 +342,3 @@ class QuantizedSelfDrafter(Drafter):
         win = "full" if c.window is None else f"window={c.window}, sink={c.sink}"
         return f"QuantizedSelfDrafter(weight={self.weight_format}, {win}, linears={len(self._pairs)})"
 
-
-def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
-    """The biases of ``linears`` end to end (zeros for a linear without one), or None if none has one."""
-    if all(lin.bias is None for lin in linears):
-        return None
-    return torch.cat([lin.bias.detach() if lin.bias is not None else
-                      lin.weight.new_zeros(lin.out_features) for lin in linears])
-
-
-class FusedGateUpMLP(nn.Module):
-    """A gated MLP with its gate and up projections computed as one linear: ``w2(act(gate) * up)``, where
-    ``[gate | up] = gate_up(x)`` (the drafter's form of torchtune's ``FeedForward``; ``w2`` keeps its name)."""
-
-    def __init__(self, gate_up: nn.Module, w2: nn.Module, activation: nn.Module) -> None:
-        super().__init__()
-        self.gate_up, self.w2, self.activation = gate_up, w2, activation
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.w2(self.activation(gate) * up)
