@@ -86,6 +86,38 @@ def test_training_sync_bitwise(codec):
             assert stats.wire_bytes < stats.dense_bytes
 
 
+@pytest.mark.parametrize("verify", [True, "incremental"])
+def test_a_tensor_whose_storage_moved_is_written_where_it_is_now(verify):
+    """A receiver tensor given new storage after the receiver was built (``param.data = ...``, as fusing
+    projections does) receives the next sync there, bit for bit. Negative control: a receiver that keeps its
+    first bit views leaves the new storage stale."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    sender = SyncSender(_bf16(model), codec="compact", bucket_bytes=1 << 20)
+    params = {n: torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in _bf16(model).items()}
+    rx = SyncReceiver(params, verify=verify)
+    tr = InProcessTransport(num_receivers=1)
+    _step(model, opt)
+    sender.send(dict(model.named_parameters()), tr)
+    rx.receive(tr.endpoint(0))
+    for p in params.values():
+        p.data = p.data.clone()  # new storage, same bits
+    _step(model, opt)
+    sender.send(dict(model.named_parameters()), tr)
+    rx.receive(tr.endpoint(0))
+    assert _same(rx, _bf16(model))
+
+    stale = SyncReceiver({n: torch.nn.Parameter(t.clone(), requires_grad=False) for n, t in _bf16(model).items()},
+                         version=2, run_id=rx.run_id, verify=verify)
+    stale._follow = lambda name: None
+    for p in stale.tensors.values():
+        p.data = p.data.clone()
+    _step(model, opt)
+    sender.send(dict(model.named_parameters()), tr)
+    stale.receive(tr.endpoint(0))
+    assert not _same(stale, _bf16(model))
+
+
 def test_corrupt_truncated_reordered_replayed(setup):
     model, opt, sender, rx = setup
     good = _sync_buckets(model, opt, sender)

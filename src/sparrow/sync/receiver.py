@@ -272,6 +272,7 @@ class SyncReceiver:
             if t.dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
                 raise ShapeMismatchError(f"{e.name}: payload is {e.dtype}{list(e.shape)}, receiver has "
                                          f"{t.dtype}{list(t.shape)}")
+            self._follow(e.name)
         ranges = sorted((e.name, e.start, e.start + e.length) for e in pb.entries)
         for (n0, _, end0), (n1, s1, _) in zip(ranges, ranges[1:]):
             if n0 == n1 and s1 < end0:
@@ -283,6 +284,20 @@ class SyncReceiver:
                     f"bucket {pb.info.index}: entry {e.name}[{e.start}:{e.start + e.length}] uses codec "
                     f"{e.codec!r}, which this receiver does not know (it knows {known}): pass it as "
                     "SyncReceiver(..., codecs=[...]). Nothing was written; a dense resync is needed")
+
+    def _follow(self, name: str) -> None:
+        """Write where the tensor's storage is now: a parameter given storage of its own after the receiver was
+        built (``param.data = ...``; :func:`sparrow.models.fuse_projections_` makes parameters views of one
+        fused weight) gets its bit view rebuilt, and its running hashes dropped (hashed in full next time).
+        Without this the receiver would keep writing the old storage, which nothing reads any more."""
+        t, view = self.tensors[name], self._bits[name]
+        if t.data_ptr() == view.data_ptr() and t.device == view.device:
+            return
+        if not t.is_contiguous():
+            raise ShapeMismatchError(f"{name}: the tensor's storage moved to a non-contiguous one; receiver "
+                                     "tensors must be contiguous (updated in place)")
+        self._bits[name] = bits_view(t.detach())
+        self._hashes.pop(name, None)
 
     def _start(self, pb: ParsedBucket) -> _Bucket:
         """The per-bucket state: body on the receiver's device, views of the target ranges, the groups, the
