@@ -21,20 +21,14 @@ Usage: ``python benchmarks/bench_decode_attention.py`` (H200: ~1 min), ``--quick
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, copy_bandwidth_gbs, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda,
-    write_json,
-)
+from sparrow.bench import base_parser, copy_bandwidth_gbs, graphed, measure, print_table, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.kernels.decode_attention import decode_attention  # noqa: E402
-from sparrow.kernels.decode_attention import triton_decode as td  # noqa: E402
+from sparrow.kernels.decode_attention import decode_attention
+from sparrow.kernels.decode_attention import triton_decode as td
 
 NAME = "decode_attention"
 MODELS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}  # q heads, kv heads, head_dim

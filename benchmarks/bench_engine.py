@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, copy_bandwidth_gbs, median, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import base_parser, copy_bandwidth_gbs, kernel_times, print_table, save_figure, write_json
+from sparrow.rl.runs import median
 
-import sparrow.models as sm  # noqa: E402
-from sparrow.attention import DenseAttention  # noqa: E402
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline  # noqa: E402
-from sparrow.training import init_weights  # noqa: E402
+import sparrow.models as sm
+from sparrow.attention import DenseAttention
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline
+from sparrow.training import init_weights
 
 NAME = "engine"
 
@@ -92,30 +91,17 @@ def hf_generate(hf, input_ids, new_tokens):
 def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5) -> dict:
     """One plain decode step at 1 and 64 rows (``64 // group`` prompts of ``L`` tokens, ``new_tokens // 2``
     generated) under ``torch.profiler``: per step, the wall time and the time of each kernel name (CUDA kernels;
-    CPU operators' self time without CUDA), largest first."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
+    CPU operators' self time without CUDA), largest first (:func:`sparrow.bench.kernel_times`)."""
     cfg = EngineConfig(max_rows=64, max_prompts=64 // group, batch_buckets=(1, 64), max_prompt_len=L,
-                       max_new_tokens=new_tokens, compile=cuda)
+                       max_new_tokens=new_tokens, compile=device == "cuda")
     engine, out = RolloutEngine(model, cfg), {}
     for rows in (1, 64):
         ctx = L + new_tokens // 2
         engine.time_step("decode", rows, context=ctx, steps=2)  # compile and capture outside the profile
-        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-            step_s = engine.time_step("decode", rows, context=ctx, steps=steps)  # steps + 1 runs
-        if cuda:
-            events = [(e.name, e.device_time_total, 1) for e in prof.events() if e.device_type == DeviceType.CUDA]
-        else:
-            events = [(a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()]
-        per_name: dict[str, list[float]] = {}
-        for name, us, n in events:
-            t = per_name.setdefault(name[:120], [0.0, 0.0])
-            t[0], t[1] = t[0] + us / (steps + 1), t[1] + n / (steps + 1)
-        top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
-        out[str(rows)] = {"step_ms": step_s * 1e3, "kernel_us_per_step": sum(v[0] for _, v in top),
-                          "kernels": [{"name": k, "us": v[0], "calls": v[1]} for k, v in top[:15]]}
+        step_s = []
+        k = kernel_times(lambda: step_s.append(engine.time_step("decode", rows, context=ctx, steps=steps)),
+                         runs=steps + 1)  # steps + 1 runs
+        out[str(rows)] = {"step_ms": step_s[0] * 1e3, **k}
     return out
 
 

@@ -11,20 +11,15 @@ Usage: ``python benchmarks/bench_int8_linear.py`` (H200: ~1 min) or ``--quick`` 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import base_parser, graphed, measure, print_table, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.kernels.int8_linear import int8_linear, quantize_int8  # noqa: E402
-from sparrow.kernels.int8_linear.reference import int8_linear_reference  # noqa: E402
+from sparrow.kernels.int8_linear import int8_linear, quantize_int8
+from sparrow.kernels.int8_linear.reference import int8_linear_reference
 
 NAME = "int8_linear"
 MODELS = {"qwen2.5-0.5b": (896, 4864, 128), "qwen2.5-1.5b": (1536, 8960, 256)}  # hidden, mlp, kv width

@@ -23,25 +23,19 @@ Usage: ``python benchmarks/bench_rtpurbo_decode.py [--density 0.55]`` (H200) or 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, density_arg, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda,
-    write_json,
-)
+from sparrow.bench import base_parser, density_arg, graphed, measure, print_table, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.attention.base import DecodeMeta, LayerShape  # noqa: E402
-from sparrow.attention.dense import DenseAttention, DenseKVCache  # noqa: E402
-from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig  # noqa: E402
-from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton  # noqa: E402
-from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton  # noqa: E402
+from sparrow.attention.base import DecodeMeta, LayerShape
+from sparrow.attention.dense import DenseAttention, DenseKVCache
+from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig
+from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
 
 NAME = "rtpurbo_decode"
 GEN = 16  # generation-slot capacity: the new token is written at index 0

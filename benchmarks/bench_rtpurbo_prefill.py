@@ -27,22 +27,17 @@ Usage: ``python benchmarks/bench_rtpurbo_prefill.py [--density ACCURACY.json | 0
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, density_arg, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import base_parser, density_arg, measure, print_table, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.attention.base import LayerShape  # noqa: E402
-from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig  # noqa: E402
-from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention  # noqa: E402
+from sparrow.attention.base import LayerShape
+from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig
+from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
 NAME = "rtpurbo_prefill"
 FLEX = {"dynamic": True}  # one compiled graph for every length and head count

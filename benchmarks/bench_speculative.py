@@ -14,22 +14,20 @@ Run (H200): ``python benchmarks/bench_speculative.py``; CPU smoke run: ``python 
 from __future__ import annotations
 
 import gc
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import T0, base_parser, batch_buckets, log, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import T0, base_parser, batch_buckets, log, print_table, save_figure, write_json
 
-import sparrow.models as sm  # noqa: E402
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from sparrow.speculative import (  # noqa: E402
+import sparrow.models as sm
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.speculative import (
     AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig, QuantizedSelfDrafter,
 )
-from sparrow.training import (  # noqa: E402
+from sparrow.training import (
     CurriculumConfig, EpisodeBatches, LossConfig, MarkovEpisodes, OptimizerConfig, TrainConfig, Trainer, init_weights,
 )
 

@@ -18,19 +18,16 @@ Writes ``docs/benchmarks/sync_links.json``; ``plot()`` draws ``sync_links.png``.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json
 
-from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
-from sparrow.sync.projection import SyncRates, project_sync, rates_at  # noqa: E402
-from sparrow.sync.synthetic import adamw_bf16_step  # noqa: E402
+from sparrow.sync import SyncReceiver, SyncSender, parse_bucket
+from sparrow.sync.projection import SyncRates, project_sync, rates_at
+from sparrow.sync.synthetic import adamw_bf16_step
 
 NAME = "sync_links"
 LINKS_GBIT = (10, 25, 100, 400)

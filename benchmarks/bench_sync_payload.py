@@ -16,20 +16,17 @@ Writes ``docs/benchmarks/sync_payload.json``; ``plot()`` draws ``sync_payload.pn
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import base_parser, print_table, save_figure, write_json
 
-from sparrow.kernels.sync import api as K  # noqa: E402
-from sparrow.sync import empirical_entropy_bits, position_entropy_bits  # noqa: E402
-from sparrow.sync.codecs import SliceJob, slice_sizes  # noqa: E402
-from sparrow.sync.synthetic import SyntheticGrads, linear_stack, perturb_bits  # noqa: E402
+from sparrow.kernels.sync import api as K
+from sparrow.sync import empirical_entropy_bits, position_entropy_bits
+from sparrow.sync.codecs import SliceJob, slice_sizes
+from sparrow.sync.synthetic import SyntheticGrads, linear_stack, perturb_bits
 
 NAME = "sync_payload"
 CODECS = ("dense", "coo", "compact", "auto")

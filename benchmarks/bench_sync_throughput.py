@@ -18,19 +18,16 @@ Writes ``docs/benchmarks/sync_throughput.json``; ``plot()`` draws ``sync_through
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json
 
-from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
-from sparrow.sync.stats import StageTimer  # noqa: E402
-from sparrow.sync.synthetic import perturb_bits  # noqa: E402
+from sparrow.sync import SyncReceiver, SyncSender, parse_bucket
+from sparrow.sync.stats import StageTimer
+from sparrow.sync.synthetic import perturb_bits
 
 NAME = "sync_throughput"
 DENSITIES = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.1, 0.25]

@@ -12,18 +12,13 @@ Usage: ``python benchmarks/bench_topp.py`` (H200: ~1 min) or ``--quick`` (CPU sm
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import base_parser, graphed, measure, print_table, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.kernels.topp import topp_select_dense  # noqa: E402
+from sparrow.kernels.topp import topp_select_dense
 
 NAME = "topp"
 BLOCK, TOP_P, SINK_BLOCKS, LOCAL_WINDOW = 64, 0.9, 1, 128
