@@ -1,0 +1,143 @@
+"""Launching a recipe as a user types it: the command, its metric log read back, failures, technique overrides."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from sparrow.rl.launch import (
+    LaunchError, launch_options, launch_recipe, log_overrides, recipe_env, run_in_process, speculative_section,
+    technique_overrides,
+)
+
+# a recipe file tune runs: writes one metrics record per step into output_dir/logs, then fails when told to
+RECIPE = '''
+import json, sys, time
+from pathlib import Path
+from omegaconf import OmegaConf
+from torchtune import config
+
+@config.parse
+def main(cfg):
+    logs = Path(cfg.output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "metrics.jsonl", "w") as f:
+        for step in range(1, cfg.total_steps + 1):
+            f.write(json.dumps({"step": step, "time/step_s": 0.5 * step}) + "\\n")
+            f.flush()
+            time.sleep(0.2)
+    print("done")
+    sys.exit(cfg.get("exit_code", 0))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture
+def fake_recipe(tmp_path):
+    (tmp_path / "fake_recipe.py").write_text(RECIPE)
+    (tmp_path / "fake.yaml").write_text("output_dir: x\ntotal_steps: 1\n")
+    return tmp_path
+
+
+def launch(tmp, overrides, out, **kw):
+    """The fake recipe, importable by module name from ``tmp``."""
+    env = recipe_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp), env["PYTHONPATH"]])
+    return launch_recipe(tmp / "fake.yaml", overrides, out=out, recipe="fake_recipe", env=env, **kw)
+
+
+def test_launch_recipe_reads_the_metric_log(fake_recipe):
+    out = fake_recipe / "run"
+    run = launch(fake_recipe, [f"output_dir={out}", "total_steps=3"], out)
+    assert run.returncode == 0 and [r["step"] for r in run.steps] == [1, 2, 3]
+    assert run.first_step_s is not None and 0 < run.first_step_s < run.wall_s
+    assert run.command.startswith("tune run ") and "total_steps=3" in run.command
+    assert "done" in run.output and (fake_recipe / "run.log").read_text() == run.output
+
+
+def test_launch_recipe_failure(fake_recipe):
+    out = fake_recipe / "bad"
+    overrides = [f"output_dir={out}", "exit_code=3"]
+    with pytest.raises(LaunchError, match="exit 3"):
+        launch(fake_recipe, overrides, out)
+    run = launch(fake_recipe, overrides, out, check=False)
+    assert run.returncode == 3 and len(run.steps) == 1
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch(fake_recipe, [f"output_dir={out}", "total_steps=50"], out, timeout=0.5)
+
+
+def test_overrides():
+    assert log_overrides("o", 4)[:2] == ["output_dir=o", "total_steps=4"]
+    assert "metric_logger.log_dir=o/logs" in log_overrides("o", 4)
+    assert technique_overrides("all_off")[-1] == "speculative=null"
+    on = technique_overrides("all_on", "cal", toggle="threshold", lengths=(4,), max_active=64)
+    assert on[:3] == ["attention._component_=sparrow.attention.rtpurbo", "attention.path=cal", "sync.codec=auto"]
+    assert on[3] == ("speculative={drafter: {_component_: sparrow.speculative.DrafterConfig, weight: int8}, toggle: "
+                     "{_component_: sparrow.speculative.threshold, num_draft: 4, draft_lengths: [4], max_active: 64}}")
+    with pytest.raises(ValueError):
+        technique_overrides("all_on")
+    with pytest.raises(ValueError):
+        technique_overrides("rtpurbo_only", "cal")
+
+
+def test_speculative_section():
+    d = {"_component_": "sparrow.speculative.DrafterConfig"}
+    assert speculative_section(d, "always", [2, 4])["toggle"] == {"_component_": "sparrow.speculative.always_on",
+                                                                  "num_draft": 4}
+    assert speculative_section(d, "cost_model", [2])["toggle"] == {"_component_": "sparrow.speculative.cost_model",
+                                                                   "draft_lengths": [2]}
+    with pytest.raises(ValueError):
+        speculative_section(d, "sometimes", [2])
+    with pytest.raises(ValueError):
+        speculative_section(d, "threshold", [])
+
+
+def test_launch_options_parse():
+    from sparrow.bench import base_parser
+
+    args = base_parser("q", launch_options("c.yaml", 7)).parse_args(["--model", "m", "--set", "a=1", "b=2"])
+    assert (str(args.config), args.steps, args.configs, args.set) == ("c.yaml", 7, "all_off,all_on", ["a=1", "b=2"])
+
+
+class _Logger:
+    def __init__(self):
+        self.records, self.closed = [], False
+
+    def close(self):
+        self.closed = True
+
+
+class _Recipe:
+    made: list = []
+
+    def __init__(self, cfg):
+        self.cfg, self.metric_logger, self.calls = cfg, _Logger(), []
+        _Recipe.made.append(self)
+
+    def setup(self, cfg):
+        self.calls.append("setup")
+
+    def train(self):
+        self.calls.append("train")
+        if self.cfg.get("fail"):
+            raise RuntimeError("boom")
+        self.metric_logger.records.append({"step": 1, "time/step_s": 1.0})
+
+    def cleanup(self):
+        self.calls.append("cleanup")
+
+
+def test_run_in_process():
+    out = run_in_process(_Recipe, {"a": 1}, after=lambda r: {"seen": r.cfg.a})
+    rec = _Recipe.made[-1]
+    assert rec.calls == ["setup", "train", "cleanup"] and rec.metric_logger.closed
+    assert out["records"] == [{"step": 1, "time/step_s": 1.0}] and out["seen"] == 1 and out["run_s"] >= out["setup_s"]
+    with pytest.raises(RuntimeError, match="boom"):
+        run_in_process(_Recipe, {"fail": True})
+    assert _Recipe.made[-1].metric_logger.closed  # closed whatever happens
+    assert json.dumps(out)
