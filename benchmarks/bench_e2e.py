@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import json
 import sys
 import tempfile
@@ -33,23 +32,19 @@ import traceback
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    REPO, base_parser, batch_buckets, log, print_table, task_model,
-    triton_interpreter_without_cuda, write_json,
+from sparrow.bench import REPO, base_parser, batch_buckets, log, print_table, task_model, write_json
+from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig
+from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo
+from sparrow.calibrate.data import calibration_sequences, fit_sequences
+from sparrow.rl import KVListRetrieval
+from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
+from sparrow.rl.launch import run_in_process, speculative_section
+from sparrow.rl.runs import (
+    add_speedups, compare, merge_results, partial_costs, plot_runs, run_summary, step_rows,
 )
-
-triton_interpreter_without_cuda()  # before anything imports triton
-from omegaconf import OmegaConf  # noqa: E402
-
-from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig  # noqa: E402
-from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo  # noqa: E402
-from sparrow.calibrate.data import calibration_sequences, fit_sequences  # noqa: E402
-from sparrow.rl import KVListRetrieval  # noqa: E402
-from sparrow.rl.recipe_config import RECIPE_KEYS, check_config  # noqa: E402
-from sparrow.rl.runs import add_speedups, compare, plot_runs, run_summary, step_rows  # noqa: E402
-from sparrow.training import MODEL_FILE, load_trained_model, longest_handled, read_report  # noqa: E402
+from sparrow.training import MODEL_FILE, handled_context, load_trained_model, read_report
 
 NAME = "e2e"
 # configuration -> which techniques are on
@@ -154,30 +149,13 @@ def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: 
 
 
 def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
-    """setup -> train -> cleanup of one recipe config; every logged metrics dict and the phase times. With
+    """setup -> train -> cleanup of one recipe config (:func:`~sparrow.rl.launch.run_in_process`). With
     ``fixed_length``, after training: the next step's prompts decoded to exactly that many tokens (no stop token)
     twice, the second timed (``fixed_rollout_s``): equal work whatever lengths the configuration samples."""
-    cfg = OmegaConf.create(cfg_dict)
-    _free_memory()  # what an earlier (failed) run left behind
-    torch.compiler.reset()  # each run compiles its own steps (and never meets the recompile limit)
-    t0 = time.perf_counter()
     sys.path.insert(0, str(REPO / "recipes"))  # the recipe file itself when it is not installed
     from sparrow_grpo import GRPORecipe
 
-    recipe = GRPORecipe(cfg)
-    try:
-        recipe.setup(cfg)
-        setup_s = time.perf_counter() - t0
-        recipe.train()
-        fixed = fixed_rollout(recipe, fixed_length) if fixed_length else {}
-        recipe.cleanup()
-        records = list(recipe.metric_logger.records)
-    finally:
-        if getattr(recipe, "metric_logger", None) is not None:
-            recipe.metric_logger.close()
-        del recipe
-        _free_memory()
-    return {"records": records, "setup_s": setup_s, "run_s": time.perf_counter() - t0, **fixed}
+    return run_in_process(GRPORecipe, cfg_dict, (lambda r: fixed_rollout(r, fixed_length)) if fixed_length else None)
 
 
 def fixed_rollout(recipe, length: int) -> dict:
@@ -189,34 +167,6 @@ def fixed_rollout(recipe, length: int) -> dict:
         seconds = time.perf_counter() - t
     return {"fixed_rollout_s": seconds, "fixed_tokens": gen.stats.generated_tokens,
             "fixed_prefill_s": gen.stats.prefill_s}
-
-
-def partial_costs(steps: list[dict]) -> dict:
-    """What partial rollout costs, over a run's steps: the mean share of trained tokens sampled by an older
-    policy (``stale_token_frac``) and the groups dropped (0 without partial rollout)."""
-    stale = [1.0 - s["partial/staleness_0"] for s in steps if "partial/staleness_0" in s]
-    return {"stale_token_frac": sum(stale) / len(stale) if stale else None,
-            "dropped_groups": sum(s.get("partial/dropped_groups", 0.0) for s in steps)}
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# -- main -------------------------------------------------------------------------------------------------
-
-def speculative_section(drafter: dict, toggle: str, lengths: list[int], max_active: int) -> dict:
-    """The recipe's ``speculative`` section: the drafter and the toggle builder with the arguments it takes."""
-    if toggle == "always":
-        built = {"_component_": "sparrow.speculative.always_on", "num_draft": max(lengths)}
-    elif toggle == "threshold":
-        built = {"_component_": "sparrow.speculative.threshold", "num_draft": max(lengths), "draft_lengths": lengths,
-                 "max_active": max_active}
-    else:
-        built = {"_component_": "sparrow.speculative.cost_model", "draft_lengths": lengths}
-    return {"drafter": drafter, "toggle": built}
 
 
 def build_parser():
@@ -277,16 +227,6 @@ def _context(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"--context takes a number of tokens or 'auto', not {text!r}") from None
 
 
-def handled_context(report: dict, task: str, bar: float = 0.5) -> int:
-    """The longest context of the model's accuracy table at which the task's accuracy reaches ``bar`` (the
-    shortest measured one if none does)."""
-    name = "variable_tracking" if task == "variable_tracking" else "kv_retrieval"
-    contexts = [r["context"] for r in report["accuracy"] if r["task"] == name]
-    if not contexts:
-        raise SystemExit(f"the model's report has no {name} accuracy: give --context explicitly")
-    return longest_handled(report, bar, [name]) or min(contexts)
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.merge:
@@ -333,7 +273,10 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     model_dir = task_model(args.model, work, args.quick)
     report, train_s = read_report(model_dir), time.perf_counter() - t_start
     if args.context == "auto":
-        args.context = handled_context(report, args.task)
+        try:
+            args.context = handled_context(report, args.task)
+        except ValueError as e:
+            raise SystemExit(f"{e}: give --context explicitly") from None
         log(f"--context auto: {args.context} tokens (the longest the model handles)")
     if args.max_new is None:  # kv_list: room for the longest answer the task can ask for, and <eos>
         kvl = KVListRetrieval(args.context, **({"max_asked": args.max_asked} if args.max_asked else {}))
@@ -446,21 +389,11 @@ def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
     """One result from complete runs of this script with the same settings and other seeds (each seed's speedup
     still compares runs of one process, so each part holds all_off for its seeds)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    free = ("configs", "seeds", "switches", "work_dir", "recipe_base")
-    settings = [{k: v for k, v in d["config"].items() if k not in free} for d in docs]
-    for p, d, s in zip(paths, docs, settings):
-        if d.get("benchmark") != NAME or not d.get("complete"):
-            raise SystemExit(f"{p}: not a complete {NAME} result")
-        if s != settings[0] or d["environment"].get("device") != docs[0]["environment"].get("device"):
-            raise SystemExit(f"{p}: settings or device differ from {paths[0]}")
-    rows, steps = [r for d in docs for r in d["rows"]], [s for d in docs for s in d["steps"]]
-    pairs = [(r["config"], r["seed"]) for r in rows]
-    if len(set(pairs)) < len(pairs) or any(("all_off", s) not in pairs for _, s in pairs):
-        raise SystemExit("every (configuration, seed) once, and all_off for every seed")
-    add_speedups(rows)
-    names = list(dict.fromkeys(r["config"] for r in rows))
-    config = dict(docs[0]["config"], configs=names, switches={n: CONFIGS[n] for n in names},
-                  seeds=sorted({r["seed"] for r in rows}))
+    try:
+        config, rows, steps = merge_results(docs, NAME, free=("configs", "seeds", "switches", "work_dir", "recipe_base"))
+    except ValueError as e:
+        raise SystemExit(f"{[str(p) for p in paths]}: {e}") from None
+    config["switches"] = {n: CONFIGS[n] for n in config["configs"]}
     extra = {"summary": compare(rows, steps), "steps": steps, "calibration": docs[0].get("calibration"),
              "complete": True, "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
              "sources": [{"file": Path(p).name, "git_revision": d["environment"].get("git_revision")}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -58,3 +60,25 @@ def test_longest_handled_and_model_score():
     # a retrieval model's score counts the tasks that moved its curriculum only
     rep["train"] = {"config": {"eval": {"tasks": ["kv_retrieval"]}}}
     assert model_score(rep) == (128, pytest.approx(3.55 / 6))
+
+
+def test_paired_difference():
+    from sparrow.training import paired, paired_delta_se
+
+    dense = [True, True, False, False, True]
+    sparse = [True, False, True, True, True]
+    p = paired(dense, sparse)
+    assert (p["dense_only"], p["sparse_only"], p["both"]) == (1, 2, 2)
+    assert p["delta"] == pytest.approx(0.2)
+    assert p["delta_se"] == pytest.approx(math.sqrt((3 / 5 - 0.2 ** 2) / 5)) == paired_delta_se(1, 2, 5)
+    assert paired(dense, dense)["delta_se"] == 0.0
+
+
+def test_handled_context():
+    from sparrow.training import handled_context
+
+    report = {"accuracy": [{"task": "kv_retrieval", "context": c, "accuracy": a} for c, a in ((512, 0.9), (1024, 0.6),
+                                                                                              (2048, 0.2))]}
+    assert handled_context(report, "kv_list") == 1024 and handled_context(report, "kv_retrieval", 0.95) == 512
+    with pytest.raises(ValueError):
+        handled_context(report, "variable_tracking")
