@@ -22,7 +22,6 @@ CPU smoke run (a tiny model trained for seconds; figures mean nothing): ``python
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import sys
@@ -34,13 +33,14 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from sparrow.bench import REPO, base_parser, batch_buckets, log, print_table, task_model, write_json
+from sparrow.bench import REPO, base_parser, log, print_table, task_model, write_json
 from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig
 from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo
 from sparrow.calibrate.data import calibration_sequences, fit_sequences
 from sparrow.rl import KVListRetrieval
 from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
-from sparrow.rl.launch import run_in_process, speculative_section
+from sparrow.rl.launch import (REWARDS, TASKS, grpo_base_config, run_in_process, speculative_section,
+                               technique_config)
 from sparrow.rl.runs import (
     add_speedups, compare, merge_results, partial_costs, plot_runs, run_summary, step_rows,
 )
@@ -58,9 +58,6 @@ CONFIGS: dict[str, dict[str, bool]] = {
     "all_off_partial": {"rtpurbo": False, "spec": False, "sparse_sync": False, "partial": True},
     "all_on_partial": {"rtpurbo": True, "spec": True, "sparse_sync": True, "partial": True},
 }
-TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking",
-         "kv_list": "sparrow.rl.KVListRetrieval"}
-REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.CharAccuracy"}
 
 
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
@@ -83,69 +80,21 @@ def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> 
             "rtpurbo_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "indexer": report.summary()}
 
 
-def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> dict:
-    """The recipe config every run starts from (all techniques off)."""
-    cuda = device.type == "cuda"
-    rows = args.group * args.prompts_per_step
-    return {
-        "name": "bench_e2e", "output_dir": None, "seed": 0, "device": str(device),
-        "trainer_precision": "bf16-mixed" if cuda else "fp32", "dist_timeout_s": 600,
-        "tokenizer": {"_component_": "sparrow.rl.CharTokenizer"},
-        "task": {"_component_": TASKS[args.task], "context_len": args.context,
-                 **({"max_asked": args.max_asked} if args.max_asked else {})},
-        "reward": {"_component_": REWARDS[args.reward]},
-        "model": report["model"],
-        "checkpoint": str(checkpoint),
-        "attention": {"_component_": "sparrow.attention.dense"},
-        "engine": {"max_rows": rows, "max_prompts": max(args.prompts_per_step, min(args.eval_prompts, rows)),
-                   "max_prompt_len": args.context + 1, "max_new_tokens": args.max_new, "block_steps": args.block_steps,
-                   "compile": args.compile, "cuda_graphs": args.compile and cuda,
-                   # speculation captures a draft and a verify graph per bucket and draft length
-                   "batch_buckets": batch_buckets(rows, args.bucket_growth)},
-        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new},
-        "group_size": args.group, "prompts_per_step": args.prompts_per_step, "ppo_epochs": 1,
-        "minibatches": args.minibatches, "micro_batch_size": args.micro_batch, "logprob_chunk": 4096,
-        "shared_prefix": args.shared_prefix, "max_grad_norm": 1.0,
-        "optimizer": {"_component_": "torch.optim.AdamW", "lr": args.lr, "betas": [0.9, 0.999], "weight_decay": 0.0,
-                      **({"fused": True} if cuda else {})},
-        "loss": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean", "advantage_scale": "group",
-                 "kl_beta": 0.0, "is_level": "token", "is_threshold": 2.0, "is_mode": "truncate"},
-        "sync": {"codec": "dense", "bucket_bytes": 256 << 20, "anchor_every": 0, "verify": True,
-                 "check_bitwise": args.steps},  # bit-exactness checked once, at the last step
-        "total_steps": args.steps, "checkpoint_every": 0, "resume_from_checkpoint": False,
-        # held-out accuracy at the start and at the end (--eval-prompts 0: none)
-        "eval": {"every": args.steps if args.eval_prompts else 0, "prompts": max(1, args.eval_prompts)},
-        "metric_logger": {"_component_": "sparrow.rl.JsonlLogger", "log_dir": None},
-        "plot": False,
-    }
-
-
 def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
-    """``base`` with configuration ``name``'s techniques switched on, for ``seed``."""
-    on = CONFIGS[name]
-    cfg = copy.deepcopy(base)
-    cfg["seed"] = seed
-    cfg["output_dir"] = str(work / f"{name}_seed{seed}")
-    cfg["metric_logger"]["log_dir"] = cfg["output_dir"]
-    if on["rtpurbo"]:
-        cfg["attention"] = {"_component_": "sparrow.attention.rtpurbo", "path": str(rtpurbo_dir)}
-        if args.indexer_refresh_every:
-            cfg["indexer_refresh"] = {"every": args.indexer_refresh_every, "steps": 20, "sequences": 8}
+    """``base`` with configuration ``name``'s techniques switched on, for ``seed`` (``sparrow.rl.launch``)."""
+    on, spec = CONFIGS[name], None
     if on["spec"]:
         drafter = {"_component_": "sparrow.speculative.DrafterConfig", "weight": args.draft_weight}
         if args.draft_window and not on["rtpurbo"]:  # a windowed draft needs dense caches
             drafter["window"] = args.draft_window
         lengths = [int(x) for x in args.draft_lengths.split(",") if x]
-        cfg["speculative"] = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
-    if on["sparse_sync"]:
-        cfg["sync"]["codec"] = "auto"
-    if on.get("partial"):  # over-provisioned groups need their rows
-        over = args.prompts_per_step if args.overprovision is None else args.overprovision
-        cfg["partial_rollout"] = {"enabled": True, "overprovision": over, "max_staleness": args.max_staleness}
-        rows = args.group * (args.prompts_per_step + over)
-        prompts = max(cfg["engine"]["max_prompts"], args.prompts_per_step + over)
-        cfg["engine"].update(max_rows=rows, max_prompts=prompts, batch_buckets=batch_buckets(rows, args.bucket_growth))
-    return cfg
+        spec = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
+    over = (args.prompts_per_step if args.overprovision is None else args.overprovision) if on.get("partial") else None
+    return technique_config(base, work / f"{name}_seed{seed}", seed=seed,
+                            rtpurbo=rtpurbo_dir if on["rtpurbo"] else None,
+                            indexer_refresh_every=args.indexer_refresh_every, speculative=spec,
+                            sparse_sync=on["sparse_sync"], overprovision=over, max_staleness=args.max_staleness,
+                            bucket_growth=args.bucket_growth)
 
 
 def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
@@ -206,15 +155,15 @@ def build_parser():
         ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
         ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start"),
         ("--overprovision", int, None, "partial rollout: groups in flight beyond a step's (default: a step's)"),
-        ("--max-staleness", int, 1, "partial rollout: policy versions a group may span")])
-    p.add_argument("--partial", action="store_true", help="add each configuration's partial-rollout twin (all_off, "
-                   "all_on); the JSON is partial_rollout.json")
-    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
-                   help="join finished results of this script (same settings, other seeds) into one, then stop")
-    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="trainer computes each prompt once per group (in every configuration)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                   help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)")
+        ("--max-staleness", int, 1, "partial rollout: policy versions a group may span"),
+        ("--partial", dict(action="store_true", help="add each configuration's partial-rollout twin (all_off, all_on); "
+                           "the JSON is partial_rollout.json")),
+        ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON", help="join finished results of this "
+                         "script (same settings, other seeds) into one, then stop")),
+        ("--shared-prefix", dict(action=argparse.BooleanOptionalAction, default=True,
+                                 help="trainer computes each prompt once per group (in every configuration)")),
+        ("--no-compile", dict(dest="compile", action="store_false", default=None,
+                              help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)"))])
     return p
 
 
@@ -296,7 +245,12 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         calibration = calibrate_rtpurbo(model_dir, args, device, rtpurbo_dir)
         log(f"RTPurbo calibrated in {calibration['seconds']} s: retrieval kv heads {calibration['retrieval_heads']}, "
             f"indexer recall {calibration['indexer']['recall']:.3f}, density {calibration['indexer']['density']:.3f}")
-    base = base_config(args, report, checkpoint, device)
+    base = grpo_base_config(report["model"], checkpoint, str(device), task=args.task, context=args.context,
+                            max_asked=args.max_asked, reward=args.reward, group=args.group,
+                            prompts_per_step=args.prompts_per_step, max_new=args.max_new, steps=args.steps,
+                            eval_prompts=args.eval_prompts, lr=args.lr, minibatches=args.minibatches,
+                            micro_batch=args.micro_batch, block_steps=args.block_steps,
+                            bucket_growth=args.bucket_growth, compile=args.compile, shared_prefix=args.shared_prefix)
     for seed in seeds:  # every run's config is valid before any run starts
         for name in names:
             check_config(OmegaConf.create(run_config(base, name, seed, args, rtpurbo_dir, work)), RECIPE_KEYS)

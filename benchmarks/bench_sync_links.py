@@ -51,7 +51,8 @@ def measure_step(width: int, layers: int, lr: float, iters: int) -> dict:
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0], [(f, int, None, None) for f in ("--width", "--layers", "--iters")]).parse_args()
+    options = [(flag, int, None, None) for flag in ("--width", "--layers", "--iters")]
+    args = base_parser(__doc__.splitlines()[0], options).parse_args()
     quick = args.quick or not torch.cuda.is_available()
     width = args.width or (256 if quick else 4096)
     layers = args.layers or (4 if quick else 30)  # 30 x 4096^2 = 503M parameters

@@ -141,3 +141,39 @@ def test_run_in_process():
         run_in_process(_Recipe, {"fail": True})
     assert _Recipe.made[-1].metric_logger.closed  # closed whatever happens
     assert json.dumps(out)
+
+
+def test_grpo_base_config_and_technique_config_are_valid_recipe_configs(tmp_path):
+    """The base (every technique off) and each technique on its own pass the recipe's key and value checks; each
+    switch changes what it names and nothing else; the base is left as it was."""
+    from omegaconf import OmegaConf
+
+    from sparrow.rl.launch import REWARDS, TASKS, grpo_base_config, technique_config
+    from sparrow.rl.recipe_config import check_config, check_values
+
+    model = {"_component_": "sparrow.models.tiny_qwen2", "vocab_size": 64}
+    base = grpo_base_config(model, tmp_path / "model.safetensors", "cpu", context=64, group=4, prompts_per_step=2,
+                            max_new=4, steps=3, eval_prompts=0, compile=False, bucket_growth=2)
+    assert base["attention"] == {"_component_": "sparrow.attention.dense"} and base["sync"]["codec"] == "dense"
+    assert base["engine"]["batch_buckets"] == [1, 2, 4, 8] and base["engine"]["max_prompt_len"] == 65
+    assert base["trainer_precision"] == "fp32" and "fused" not in base["optimizer"] and base["eval"]["every"] == 0
+    spec = speculative_section({"_component_": "sparrow.speculative.DrafterConfig"}, "always", [2])
+    runs = {"off": {}, "rtpurbo": dict(rtpurbo=tmp_path / "cal", indexer_refresh_every=2),
+            "spec": dict(speculative=spec), "sync": dict(sparse_sync=True),
+            "partial": dict(overprovision=1, max_staleness=2, bucket_growth=2)}
+    before = json.dumps(base)
+    for name, kw in runs.items():
+        cfg = technique_config(base, tmp_path / name, seed=5, **kw)
+        check_config(OmegaConf.create(cfg))
+        check_values(OmegaConf.create(cfg))
+        assert cfg["seed"] == 5 and cfg["output_dir"] == cfg["metric_logger"]["log_dir"] == str(tmp_path / name)
+        changed = {k for k in set(cfg) | set(base) if cfg.get(k) != base.get(k)} - {"seed", "output_dir",
+                                                                                    "metric_logger"}
+        assert changed == {"off": set(), "rtpurbo": {"attention", "indexer_refresh"}, "spec": {"speculative"},
+                           "sync": {"sync"}, "partial": {"partial_rollout", "engine"}}[name]
+    partial = technique_config(base, tmp_path, overprovision=1, bucket_growth=2)
+    assert partial["engine"]["max_rows"] == 12 and partial["engine"]["batch_buckets"] == [1, 2, 4, 8, 12]
+    assert json.dumps(base) == before
+    assert set(TASKS) >= {"kv_retrieval", "kv_list"} and "exact_match" in REWARDS
+    with pytest.raises(ValueError, match="task"):
+        grpo_base_config(model, "m", "cpu", task="sudoku")

@@ -7,6 +7,9 @@ log read back, and the command-line overrides that switch Sparrow's techniques o
 * :func:`log_overrides` are the overrides every measured launch takes (a JSONL metric log, no evaluation, no
   checkpoints, no plot); :func:`technique_overrides` switch RTPurbo, speculative decoding and the sparse sync codec
   on (``all_on``) or off (``all_off``); :func:`speculative_section` is the recipe's ``speculative`` section.
+* :func:`grpo_base_config` is a whole GRPO recipe config with every technique off (the end-to-end benchmark's),
+  :func:`technique_config` one run of it with techniques switched on (RTPurbo, speculation, sparse sync, partial
+  rollout).
 * :func:`calibrate` runs ``sparrow calibrate`` on a model in its own process; :func:`run_in_process` runs a
   recipe's setup, training and cleanup in this one.
 
@@ -22,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -227,3 +231,93 @@ def calibrate(model: Path | str, out: Path | str, *, seq_len: int, steps: int, e
     if r.returncode != 0:
         raise LaunchError(f"sparrow calibrate: exit {r.returncode}\n{r.stderr[-4000:]}")
     return time.perf_counter() - t0
+
+
+#: ``--task`` / ``--reward`` names of the benchmarks -> the recipe components
+TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking",
+         "kv_list": "sparrow.rl.KVListRetrieval"}
+REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.CharAccuracy"}
+
+
+def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str, *, task: str = "kv_retrieval",
+                     context: int = 8192, max_asked: int | None = None, reward: str = "exact_match", group: int = 8,
+                     prompts_per_step: int = 8, max_new: int = 8, steps: int = 8, eval_prompts: int = 64,
+                     lr: float = 1e-5, minibatches: int = 2, micro_batch: int = 32, block_steps: int = 16,
+                     bucket_growth: int = 4, compile: bool = True, shared_prefix: bool = True) -> dict[str, Any]:
+    """A complete ``sparrow_grpo`` recipe config (a plain dict) with every technique off: dense attention, no
+    speculation, the dense sync codec; the run :func:`technique_config` switches techniques on in.
+
+    ``model``: the model builder's section (``{"_component_": ..., **kwargs}``), ``checkpoint`` its weights file;
+    ``task`` / ``reward`` are keys of :data:`TASKS` / :data:`REWARDS` (``max_asked`` goes to the task); prompts of
+    ``context`` tokens, ``prompts_per_step`` x ``group`` rows a step, ``max_new`` new tokens, ``steps`` steps, held-out
+    accuracy on ``eval_prompts`` prompts at the start and end (0: none); AdamW at ``lr`` (fused on CUDA), bf16 mixed
+    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``.
+    ``output_dir`` and the metric logger's ``log_dir`` are left ``None``. ``ValueError`` for an unknown task or
+    reward."""
+    from sparrow.bench import batch_buckets  # (imported here: the harness sets up the CPU interpreter on import)
+
+    if task not in TASKS or reward not in REWARDS:
+        raise ValueError(f"task {task!r} (one of {list(TASKS)}), reward {reward!r} (one of {list(REWARDS)})")
+    cuda = str(device).startswith("cuda")
+    rows = group * prompts_per_step
+    return {
+        "name": "bench_e2e", "output_dir": None, "seed": 0, "device": str(device),
+        "trainer_precision": "bf16-mixed" if cuda else "fp32", "dist_timeout_s": 600,
+        "tokenizer": {"_component_": "sparrow.rl.CharTokenizer"},
+        "task": {"_component_": TASKS[task], "context_len": context, **({"max_asked": max_asked} if max_asked else {})},
+        "reward": {"_component_": REWARDS[reward]},
+        "model": model,
+        "checkpoint": str(checkpoint),
+        "attention": {"_component_": "sparrow.attention.dense"},
+        "engine": {"max_rows": rows, "max_prompts": max(prompts_per_step, min(eval_prompts, rows)),
+                   "max_prompt_len": context + 1, "max_new_tokens": max_new, "block_steps": block_steps,
+                   "compile": compile, "cuda_graphs": compile and cuda,
+                   # speculation captures a draft and a verify graph per bucket and draft length
+                   "batch_buckets": batch_buckets(rows, bucket_growth)},
+        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": max_new},
+        "group_size": group, "prompts_per_step": prompts_per_step, "ppo_epochs": 1,
+        "minibatches": minibatches, "micro_batch_size": micro_batch, "logprob_chunk": 4096,
+        "shared_prefix": shared_prefix, "max_grad_norm": 1.0,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.0,
+                      **({"fused": True} if cuda else {})},
+        "loss": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean", "advantage_scale": "group",
+                 "kl_beta": 0.0, "is_level": "token", "is_threshold": 2.0, "is_mode": "truncate"},
+        "sync": {"codec": "dense", "bucket_bytes": 256 << 20, "anchor_every": 0, "verify": True,
+                 "check_bitwise": steps},  # bit-exactness checked once, at the last step
+        "total_steps": steps, "checkpoint_every": 0, "resume_from_checkpoint": False,
+        "eval": {"every": steps if eval_prompts else 0, "prompts": max(1, eval_prompts)},
+        "metric_logger": {"_component_": "sparrow.rl.JsonlLogger", "log_dir": None},
+        "plot": False,
+    }
+
+
+def technique_config(base: dict[str, Any], output_dir: Path | str, *, seed: int = 0, rtpurbo: Path | str | None = None,
+                     indexer_refresh_every: int = 0, speculative: dict[str, Any] | None = None,
+                     sparse_sync: bool = False, overprovision: int | None = None, max_staleness: int = 1,
+                     bucket_growth: int = 4) -> dict[str, Any]:
+    """A copy of ``base`` (:func:`grpo_base_config`) for one run: ``seed``, its output and metric logs in
+    ``output_dir``, and the techniques given switched on. ``rtpurbo``: RTPurbo attention from that calibration
+    (``indexer_refresh_every`` > 0: the indexer refreshed every that many steps, 20 fit steps on 8 sequences);
+    ``speculative``: the recipe's section (:func:`speculative_section`); ``sparse_sync``: the ``auto`` codec;
+    ``overprovision`` (not None): partial rollout with that many groups in flight beyond a step's, spanning at most
+    ``max_staleness`` policy versions, the engine grown to hold their rows (buckets: powers of ``bucket_growth``)."""
+    from sparrow.bench import batch_buckets
+
+    cfg = copy.deepcopy(base)
+    cfg["seed"] = seed
+    cfg["output_dir"] = cfg["metric_logger"]["log_dir"] = str(output_dir)
+    if rtpurbo is not None:
+        cfg["attention"] = {"_component_": "sparrow.attention.rtpurbo", "path": str(rtpurbo)}
+        if indexer_refresh_every:
+            cfg["indexer_refresh"] = {"every": indexer_refresh_every, "steps": 20, "sequences": 8}
+    if speculative is not None:
+        cfg["speculative"] = speculative
+    if sparse_sync:
+        cfg["sync"]["codec"] = "auto"
+    if overprovision is not None:
+        cfg["partial_rollout"] = {"enabled": True, "overprovision": overprovision, "max_staleness": max_staleness}
+        per_step = cfg["prompts_per_step"] + overprovision
+        rows = cfg["group_size"] * per_step
+        cfg["engine"].update(max_rows=rows, max_prompts=max(cfg["engine"]["max_prompts"], per_step),
+                             batch_buckets=batch_buckets(rows, bucket_growth))
+    return cfg
