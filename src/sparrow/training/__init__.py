@@ -63,6 +63,7 @@ from sparrow.training.trainer import (
     Trainer,
     chunked_teacher_forced_loss,
     teacher_forced_loss,
+    train_on_episodes,
 )
 
 __all__ = [
@@ -72,5 +73,5 @@ __all__ = [
     "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "accuracy_table", "best_of_seeds", "binomial_se",
     "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
     "longest_sequence", "model_score", "paired", "paired_delta_se", "pick", "read_report", "sampled_accuracy", "save_trained_model",
-    "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report",
+    "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
 ]
