@@ -34,9 +34,8 @@ import torch
 from omegaconf import OmegaConf
 
 from sparrow.bench import REPO, base_parser, log, print_table, task_model, write_json
-from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig
-from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo
-from sparrow.calibrate.data import calibration_sequences, fit_sequences
+from sparrow.attention.rtpurbo import RTPurboConfig
+from sparrow.calibrate.variants import calibrate_and_save
 from sparrow.rl import KVListRetrieval
 from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
 from sparrow.rl.launch import (REWARDS, TASKS, grpo_base_config, run_in_process, speculative_section,
@@ -62,22 +61,13 @@ CONFIGS: dict[str, dict[str, bool]] = {
 
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
     """Retrieval heads by ablation and the indexer fitted on task sequences at ``--context``, saved to ``out``."""
-    t = time.perf_counter()
     model = load_trained_model(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     blocks = dict(decode_block=16, prefill_block=16, ret_window=16) if args.quick else {}
     cfg = RTPurboConfig.for_context(args.context, retrieval_ratio=args.ratio, top_p=args.top_p,
                                     dense_prefill_below=args.dense_prefill_below,
                                     impl=args.decode_impl, prefill_impl=args.prefill_impl, **blocks)
-    scores = ablation_scores(model, calibration_sequences(args.context, args.profile_seqs), window=cfg.window,
-                             sinks=cfg.num_sinks)
-    profile = HeadProfile.from_scores(scores, cfg.retrieval_ratio, meta={"method": "ablation"})
-    indexer, report = fit_indexer(model, profile, fit_sequences(args.context, args.fit_seqs), steps=args.fit_steps,
-                                  dim=cfg.indexer_dim, block=cfg.decode_block, top_p=cfg.top_p,
-                                  queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
-    save_rtpurbo(out, profile, indexer, config=cfg, report=report.summary())
-    heads = sorted([layer, h] for layer in range(profile.num_layers) for h in profile.retrieval_heads(layer))
-    return {"seconds": round(time.perf_counter() - t, 1), "context": args.context, "retrieval_heads": heads,
-            "rtpurbo_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "indexer": report.summary()}
+    return calibrate_and_save(model, cfg, args.context, out, profile_seqs=args.profile_seqs, fit_seqs=args.fit_seqs,
+                              fit_steps=args.fit_steps, queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
 
 
 def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:

@@ -29,58 +29,26 @@ from pathlib import Path
 
 import torch
 
-from sparrow.bench import base_parser, log, print_table, save_figure, task_model, write_json
+from sparrow.bench import base_parser, device_dtype, log, print_table, save_figure, task_model, write_json
 
 from sparrow.attention.rtpurbo import RTPurboConfig, collect_selection_stats
-from sparrow.calibrate.variants import calibrate_variants, local_prefill_fraction, rtpurbo_model
+from sparrow.calibrate.variants import (VARIANT_KEYS, calibrate_variants, local_prefill_fraction, parse_variants,
+                                       rtpurbo_model)
 from sparrow.models import load_model_state
 from sparrow.training import (
-    EVAL_SEED, EVAL_TASKS, binomial_se, engine_answers, load_trained_model, paired, paired_delta_se, read_report,
+    EVAL_SEED, EVAL_TASKS, accuracy_summary, binomial_se, engine_answers, load_trained_model, paired, read_report,
 )
 
 NAME = "rtpurbo_accuracy"
 TASKS = ("kv_retrieval", "variable_tracking")
-CONFIG_KEYS = {"ratio": float, "top_p": float, "decode_block": int, "prefill_block": int, "ret_window": int,
-               "window": int}
 
 
 def parse_configs(text: str) -> dict[str, dict]:
-    """``'ratio=0.15;ratio=0.25,top_p=0.95'`` -> {name: overrides}."""
-    out = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        c = {k.strip(): v.strip() for k, v in (kv.split("=") for kv in entry.split(","))}
-        unknown = sorted(set(c) - set(CONFIG_KEYS))
-        if unknown:
-            raise SystemExit(f"unknown config keys {unknown} (known: {sorted(CONFIG_KEYS)})")
-        out[",".join(f"{k}={c[k]}" for k in sorted(c))] = {k: CONFIG_KEYS[k](v) for k, v in c.items()}
-    return out
-
-
-def summarise(rows: list[dict], threshold: float, calibration: dict | None = None) -> list[dict]:
-    """Per config and task (and both tasks pooled): the longest context with dense accuracy >= threshold, the
-    accuracies and the paired difference there, and the configuration's indexer recall."""
-    out = []
-    for cfg in sorted({r["config"] for r in rows}):
-        for task in sorted({r["task"] for r in rows if r["config"] == cfg}) + ["both"]:
-            by_ctx: dict[int, list[dict]] = {}
-            for r in rows:
-                if r["config"] == cfg and task in ("both", r["task"]):
-                    by_ctx.setdefault(r["context"], []).append(r)
-            total = lambda rs, k: sum(r[k] * (r["n"] if k.endswith("acc") else 1) for r in rs)  # noqa: E731
-            ok = [c for c, rs in by_ctx.items() if len(rs) >= (2 if task == "both" else 1)
-                  and total(rs, "dense_acc") / total(rs, "n") >= threshold]
-            cal = ((calibration or {}).get("configs") or {}).get(cfg, {})
-            row = {"config": cfg, "task": task, "threshold": threshold, "indexer_recall": cal.get("indexer_recall"),
-                   "window": (cal.get("rtpurbo_config") or {}).get("window"), "longest_handled": max(ok, default=None)}
-            if ok:
-                rs = by_ctx[max(ok)]
-                n, dense, sparse = total(rs, "n"), total(rs, "dense_acc"), total(rs, "sparse_acc")
-                row.update(n=n, dense_acc=dense / n, sparse_acc=sparse / n, delta=(sparse - dense) / n,
-                           delta_se=paired_delta_se(total(rs, "dense_only"), total(rs, "sparse_only"), n),
-                           within_1pt=abs(sparse - dense) / n <= 0.01,
-                           decode_density=sum(r["decode_density"] for r in rs) / len(rs))
-            out.append(row)
-    return out
+    """``--configs`` (``sparrow.calibrate.variants.parse_variants``); a bad one stops the script."""
+    try:
+        return parse_variants(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def calibrate(model, rt_configs: dict[str, RTPurboConfig], context: int, args, kv_task=None):
@@ -123,8 +91,7 @@ def run(args) -> dict:
     if args.selection_only:
         return selection_only(args)
     t_start = time.perf_counter()
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    device, dtype = device_dtype() if args.device != "cpu" else (torch.device("cpu"), torch.float32)
     out_dir = args.out
     if args.quick and out_dir is None:  # never overwrite the committed results with a smoke run
         out_dir = Path(tempfile.mkdtemp(prefix="rtpurbo_accuracy_quick_"))
@@ -188,7 +155,7 @@ def run(args) -> dict:
                        first_acc=sum(f) / len(f), seconds=round(s, 2)) for (t, L), (h, f, s) in sorted(dense.items())]
 
     def save(final: bool) -> None:
-        extra = {"summary": summarise(rows, args.handled, calibration), "dense": dense_rows, "calibration": calibration,
+        extra = {"summary": accuracy_summary(rows, args.handled, calibration), "dense": dense_rows, "calibration": calibration,
                  "model": {k: report[k] for k in ("model", "params", "train", "accuracy") if k in report},
                  "skipped": skipped, "kernel_fallbacks": fallbacks, "train_s": round(train_s, 1),
                  "seconds": round(time.perf_counter() - t_start, 1), "complete": final}
@@ -239,7 +206,7 @@ def run(args) -> dict:
     save(final=True)
     print_table(rows, ["config", "task", "context", "n", "dense_acc", "sparse_acc", "delta", "delta_se",
                        "sparse_first_acc", "decode_density", "decode_ret_density", "prefill_density"])
-    summary = summarise(rows, args.handled, calibration)
+    summary = accuracy_summary(rows, args.handled, calibration)
     print_table(summary, ["config", "task", "longest_handled", "n", "dense_acc", "sparse_acc", "delta", "delta_se",
                           "within_1pt", "decode_density", "indexer_recall", "window"])
     if skipped:
@@ -306,7 +273,7 @@ def build_parser():
         ("--device", str, "auto", None), ("--lengths", str, "", "comma-separated contexts (default 512, 1024, ... trained max)"),
         ("--examples", int, None, "held-out examples per task and context (default 200; quick 8)"),
         ("--configs", str, "", "';'-separated RTPurbo variants, e.g. 'ratio=0.15;ratio=0.25,top_p=0.95' (keys: "
-         + ", ".join(CONFIG_KEYS) + ")"),
+         + ", ".join(VARIANT_KEYS) + ")"),
         ("--top-p", float, 0.9, None), ("--decode-block", int, 64, None), ("--prefill-block", int, 128, None),
         ("--ret-window", int, 128, None), ("--window", int, None, "local window (default 1/16 of the calibration context)"),
         ("--profile-seqs", int, None, "examples per task for head profiling (default 8; quick 2)"),
@@ -324,8 +291,8 @@ def build_parser():
         ("--selection-seqs", int, None, "held-out sequences of the selection measurement (default 8; quick 2)"),
         ("--decode-queries", int, 16, "the selection's decode region: each sequence's last N positions"),
         ("--model-config", str, None, "with --selection-only: a recipe config naming model, checkpoint and task"),
-        ("--ratio", float, 0.25, "with --selection-only: retrieval-head ratio")])
-    p.add_argument("--selection-only", action="store_true", help="measure the selection only (no accuracy)")
+        ("--ratio", float, 0.25, "with --selection-only: retrieval-head ratio"),
+        ("--selection-only", dict(action="store_true", help="measure the selection only (no accuracy)"))])
     return p
 
 

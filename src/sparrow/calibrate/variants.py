@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from torch import nn
 from sparrow.attention.rtpurbo import (
     HeadProfile, IndexerWeights, RTPurboConfig, rtpurbo_attention, rtpurbo_backends,
 )
+from sparrow.attention.rtpurbo_io import save_rtpurbo
 from sparrow.calibrate.data import (
     CALIBRATION_SEED, calibration_sequences, fit_sequences, kv_calibration_sequence, subset_indexer,
 )
@@ -133,3 +135,49 @@ def local_prefill_fraction(S: int, window: int, sinks: int) -> float:
     i = torch.arange(S, dtype=torch.float64)
     kept = torch.minimum(i + 1, torch.tensor(float(window))) + (i + 1 - window).clamp(min=0).clamp(max=sinks)
     return float(kept.sum() / ((i + 1).sum()))
+
+
+def calibrate_and_save(model: nn.Module, config: RTPurboConfig, context: int, out: str | Path, *, profile_seqs: int,
+                       fit_seqs: int, fit_steps: int, queries_per_seq: int, lr: float) -> dict[str, Any]:
+    """One RTPurbo calibration of ``model`` on task sequences at ``context``, written to ``out`` (what the
+    ``attention: sparrow.attention.rtpurbo`` recipe section reads): retrieval heads by ablation (``profile_seqs``
+    examples per task, ``config``'s window and sinks) at ``config.retrieval_ratio``, then the indexer fitted for
+    ``fit_steps`` steps on ``fit_seqs`` sequences (``queries_per_seq``, learning rate ``lr``; ``config``'s indexer
+    dim, decode block and top-p). Returns ``{"seconds", "context", "retrieval_heads": [[layer, kv_head], ...],
+    "rtpurbo_config": {field: value}, "indexer": the fit report's summary}``. ``ValueError`` from the data (``n``
+    below 1) and the fit."""
+    t = time.perf_counter()
+    scores = ablation_scores(model, calibration_sequences(context, profile_seqs), window=config.window,
+                             sinks=config.num_sinks)
+    profile = HeadProfile.from_scores(scores, config.retrieval_ratio, meta={"method": "ablation"})
+    indexer, report = fit_indexer(model, profile, fit_sequences(context, fit_seqs), steps=fit_steps,
+                                  dim=config.indexer_dim, block=config.decode_block, top_p=config.top_p,
+                                  queries_per_seq=queries_per_seq, lr=lr)
+    save_rtpurbo(out, profile, indexer, config=config, report=report.summary())
+    heads = sorted([layer, h] for layer in range(profile.num_layers) for h in profile.retrieval_heads(layer))
+    return {"seconds": round(time.perf_counter() - t, 1), "context": context, "retrieval_heads": heads,
+            "rtpurbo_config": {k: getattr(config, k) for k in config.__dataclass_fields__}, "indexer": report.summary()}
+
+
+#: the RTPurbo settings a variant spec (:func:`parse_variants`) may set, and their types
+VARIANT_KEYS: dict[str, type] = {"ratio": float, "top_p": float, "decode_block": int, "prefill_block": int,
+                                 "ret_window": int, "window": int}
+
+
+def parse_variants(text: str) -> dict[str, dict[str, float | int]]:
+    """RTPurbo variants from ``';'``-separated entries of ``key=value`` pairs, e.g. ``"ratio=0.15;ratio=0.25,
+    top_p=0.95"`` -> ``{"ratio=0.15": {"ratio": 0.15}, "ratio=0.25,top_p=0.95": {...}}``: each named by its pairs in
+    key order, values typed by :data:`VARIANT_KEYS`. Empty entries are skipped. Raises ``ValueError`` for a key
+    not in :data:`VARIANT_KEYS`, a pair without ``=`` or a value of the wrong type."""
+    out = {}
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        try:
+            c = {k.strip(): v.strip() for k, v in (kv.split("=") for kv in entry.split(","))}
+        except ValueError:
+            raise ValueError(f"variant {entry!r}: give key=value pairs separated by ','") from None
+        unknown = sorted(set(c) - set(VARIANT_KEYS))
+        if unknown:
+            raise ValueError(f"unknown variant keys {unknown} (known: {sorted(VARIANT_KEYS)})")
+        out[",".join(f"{k}={c[k]}" for k in sorted(c))] = {k: VARIANT_KEYS[k](v) for k, v in c.items()}
+    return out
+

@@ -48,6 +48,7 @@ from sparrow.training.evaluate import (
     model_score,
     paired,
     paired_delta_se,
+    accuracy_summary,
     sampled_accuracy,
     teacher_forced_hits,
 )
@@ -72,6 +73,6 @@ __all__ = [
     "MarkovEpisodes", "MultiQuery", "OptimizerConfig", "PROMPT", "REPORT_FILE", "TOKENIZER", "Task", "TaskFamily",
     "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "accuracy_table", "best_of_seeds", "binomial_se",
     "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
-    "longest_sequence", "model_score", "paired", "paired_delta_se", "pick", "read_report", "sampled_accuracy", "save_trained_model",
+    "longest_sequence", "model_score", "paired", "paired_delta_se", "accuracy_summary", "pick", "read_report", "sampled_accuracy", "save_trained_model",
     "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
 ]

@@ -166,3 +166,37 @@ def model_score(report: dict[str, Any], bar: float = 0.8) -> tuple[int, float]:
     tasks = report.get("train", {}).get("config", {}).get("eval", {}).get("tasks")
     accs = [r["accuracy"] for r in report["accuracy"]]
     return longest_handled(report, bar, tasks) or 0, sum(accs) / max(1, len(accs))
+
+
+def accuracy_summary(rows: Sequence[Mapping[str, Any]], threshold: float,
+                     calibration: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per configuration and task, and both tasks pooled (``task="both"``, at contexts both were measured at): the
+    longest context whose dense accuracy is at least ``threshold`` (``longest_handled``, None if none) and there
+    the pooled ``n``, ``dense_acc``, ``sparse_acc``, their paired difference ``delta`` with ``delta_se``,
+    ``within_1pt`` and the mean ``decode_density``; ``indexer_recall`` and ``window`` from ``calibration``
+    (:func:`~sparrow.calibrate.variants.calibrate_variants`' record) where it names the configuration.
+
+    ``rows``: one per (``config``, ``task``, ``context``) with ``n``, ``dense_acc``, ``sparse_acc``, ``dense_only``,
+    ``sparse_only`` (:func:`paired`) and ``decode_density``."""
+    out = []
+    for cfg in sorted({r["config"] for r in rows}):
+        for task in sorted({r["task"] for r in rows if r["config"] == cfg}) + ["both"]:
+            by_ctx: dict[int, list[Mapping[str, Any]]] = {}
+            for r in rows:
+                if r["config"] == cfg and task in ("both", r["task"]):
+                    by_ctx.setdefault(r["context"], []).append(r)
+            total = lambda rs, k: sum(r[k] * (r["n"] if k.endswith("acc") else 1) for r in rs)  # noqa: E731
+            ok = [c for c, rs in by_ctx.items() if len(rs) >= (2 if task == "both" else 1)
+                  and total(rs, "dense_acc") / total(rs, "n") >= threshold]
+            cal = ((calibration or {}).get("configs") or {}).get(cfg, {})
+            row = {"config": cfg, "task": task, "threshold": threshold, "indexer_recall": cal.get("indexer_recall"),
+                   "window": (cal.get("rtpurbo_config") or {}).get("window"), "longest_handled": max(ok, default=None)}
+            if ok:
+                rs = by_ctx[max(ok)]
+                n, dense, sparse = total(rs, "n"), total(rs, "dense_acc"), total(rs, "sparse_acc")
+                row.update(n=n, dense_acc=dense / n, sparse_acc=sparse / n, delta=(sparse - dense) / n,
+                           delta_se=paired_delta_se(total(rs, "dense_only"), total(rs, "sparse_only"), n),
+                           within_1pt=abs(sparse - dense) / n <= 0.01,
+                           decode_density=sum(r["decode_density"] for r in rs) / len(rs))
+            out.append(row)
+    return out
