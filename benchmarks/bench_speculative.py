@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         raise RuntimeError("no drafter variant could be compiled and calibrated")
     extra["drafter"] = repr(drafter)
     ctx = (args.min_prompt + args.max_prompt) / 2
-    extra["calibration"] = cal = [
-        {"bucket": b, "ctx": int(ctx), "target_ms": 1e3 * costs.target_step(b, ctx), "draft_ms": 1e3 * costs.draft_step(b, ctx),
-         **{f"verify{k}_ms": 1e3 * costs.verify_step(b, ctx, k) for k in sorted(set(args.lengths))},
-         **{f"best_speedup@a={a}": max(costs.speedup(b, ctx, k, a) for k in args.lengths) for a in (0.7, 0.9)}}
-        for b in costs.buckets]
+    extra["calibration"] = cal = costs.table(ctx, args.lengths)
     print("\nCost model (calibrated on this engine; ms per step at the middle context):")
     print_table(cal, list(cal[0]))
     deadline = T0 + 60 * args.deadline_minutes if args.deadline_minutes else None
