@@ -21,20 +21,15 @@ Usage: ``python benchmarks/bench_decode_attention.py`` (H200: ~1 min), ``--quick
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, copy_bandwidth_gbs, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda,
-    write_json,
-)
+from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, graphed, measure, plot_series, print_table,
+                          rel_err, save_figure, write_json)
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.kernels.decode_attention import decode_attention  # noqa: E402
-from sparrow.kernels.decode_attention import triton_decode as td  # noqa: E402
+from sparrow.kernels.decode_attention import decode_attention
+from sparrow.kernels.decode_attention import triton_decode as td
 
 NAME = "decode_attention"
 MODELS = {"qwen2.5-0.5b": (14, 2, 64), "qwen2.5-1.5b": (12, 2, 128)}  # q heads, kv heads, head_dim
@@ -70,8 +65,7 @@ def run(args) -> None:
 
 def _run(args) -> None:
     cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dev, dtype = device_dtype()
     models = {"tiny": (4, 2, 16)} if args.quick else MODELS
     batches = [1, 3] if args.quick else [1, 4, 16, 64, 256]
     Ts = [1, 3] if args.quick else [1, 3, 5, 9]
@@ -89,10 +83,10 @@ def _run(args) -> None:
                     "batch": lambda: td.decode_attention_triton(*x),
                 }
                 outs = {k: fn() for k, fn in calls.items()}
-                err = float((outs["batch"].float() - outs["length"].float()).norm() / outs["length"].float().norm())
+                err = rel_err(outs["batch"], outs["length"])
                 n = min(A, 2)  # the eager reference on a few rows
                 ref = decode_attention(*(t[:n] for t in x[:1]), *x[1:5], *(t[:n] for t in x[5:]), impl="reference")
-                ref_err = float((outs["batch"][:n].float() - ref.float()).norm() / ref.float().norm())
+                ref_err = rel_err(outs["batch"][:n], ref)
                 t = {k: measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"] for k, fn in calls.items()}
                 kv_bytes = int((x[7] + x[8] + T).sum()) * Hkv * D * 2 * x[1].element_size()
                 row = {"model": model, "A": A, "T": T, "length_splits": length_splits, "batch_splits": batch_splits,
@@ -143,12 +137,11 @@ def plot(result: dict, png_path: Path) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for i, T in enumerate(sorted({r["T"] for r in rows})):
-            rs = sorted((r for r in rows if r["model"] == model and r["T"] == T), key=lambda r: r["A"])
-            a = [r["A"] for r in rs]
-            ax.plot(a, [r["length_ms"] for r in rs], "s--", color=f"C{i}", ms=4, label=f"T={T}: splits by length")
-            ax.plot(a, [r["batch_ms"] for r in rs], "o-", color=f"C{i}", ms=4, label=f"T={T}: fitted to the batch")
+            rs = [r for r in rows if r["model"] == model and r["T"] == T]
+            plot_series(ax, rs, "A", "length_ms", style="s--", color=f"C{i}", ms=4, label=f"T={T}: splits by length")
+            plot_series(ax, rs, "A", "batch_ms", color=f"C{i}", ms=4, label=f"T={T}: fitted to the batch")
             if all(r.get("floor_ms") for r in rs) and i == 0:
-                ax.plot(a, [r["floor_ms"] for r in rs], ":", color="k", label="KV read at copy speed (T=1)")
+                plot_series(ax, rs, "A", "floor_ms", style=":", color="k", label="KV read at copy speed (T=1)")
         ax.set(xscale="log", yscale="log", xlabel="rows (active batch)", ylabel="ms per launch", title=model)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
@@ -156,9 +149,10 @@ def plot(result: dict, png_path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = base_parser(__doc__.splitlines()[0], [("--iters", int, 30, None), ("--min-prompt", int, 2048, None),
-                                              ("--max-prompt", int, 28672, None), ("--generated", int, 2048, None)])
-    p.add_argument("--sweep", action="store_true", help="also time every power-of-two split count at a few shapes")
+    p = base_parser(__doc__.splitlines()[0], [
+        ("--iters", int, 30, None), ("--min-prompt", int, 2048, None), ("--max-prompt", int, 28672, None),
+        ("--generated", int, 2048, None),
+        ("--sweep", dict(action="store_true", help="also time every power-of-two split count at a few shapes"))])
     run(p.parse_args(argv))
 
 

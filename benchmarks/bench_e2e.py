@@ -22,9 +22,7 @@ CPU smoke run (a tiny model trained for seconds; figures mean nothing): ``python
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
-import gc
 import json
 import sys
 import tempfile
@@ -33,23 +31,19 @@ import traceback
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    REPO, base_parser, batch_buckets, log, print_table, task_model,
-    triton_interpreter_without_cuda, write_json,
+from sparrow.bench import REPO, base_parser, log, print_table, task_model, write_json
+from sparrow.attention.rtpurbo import RTPurboConfig
+from sparrow.calibrate.variants import calibrate_and_save
+from sparrow.rl import KVListRetrieval
+from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
+from sparrow.rl.launch import (REWARDS, TASKS, grpo_base_config, run_in_process, speculative_section,
+                               technique_config)
+from sparrow.rl.runs import (
+    add_speedups, compare, merge_results, partial_costs, plot_runs, run_summary, step_rows,
 )
-
-triton_interpreter_without_cuda()  # before anything imports triton
-from omegaconf import OmegaConf  # noqa: E402
-
-from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig  # noqa: E402
-from sparrow.calibrate import ablation_scores, fit_indexer, save_rtpurbo  # noqa: E402
-from sparrow.calibrate.data import calibration_sequences, fit_sequences  # noqa: E402
-from sparrow.rl import KVListRetrieval  # noqa: E402
-from sparrow.rl.recipe_config import RECIPE_KEYS, check_config  # noqa: E402
-from sparrow.rl.runs import add_speedups, compare, plot_runs, run_summary, step_rows  # noqa: E402
-from sparrow.training import MODEL_FILE, load_trained_model, longest_handled, read_report  # noqa: E402
+from sparrow.training import MODEL_FILE, handled_context, load_trained_model, read_report
 
 NAME = "e2e"
 # configuration -> which techniques are on
@@ -63,121 +57,44 @@ CONFIGS: dict[str, dict[str, bool]] = {
     "all_off_partial": {"rtpurbo": False, "spec": False, "sparse_sync": False, "partial": True},
     "all_on_partial": {"rtpurbo": True, "spec": True, "sparse_sync": True, "partial": True},
 }
-TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow.rl.VariableTracking",
-         "kv_list": "sparrow.rl.KVListRetrieval"}
-REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.CharAccuracy"}
 
 
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
     """Retrieval heads by ablation and the indexer fitted on task sequences at ``--context``, saved to ``out``."""
-    t = time.perf_counter()
     model = load_trained_model(model_dir, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     blocks = dict(decode_block=16, prefill_block=16, ret_window=16) if args.quick else {}
     cfg = RTPurboConfig.for_context(args.context, retrieval_ratio=args.ratio, top_p=args.top_p,
                                     dense_prefill_below=args.dense_prefill_below,
                                     impl=args.decode_impl, prefill_impl=args.prefill_impl, **blocks)
-    scores = ablation_scores(model, calibration_sequences(args.context, args.profile_seqs), window=cfg.window,
-                             sinks=cfg.num_sinks)
-    profile = HeadProfile.from_scores(scores, cfg.retrieval_ratio, meta={"method": "ablation"})
-    indexer, report = fit_indexer(model, profile, fit_sequences(args.context, args.fit_seqs), steps=args.fit_steps,
-                                  dim=cfg.indexer_dim, block=cfg.decode_block, top_p=cfg.top_p,
-                                  queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
-    save_rtpurbo(out, profile, indexer, config=cfg, report=report.summary())
-    heads = sorted([layer, h] for layer in range(profile.num_layers) for h in profile.retrieval_heads(layer))
-    return {"seconds": round(time.perf_counter() - t, 1), "context": args.context, "retrieval_heads": heads,
-            "rtpurbo_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "indexer": report.summary()}
-
-
-def base_config(args, report: dict, checkpoint: Path, device: torch.device) -> dict:
-    """The recipe config every run starts from (all techniques off)."""
-    cuda = device.type == "cuda"
-    rows = args.group * args.prompts_per_step
-    return {
-        "name": "bench_e2e", "output_dir": None, "seed": 0, "device": str(device),
-        "trainer_precision": "bf16-mixed" if cuda else "fp32", "dist_timeout_s": 600,
-        "tokenizer": {"_component_": "sparrow.rl.CharTokenizer"},
-        "task": {"_component_": TASKS[args.task], "context_len": args.context,
-                 **({"max_asked": args.max_asked} if args.max_asked else {})},
-        "reward": {"_component_": REWARDS[args.reward]},
-        "model": report["model"],
-        "checkpoint": str(checkpoint),
-        "attention": {"_component_": "sparrow.attention.dense"},
-        "engine": {"max_rows": rows, "max_prompts": max(args.prompts_per_step, min(args.eval_prompts, rows)),
-                   "max_prompt_len": args.context + 1, "max_new_tokens": args.max_new, "block_steps": args.block_steps,
-                   "compile": args.compile, "cuda_graphs": args.compile and cuda,
-                   # speculation captures a draft and a verify graph per bucket and draft length
-                   "batch_buckets": batch_buckets(rows, args.bucket_growth)},
-        "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": args.max_new},
-        "group_size": args.group, "prompts_per_step": args.prompts_per_step, "ppo_epochs": 1,
-        "minibatches": args.minibatches, "micro_batch_size": args.micro_batch, "logprob_chunk": 4096,
-        "shared_prefix": args.shared_prefix, "max_grad_norm": 1.0,
-        "optimizer": {"_component_": "torch.optim.AdamW", "lr": args.lr, "betas": [0.9, 0.999], "weight_decay": 0.0,
-                      **({"fused": True} if cuda else {})},
-        "loss": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean", "advantage_scale": "group",
-                 "kl_beta": 0.0, "is_level": "token", "is_threshold": 2.0, "is_mode": "truncate"},
-        "sync": {"codec": "dense", "bucket_bytes": 256 << 20, "anchor_every": 0, "verify": True,
-                 "check_bitwise": args.steps},  # bit-exactness checked once, at the last step
-        "total_steps": args.steps, "checkpoint_every": 0, "resume_from_checkpoint": False,
-        # held-out accuracy at the start and at the end (--eval-prompts 0: none)
-        "eval": {"every": args.steps if args.eval_prompts else 0, "prompts": max(1, args.eval_prompts)},
-        "metric_logger": {"_component_": "sparrow.rl.JsonlLogger", "log_dir": None},
-        "plot": False,
-    }
+    return calibrate_and_save(model, cfg, args.context, out, profile_seqs=args.profile_seqs, fit_seqs=args.fit_seqs,
+                              fit_steps=args.fit_steps, queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
 
 
 def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
-    """``base`` with configuration ``name``'s techniques switched on, for ``seed``."""
-    on = CONFIGS[name]
-    cfg = copy.deepcopy(base)
-    cfg["seed"] = seed
-    cfg["output_dir"] = str(work / f"{name}_seed{seed}")
-    cfg["metric_logger"]["log_dir"] = cfg["output_dir"]
-    if on["rtpurbo"]:
-        cfg["attention"] = {"_component_": "sparrow.attention.rtpurbo", "path": str(rtpurbo_dir)}
-        if args.indexer_refresh_every:
-            cfg["indexer_refresh"] = {"every": args.indexer_refresh_every, "steps": 20, "sequences": 8}
+    """``base`` with configuration ``name``'s techniques switched on, for ``seed`` (``sparrow.rl.launch``)."""
+    on, spec = CONFIGS[name], None
     if on["spec"]:
         drafter = {"_component_": "sparrow.speculative.DrafterConfig", "weight": args.draft_weight}
         if args.draft_window and not on["rtpurbo"]:  # a windowed draft needs dense caches
             drafter["window"] = args.draft_window
         lengths = [int(x) for x in args.draft_lengths.split(",") if x]
-        cfg["speculative"] = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
-    if on["sparse_sync"]:
-        cfg["sync"]["codec"] = "auto"
-    if on.get("partial"):  # over-provisioned groups need their rows
-        over = args.prompts_per_step if args.overprovision is None else args.overprovision
-        cfg["partial_rollout"] = {"enabled": True, "overprovision": over, "max_staleness": args.max_staleness}
-        rows = args.group * (args.prompts_per_step + over)
-        prompts = max(cfg["engine"]["max_prompts"], args.prompts_per_step + over)
-        cfg["engine"].update(max_rows=rows, max_prompts=prompts, batch_buckets=batch_buckets(rows, args.bucket_growth))
-    return cfg
+        spec = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
+    over = (args.prompts_per_step if args.overprovision is None else args.overprovision) if on.get("partial") else None
+    return technique_config(base, work / f"{name}_seed{seed}", seed=seed,
+                            rtpurbo=rtpurbo_dir if on["rtpurbo"] else None,
+                            indexer_refresh_every=args.indexer_refresh_every, speculative=spec,
+                            sparse_sync=on["sparse_sync"], overprovision=over, max_staleness=args.max_staleness,
+                            bucket_growth=args.bucket_growth)
 
 
 def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
-    """setup -> train -> cleanup of one recipe config; every logged metrics dict and the phase times. With
+    """setup -> train -> cleanup of one recipe config (:func:`~sparrow.rl.launch.run_in_process`). With
     ``fixed_length``, after training: the next step's prompts decoded to exactly that many tokens (no stop token)
     twice, the second timed (``fixed_rollout_s``): equal work whatever lengths the configuration samples."""
-    cfg = OmegaConf.create(cfg_dict)
-    _free_memory()  # what an earlier (failed) run left behind
-    torch.compiler.reset()  # each run compiles its own steps (and never meets the recompile limit)
-    t0 = time.perf_counter()
     sys.path.insert(0, str(REPO / "recipes"))  # the recipe file itself when it is not installed
     from sparrow_grpo import GRPORecipe
 
-    recipe = GRPORecipe(cfg)
-    try:
-        recipe.setup(cfg)
-        setup_s = time.perf_counter() - t0
-        recipe.train()
-        fixed = fixed_rollout(recipe, fixed_length) if fixed_length else {}
-        recipe.cleanup()
-        records = list(recipe.metric_logger.records)
-    finally:
-        if getattr(recipe, "metric_logger", None) is not None:
-            recipe.metric_logger.close()
-        del recipe
-        _free_memory()
-    return {"records": records, "setup_s": setup_s, "run_s": time.perf_counter() - t0, **fixed}
+    return run_in_process(GRPORecipe, cfg_dict, (lambda r: fixed_rollout(r, fixed_length)) if fixed_length else None)
 
 
 def fixed_rollout(recipe, length: int) -> dict:
@@ -189,34 +106,6 @@ def fixed_rollout(recipe, length: int) -> dict:
         seconds = time.perf_counter() - t
     return {"fixed_rollout_s": seconds, "fixed_tokens": gen.stats.generated_tokens,
             "fixed_prefill_s": gen.stats.prefill_s}
-
-
-def partial_costs(steps: list[dict]) -> dict:
-    """What partial rollout costs, over a run's steps: the mean share of trained tokens sampled by an older
-    policy (``stale_token_frac``) and the groups dropped (0 without partial rollout)."""
-    stale = [1.0 - s["partial/staleness_0"] for s in steps if "partial/staleness_0" in s]
-    return {"stale_token_frac": sum(stale) / len(stale) if stale else None,
-            "dropped_groups": sum(s.get("partial/dropped_groups", 0.0) for s in steps)}
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# -- main -------------------------------------------------------------------------------------------------
-
-def speculative_section(drafter: dict, toggle: str, lengths: list[int], max_active: int) -> dict:
-    """The recipe's ``speculative`` section: the drafter and the toggle builder with the arguments it takes."""
-    if toggle == "always":
-        built = {"_component_": "sparrow.speculative.always_on", "num_draft": max(lengths)}
-    elif toggle == "threshold":
-        built = {"_component_": "sparrow.speculative.threshold", "num_draft": max(lengths), "draft_lengths": lengths,
-                 "max_active": max_active}
-    else:
-        built = {"_component_": "sparrow.speculative.cost_model", "draft_lengths": lengths}
-    return {"drafter": drafter, "toggle": built}
 
 
 def build_parser():
@@ -256,15 +145,15 @@ def build_parser():
         ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
         ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start"),
         ("--overprovision", int, None, "partial rollout: groups in flight beyond a step's (default: a step's)"),
-        ("--max-staleness", int, 1, "partial rollout: policy versions a group may span")])
-    p.add_argument("--partial", action="store_true", help="add each configuration's partial-rollout twin (all_off, "
-                   "all_on); the JSON is partial_rollout.json")
-    p.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
-                   help="join finished results of this script (same settings, other seeds) into one, then stop")
-    p.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
-                   help="trainer computes each prompt once per group (in every configuration)")
-    p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                   help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)")
+        ("--max-staleness", int, 1, "partial rollout: policy versions a group may span"),
+        ("--partial", dict(action="store_true", help="add each configuration's partial-rollout twin (all_off, all_on); "
+                           "the JSON is partial_rollout.json")),
+        ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON", help="join finished results of this "
+                         "script (same settings, other seeds) into one, then stop")),
+        ("--shared-prefix", dict(action=argparse.BooleanOptionalAction, default=True,
+                                 help="trainer computes each prompt once per group (in every configuration)")),
+        ("--no-compile", dict(dest="compile", action="store_false", default=None,
+                              help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)"))])
     return p
 
 
@@ -275,16 +164,6 @@ def _context(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--context takes a number of tokens or 'auto', not {text!r}") from None
-
-
-def handled_context(report: dict, task: str, bar: float = 0.5) -> int:
-    """The longest context of the model's accuracy table at which the task's accuracy reaches ``bar`` (the
-    shortest measured one if none does)."""
-    name = "variable_tracking" if task == "variable_tracking" else "kv_retrieval"
-    contexts = [r["context"] for r in report["accuracy"] if r["task"] == name]
-    if not contexts:
-        raise SystemExit(f"the model's report has no {name} accuracy: give --context explicitly")
-    return longest_handled(report, bar, [name]) or min(contexts)
 
 
 def main(argv=None) -> dict:
@@ -333,7 +212,10 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     model_dir = task_model(args.model, work, args.quick)
     report, train_s = read_report(model_dir), time.perf_counter() - t_start
     if args.context == "auto":
-        args.context = handled_context(report, args.task)
+        try:
+            args.context = handled_context(report, args.task)
+        except ValueError as e:
+            raise SystemExit(f"{e}: give --context explicitly") from None
         log(f"--context auto: {args.context} tokens (the longest the model handles)")
     if args.max_new is None:  # kv_list: room for the longest answer the task can ask for, and <eos>
         kvl = KVListRetrieval(args.context, **({"max_asked": args.max_asked} if args.max_asked else {}))
@@ -353,7 +235,12 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         calibration = calibrate_rtpurbo(model_dir, args, device, rtpurbo_dir)
         log(f"RTPurbo calibrated in {calibration['seconds']} s: retrieval kv heads {calibration['retrieval_heads']}, "
             f"indexer recall {calibration['indexer']['recall']:.3f}, density {calibration['indexer']['density']:.3f}")
-    base = base_config(args, report, checkpoint, device)
+    base = grpo_base_config(report["model"], checkpoint, str(device), task=args.task, context=args.context,
+                            max_asked=args.max_asked, reward=args.reward, group=args.group,
+                            prompts_per_step=args.prompts_per_step, max_new=args.max_new, steps=args.steps,
+                            eval_prompts=args.eval_prompts, lr=args.lr, minibatches=args.minibatches,
+                            micro_batch=args.micro_batch, block_steps=args.block_steps,
+                            bucket_growth=args.bucket_growth, compile=args.compile, shared_prefix=args.shared_prefix)
     for seed in seeds:  # every run's config is valid before any run starts
         for name in names:
             check_config(OmegaConf.create(run_config(base, name, seed, args, rtpurbo_dir, work)), RECIPE_KEYS)
@@ -446,21 +333,11 @@ def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
     """One result from complete runs of this script with the same settings and other seeds (each seed's speedup
     still compares runs of one process, so each part holds all_off for its seeds)."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
-    free = ("configs", "seeds", "switches", "work_dir", "recipe_base")
-    settings = [{k: v for k, v in d["config"].items() if k not in free} for d in docs]
-    for p, d, s in zip(paths, docs, settings):
-        if d.get("benchmark") != NAME or not d.get("complete"):
-            raise SystemExit(f"{p}: not a complete {NAME} result")
-        if s != settings[0] or d["environment"].get("device") != docs[0]["environment"].get("device"):
-            raise SystemExit(f"{p}: settings or device differ from {paths[0]}")
-    rows, steps = [r for d in docs for r in d["rows"]], [s for d in docs for s in d["steps"]]
-    pairs = [(r["config"], r["seed"]) for r in rows]
-    if len(set(pairs)) < len(pairs) or any(("all_off", s) not in pairs for _, s in pairs):
-        raise SystemExit("every (configuration, seed) once, and all_off for every seed")
-    add_speedups(rows)
-    names = list(dict.fromkeys(r["config"] for r in rows))
-    config = dict(docs[0]["config"], configs=names, switches={n: CONFIGS[n] for n in names},
-                  seeds=sorted({r["seed"] for r in rows}))
+    try:
+        config, rows, steps = merge_results(docs, NAME, free=("configs", "seeds", "switches", "work_dir", "recipe_base"))
+    except ValueError as e:
+        raise SystemExit(f"{[str(p) for p in paths]}: {e}") from None
+    config["switches"] = {n: CONFIGS[n] for n in config["configs"]}
     extra = {"summary": compare(rows, steps), "steps": steps, "calibration": docs[0].get("calibration"),
              "complete": True, "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
              "sources": [{"file": Path(p).name, "git_revision": d["environment"].get("git_revision")}

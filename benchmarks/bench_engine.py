@@ -25,97 +25,62 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import base_parser, copy_bandwidth_gbs, median, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, kernel_times, plot_series, print_table,
+                          save_figure, synchronize, write_json)
+from sparrow.rl.runs import median
 
-import sparrow.models as sm  # noqa: E402
-from sparrow.attention import DenseAttention  # noqa: E402
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline  # noqa: E402
-from sparrow.training import init_weights  # noqa: E402
+import sparrow.models as sm
+from sparrow.attention import DenseAttention
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline
+from sparrow.training import init_weights
 
 NAME = "engine"
 
 
 def build_models(max_len: int, device: str, quick: bool):
-    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
+    """Sparrow's model (random weights) and its ``transformers`` twin (``sparrow.models.hf_twin``), and the vocab."""
     torch.manual_seed(0)
     if quick:
-        dims = dict(vocab_size=512, num_layers=2, num_heads=14, num_kv_heads=2, embed_dim=896, intermediate_dim=1024)
-        model = sm.qwen2(**dims, max_seq_len=max_len, tie_word_embeddings=True)
+        model = sm.qwen2(vocab_size=512, num_layers=2, num_heads=14, num_kv_heads=2, embed_dim=896,
+                         intermediate_dim=1024, max_seq_len=max_len, tie_word_embeddings=True)
     else:
-        dims = dict(vocab_size=151936, num_layers=24, num_heads=14, num_kv_heads=2, embed_dim=896,
-                    intermediate_dim=4864)
         model = sm.qwen2_5_0_5b(max_seq_len=max_len)
     init_weights(model, 0.02)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = model.to(device=device, dtype=dtype).eval()
-    cfg = Qwen2Config(
-        vocab_size=dims["vocab_size"], hidden_size=dims["embed_dim"], intermediate_size=dims["intermediate_dim"],
-        num_hidden_layers=dims["num_layers"], num_attention_heads=dims["num_heads"],
-        num_key_value_heads=dims["num_kv_heads"], max_position_embeddings=max_len, rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=True,
-    )
-    hf = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype, attn_implementation="sdpa")
-    sd = qwen2_tune_to_hf({k: v for k, v in model.state_dict().items()}, num_heads=dims["num_heads"],
-                          num_kv_heads=dims["num_kv_heads"], dim=dims["embed_dim"], tie_word_embeddings=True)
-    missing, unexpected = hf.load_state_dict(sd, strict=False)
-    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)
-    hf.tie_weights()
-    return model, hf.to(device).eval(), dims["vocab_size"]
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    model = model.to(device=device, dtype=device_dtype()[1]).eval()
+    return model, sm.hf_twin(model), model.tok_embeddings.num_embeddings
 
 
 def hf_generate(hf, input_ids, new_tokens):
-    sync()
+    synchronize()
     t0 = time.perf_counter()
     hf.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True, temperature=1.0,
                 top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None,
                 pad_token_id=0)
-    sync()
+    synchronize()
     return time.perf_counter() - t0
 
 
 def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5) -> dict:
     """One plain decode step at 1 and 64 rows (``64 // group`` prompts of ``L`` tokens, ``new_tokens // 2``
     generated) under ``torch.profiler``: per step, the wall time and the time of each kernel name (CUDA kernels;
-    CPU operators' self time without CUDA), largest first."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
+    CPU operators' self time without CUDA), largest first (:func:`sparrow.bench.kernel_times`)."""
     cfg = EngineConfig(max_rows=64, max_prompts=64 // group, batch_buckets=(1, 64), max_prompt_len=L,
-                       max_new_tokens=new_tokens, compile=cuda)
+                       max_new_tokens=new_tokens, compile=device == "cuda")
     engine, out = RolloutEngine(model, cfg), {}
     for rows in (1, 64):
         ctx = L + new_tokens // 2
         engine.time_step("decode", rows, context=ctx, steps=2)  # compile and capture outside the profile
-        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-            step_s = engine.time_step("decode", rows, context=ctx, steps=steps)  # steps + 1 runs
-        if cuda:
-            events = [(e.name, e.device_time_total, 1) for e in prof.events() if e.device_type == DeviceType.CUDA]
-        else:
-            events = [(a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()]
-        per_name: dict[str, list[float]] = {}
-        for name, us, n in events:
-            t = per_name.setdefault(name[:120], [0.0, 0.0])
-            t[0], t[1] = t[0] + us / (steps + 1), t[1] + n / (steps + 1)
-        top = sorted(per_name.items(), key=lambda kv: -kv[1][0])
-        out[str(rows)] = {"step_ms": step_s * 1e3, "kernel_us_per_step": sum(v[0] for _, v in top),
-                          "kernels": [{"name": k, "us": v[0], "calls": v[1]} for k, v in top[:15]]}
+        step_s = []
+        k = kernel_times(lambda: step_s.append(engine.time_step("decode", rows, context=ctx, steps=steps)),
+                         runs=steps + 1)  # steps + 1 runs
+        out[str(rows)] = {"step_ms": step_s[0] * 1e3, **k}
     return out
 
 
@@ -125,9 +90,9 @@ def main() -> None:
         ("--hf-max-tokens", int, 2_200_000, "skip transformers above B*(L+N)"),
         ("--shared-prefix", ["both", "auto"], "both", "also measure an engine without shared-prefix decode"),
         ("--bandwidth-tbs", float, 4.2, "roofline copy bandwidth"), ("--tflops", float, 778.0, "roofline bf16 FLOP/s"),
-        ("--breakdown-len", int, 8192, "prompt length of the per-kernel breakdown (0: skip it)")])
-    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 8192, 32768])
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256])
+        ("--breakdown-len", int, 8192, "prompt length of the per-kernel breakdown (0: skip it)"),
+        ("--prompt-lens", dict(type=int, nargs="+", default=[1024, 8192, 32768])),
+        ("--batches", dict(type=int, nargs="+", default=[1, 8, 32, 128, 256]))])
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.quick:
@@ -245,22 +210,16 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    lens = sorted({r["prompt_len"] for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-    for L in lens:
+    for L in sorted({r["prompt_len"] for r in rows}):
         rs = [r for r in rows if r["prompt_len"] == L]
-        b = [r["batch"] for r in rs]
-        line, = axes[0].plot(b, [r["sparrow_decode_tok_s"] for r in rs], "o-", label=f"Sparrow {L // 1024}K")
-        hb = [r for r in rs if "hf_decode_tok_s" in r]
-        axes[0].plot([r["batch"] for r in hb], [r["hf_decode_tok_s"] for r in hb], "x--", color=line.get_color(),
-                     label=f"transformers {L // 1024}K")
-        axes[1].plot(b, [r["sparrow_prefill_s"] for r in rs], "o-", color=line.get_color(), label=f"Sparrow {L // 1024}K")
-        axes[1].plot([r["batch"] for r in hb], [r["hf_prefill_s"] for r in hb], "x--", color=line.get_color(),
-                     label=f"transformers {L // 1024}K")
+        c = plot_series(axes[0], rs, "batch", "sparrow_decode_tok_s", label=f"Sparrow {L // 1024}K")[0].get_color()
+        plot_series(axes[0], rs, "batch", "hf_decode_tok_s", style="x--", color=c, label=f"transformers {L // 1024}K")
+        plot_series(axes[1], rs, "batch", "sparrow_prefill_s", color=c, label=f"Sparrow {L // 1024}K")
+        plot_series(axes[1], rs, "batch", "hf_prefill_s", style="x--", color=c, label=f"transformers {L // 1024}K")
         for key, style in (("sparrow", "o-"), ("off", "s:")):
-            fr = [r for r in rs if f"{key}_roofline_fraction" in r]
-            axes[2].plot([r["batch"] for r in fr], [r[f"{key}_roofline_fraction"] for r in fr], style,
-                         color=line.get_color(), label=f"{L // 1024}K shared prefix {'auto' if key == 'sparrow' else key}")
+            plot_series(axes[2], rs, "batch", f"{key}_roofline_fraction", style=style, color=c,
+                        label=f"{L // 1024}K shared prefix {'auto' if key == 'sparrow' else key}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",
                 title="Decode throughput")
     axes[1].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="prefill time (s)",

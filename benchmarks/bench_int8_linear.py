@@ -11,20 +11,16 @@ Usage: ``python benchmarks/bench_int8_linear.py`` (H200: ~1 min) or ``--quick`` 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import (base_parser, device_dtype, graphed, measure, plot_series, print_table, rel_err, save_figure,
+                          write_json)
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.kernels.int8_linear import int8_linear, quantize_int8  # noqa: E402
-from sparrow.kernels.int8_linear.reference import int8_linear_reference  # noqa: E402
+from sparrow.kernels.int8_linear import int8_linear, quantize_int8
+from sparrow.kernels.int8_linear.reference import int8_linear_reference
 
 NAME = "int8_linear"
 MODELS = {"qwen2.5-0.5b": (896, 4864, 128), "qwen2.5-1.5b": (1536, 8960, 256)}  # hidden, mlp, kv width
@@ -53,8 +49,7 @@ def torchao_linears(weights: list[torch.Tensor]):
 
 def run(args) -> None:
     cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dev, dtype = device_dtype()
     models = {"tiny": (64, 160, 32)} if args.quick else MODELS
     batches = [1, 5] if args.quick else [1, 8, 32, 64, 128, 256]
     rows = []
@@ -68,8 +63,7 @@ def run(args) -> None:
         wbytes_int8 = sum(q.numel() + s.numel() * 4 for q, s in quant)
         for M in batches:
             xs = [torch.randn(M, k, generator=g).to(dev, dtype) for _, k in shapes]
-            err = max(float((int8_linear(x, q, s) - int8_linear_reference(x, q, s)).float().norm()
-                            / int8_linear_reference(x, q, s).float().norm()) for x, (q, s) in zip(xs, quant))
+            err = max(rel_err(int8_linear(x, q, s), int8_linear_reference(x, q, s)) for x, (q, s) in zip(xs, quant))
             calls = {
                 "bf16": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
                 "sparrow_int8": lambda: [int8_linear(x, q, s, validate=False) for x, (q, s) in zip(xs, quant)],
@@ -99,21 +93,16 @@ def plot(result: dict, png_path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
-    models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for model in models:
-        rs = sorted((r for r in rows if r["model"] == model), key=lambda r: r["M"])
-        ms = [r["M"] for r in rs]
-        axes[0].plot(ms, [r["speedup_vs_bf16"] for r in rs], "o-", label=f"{model}: Sparrow int8")
-        if any(r.get("torchao_int8_ms") for r in rs):
-            axes[0].plot(ms, [r["bf16_ms"] / r["torchao_int8_ms"] for r in rs], "s--", label=f"{model}: torchao int8")
-        axes[1].plot(ms, [r["int8_weight_GBps"] for r in rs], "o-", label=f"{model}: Sparrow int8")
-        axes[1].plot(ms, [r["bf16_weight_GBps"] for r in rs], "s--", label=f"{model}: bf16 (cuBLAS)")
+    plot_series(axes[0], rows, "M", "speedup_vs_bf16", "model", label="{}: Sparrow int8")
+    ao = [r for r in rows if r.get("torchao_int8_ms")]
+    plot_series(axes[0], ao, "M", lambda r: r["bf16_ms"] / r["torchao_int8_ms"], "model", label="{}: torchao int8",
+                style="s--")
+    plot_series(axes[1], rows, "M", "int8_weight_GBps", "model", label="{}: Sparrow int8")
+    plot_series(axes[1], rows, "M", "bf16_weight_GBps", "model", label="{}: bf16 (cuBLAS)", style="s--")
     axes[0].axhline(1.0, color="grey", lw=0.8)
-    axes[0].set_ylabel("speed vs bf16 linear (x)")
-    axes[0].set_title("one layer's 7 linears, CUDA graphs")
-    axes[1].set_ylabel("weight bytes read per second (GB/s)")
-    axes[1].set_title("achieved weight bandwidth")
+    axes[0].set(ylabel="speed vs bf16 linear (x)", title="one layer's 7 linears, CUDA graphs")
+    axes[1].set(ylabel="weight bytes read per second (GB/s)", title="achieved weight bandwidth")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("rows (active decode batch)")
@@ -122,9 +111,7 @@ def plot(result: dict, png_path: Path) -> None:
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=50)
-    run(p.parse_args())
+    run(base_parser(__doc__.splitlines()[0], [("--iters", int, 50, None)]).parse_args())
 
 
 if __name__ == "__main__":

@@ -26,18 +26,12 @@ runs a tiny model on CPU processes (gloo), a smoke test of the script.
 
 from __future__ import annotations
 
-import os
 import shutil
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import REPO, base_parser, print_table, save_figure, write_json  # noqa: E402
-
-from sparrow.rl import read_metrics  # noqa: E402
+from sparrow.bench import REPO, bar_groups, base_parser, pick, print_table, save_figure, write_json
+from sparrow.rl.launch import launch_recipe, recipe_env
+from sparrow.rl.runs import median
 
 NAME = "multi_gpu"
 CONFIG = REPO / "recipes" / "configs" / "tiny_kv_retrieval.yaml"
@@ -85,27 +79,18 @@ def layouts(gpus: int) -> list[tuple[int, int]]:
 def run_one(args, nproc: int, trainers: int, codec: str, work: Path) -> dict:
     out = work / f"n{nproc}_t{trainers}_{codec}"
     shutil.rmtree(out, ignore_errors=True)
-    # torchtune's CLI as a module: works wherever the package is importable (no console script needed)
-    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "--nproc_per_node", str(nproc), "sparrow_grpo",
-           "--config", str(CONFIG),
-           *overrides(args, out), f"trainer_ranks={trainers}", f"sync.codec={codec}"]
-    env = dict(os.environ, **NO_MULTICAST, **({"OMP_NUM_THREADS": "1"} if args.quick else {}))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=args.timeout, env=env)
-    wall = time.perf_counter() - t0
+    env = recipe_env(**NO_MULTICAST, **({"OMP_NUM_THREADS": "1"} if args.quick else {}))
+    run = launch_recipe(CONFIG, [*overrides(args, out), f"trainer_ranks={trainers}", f"sync.codec={codec}"], out=out,
+                        nproc=nproc, env=env, timeout=args.timeout, cwd=work, check=False)
     row = {"processes": nproc, "trainers": trainers, "rollout_ranks": nproc - trainers, "codec": codec,
-           "returncode": proc.returncode, "wall_s": wall}
-    if proc.returncode != 0:
-        row["error"] = (proc.stdout[-1500:] + proc.stderr[-3000:]).strip()
+           "returncode": run.returncode, "wall_s": run.wall_s}
+    if run.returncode != 0:
+        row["error"] = run.output[-4500:].strip()
         print(f"run failed ({nproc} processes, {trainers} trainers, {codec}):\n{row['error']}", flush=True)
         return row
-    recs = [r for r in read_metrics(out / "logs") if "time/step_s" in r]
+    recs = run.steps
     timed = [r for r in recs if r["step"] > args.warmup_steps] or recs
-
-    def med(key: str) -> float | None:
-        vals = [r[key] for r in timed if key in r]
-        return statistics.median(vals) if vals else None
-
+    med = lambda key: median(r.get(key) for r in timed)  # noqa: E731
     row.update({
         "steps": len(recs), "timed_steps": len(timed), "step_s": med("time/step_s"), "rollout_s": med("time/rollout_s"),
         "train_s": med("time/train_s"), "sync_send_s": med("time/sync_s"), "sync_total_s": med("time/sync_total_s"),
@@ -156,15 +141,11 @@ def plot(result: dict, png_path: Path) -> None:
     rows = [r for r in result["rows"] if r.get("returncode") == 0]
     labels = sorted({(r["processes"], r["trainers"]) for r in rows})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.38
     for ax, key, title in ((axes[0], "sync_total_s", "weight sync (device, incl. bit check)"),
                            (axes[1], "step_s", "GRPO step")):
-        for i, codec in enumerate(("auto", "dense")):
-            vals = [next((r[key] for r in rows if (r["processes"], r["trainers"]) == lab and r["codec"] == codec), 0)
-                    for lab in labels]
-            ax.bar([j + (i - 0.5) * width for j in range(len(labels))], vals, width,
-                   label="sparse (auto)" if codec == "auto" else "dense")
-        ax.set_xticks(range(len(labels)), [f"{p} GPUs\n{t} trainer(s)" for p, t in labels])
+        bar_groups(ax, [f"{p} GPUs\n{t} trainer(s)" for p, t in labels], {
+            name: [pick(rows, key, 0, processes=p, trainers=t, codec=codec) for p, t in labels]
+            for codec, name in (("auto", "sparse (auto)"), ("dense", "dense"))}, width=0.76)
         ax.set_ylabel("seconds (median)")
         ax.set_title(title)
         ax.legend(loc="lower center", framealpha=0.9)

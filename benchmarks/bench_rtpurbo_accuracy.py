@@ -21,9 +21,7 @@ seconds, accuracies mean nothing; it checks the pipeline).
 
 from __future__ import annotations
 
-import copy
 import math
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -31,178 +29,34 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, log, print_table, save_figure, task_model, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import base_parser, device_dtype, log, print_table, save_figure, task_model, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.attention.rtpurbo import (  # noqa: E402
-    HeadProfile, IndexerWeights, RTPurboConfig, collect_selection_stats, rtpurbo_attention, rtpurbo_backends,
+from sparrow.attention.rtpurbo import RTPurboConfig, collect_selection_stats
+from sparrow.calibrate.variants import (VARIANT_KEYS, calibrate_variants, local_prefill_fraction, parse_variants,
+                                       rtpurbo_model)
+from sparrow.models import load_model_state
+from sparrow.training import (
+    EVAL_SEED, EVAL_TASKS, accuracy_summary, binomial_se, engine_answers, load_trained_model, paired, read_report,
 )
-from sparrow.calibrate import ablation_scores, fit_indexer, head_scores  # noqa: E402
-from sparrow.calibrate.data import (  # noqa: E402
-    CALIBRATION_SEED, calibration_sequences, fit_sequences, kv_calibration_sequence, subset_indexer,
-)
-from sparrow.calibrate.selection import measure_selection  # noqa: E402
-from sparrow.models import load_model_state, use_attention  # noqa: E402
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from sparrow.training import EVAL_SEED, EVAL_TASKS, TOKENIZER, binomial_se, load_trained_model, read_report  # noqa: E402
 
 NAME = "rtpurbo_accuracy"
 TASKS = ("kv_retrieval", "variable_tracking")
-CONFIG_KEYS = {"ratio": float, "top_p": float, "decode_block": int, "prefill_block": int, "ret_window": int,
-               "window": int}
 
 
 def parse_configs(text: str) -> dict[str, dict]:
-    """``'ratio=0.15;ratio=0.25,top_p=0.95'`` -> {name: overrides}."""
-    out = {}
-    for entry in filter(None, (e.strip() for e in text.split(";"))):
-        c = {k.strip(): v.strip() for k, v in (kv.split("=") for kv in entry.split(","))}
-        unknown = sorted(set(c) - set(CONFIG_KEYS))
-        if unknown:
-            raise SystemExit(f"unknown config keys {unknown} (known: {sorted(CONFIG_KEYS)})")
-        out[",".join(f"{k}={c[k]}" for k in sorted(c))] = {k: CONFIG_KEYS[k](v) for k, v in c.items()}
-    return out
+    """``--configs`` (``sparrow.calibrate.variants.parse_variants``); a bad one stops the script."""
+    try:
+        return parse_variants(text)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
-def generate_answers(model, task: str, context: int, n: int, *, rows: int, prefill_tokens: int,
-                     jitter: int = 0) -> tuple[list[bool], list[bool]]:
-    """Greedy answers of ``n`` held-out examples through the rollout engine (example ``i`` has ``context - (37 i
-    mod jitter)`` characters): exact-match hits, and hits of the first answer token alone (from the prefill)."""
-    exs = [EVAL_TASKS[task](context - (37 * i) % jitter if jitter > 1 else context).example(EVAL_SEED, i)
-           for i in range(n)]
-    prompts = [TOKENIZER.encode(e.prompt) for e in exs]
-    new = max(len(e.answer) for e in exs) + 1  # the answer and <eos>
-    engine = RolloutEngine(model, EngineConfig(max_rows=min(rows, n), max_prompt_len=max(map(len, prompts)),
-                                               max_new_tokens=new, compile=False, cuda_graphs=False,
-                                               prefill_tokens=max(prefill_tokens, context + 1)))
-    out = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_new_tokens=new,
-                                                     stop_token_ids=(TOKENIZER.eos_id,)))
-    hits = [TOKENIZER.decode(s.tokens.tolist()) == e.answer for s, e in zip(out, exs)]
-    first = [int(s.tokens[0]) == TOKENIZER.encode(e.answer, add_bos=False)[0] for s, e in zip(out, exs)]
-    return hits, first
-
-
-def local_prefill_fraction(S: int, window: int, sinks: int) -> float:
-    """Fraction of the causal (query, key) pairs of an ``S``-token prompt a local head reads."""
-    i = torch.arange(S, dtype=torch.float64)
-    kept = torch.minimum(i + 1, torch.tensor(float(window))) + (i + 1 - window).clamp(min=0).clamp(max=sinks)
-    return float(kept.sum() / ((i + 1).sum()))
-
-
-def paired_delta_se(b: int, c: int, n: int) -> float:
-    """Standard error of the paired accuracy difference, ``b`` examples right only dense, ``c`` only sparse."""
-    return math.sqrt(max((b + c) / n - ((c - b) / n) ** 2, 0.0) / n)
-
-
-def paired(dense: list[bool], sparse: list[bool]) -> dict:
-    """Examples right only dense / only sparse / both, and the paired difference with its standard error."""
-    n = len(dense)
-    b = sum(d and not s for d, s in zip(dense, sparse))
-    c = sum(s and not d for d, s in zip(dense, sparse))
-    return {"dense_only": b, "sparse_only": c, "both": sum(d and s for d, s in zip(dense, sparse)),
-            "delta": (c - b) / n, "delta_se": paired_delta_se(b, c, n)}
-
-
-def summarise(rows: list[dict], threshold: float, calibration: dict | None = None) -> list[dict]:
-    """Per config and task (and both tasks pooled): the longest context with dense accuracy >= threshold, the
-    accuracies and the paired difference there, and the configuration's indexer recall."""
-    out = []
-    for cfg in sorted({r["config"] for r in rows}):
-        for task in sorted({r["task"] for r in rows if r["config"] == cfg}) + ["both"]:
-            by_ctx: dict[int, list[dict]] = {}
-            for r in rows:
-                if r["config"] == cfg and task in ("both", r["task"]):
-                    by_ctx.setdefault(r["context"], []).append(r)
-            total = lambda rs, k: sum(r[k] * (r["n"] if k.endswith("acc") else 1) for r in rs)  # noqa: E731
-            ok = [c for c, rs in by_ctx.items() if len(rs) >= (2 if task == "both" else 1)
-                  and total(rs, "dense_acc") / total(rs, "n") >= threshold]
-            cal = ((calibration or {}).get("configs") or {}).get(cfg, {})
-            row = {"config": cfg, "task": task, "threshold": threshold, "indexer_recall": cal.get("indexer_recall"),
-                   "window": (cal.get("rtpurbo_config") or {}).get("window"), "longest_handled": max(ok, default=None)}
-            if ok:
-                rs = by_ctx[max(ok)]
-                n, dense, sparse = total(rs, "n"), total(rs, "dense_acc"), total(rs, "sparse_acc")
-                row.update(n=n, dense_acc=dense / n, sparse_acc=sparse / n, delta=(sparse - dense) / n,
-                           delta_se=paired_delta_se(total(rs, "dense_only"), total(rs, "sparse_only"), n),
-                           within_1pt=abs(sparse - dense) / n <= 0.01,
-                           decode_density=sum(r["decode_density"] for r in rs) / len(rs))
-            out.append(row)
-    return out
-
-
-def sparse_model(model, prof: HeadProfile, weights, c: RTPurboConfig):
-    """A copy of ``model`` with RTPurbo attention, its selection statistics on."""
-    m = use_attention(copy.deepcopy(model), rtpurbo_attention(prof, weights, c))
-    for b in rtpurbo_backends(m):
-        b.enable_stats()
-    return m
-
-
-def selection_record(model, prof: HeadProfile, weights, seqs, c: RTPurboConfig, last: int) -> dict:
-    """Densities of the dense top-p sets beside the indexer's, with recall, at the calibrated temperature and at 1,
-    over every query and over each sequence's last ``last`` positions (what decode steps see)."""
-    out = {}
-    for temp, w in (("calibrated", weights), ("t1", IndexerWeights(weights.q, weights.k))):
-        for queries, n in (("all", None), ("decode", last)):
-            r = measure_selection(model, prof, w, seqs, top_p=c.top_p, block=c.decode_block,
-                                  prefill_block=c.prefill_block, last=n)
-            log(f"selection, temperature {temp}, {queries} queries:\n{r.table()}")
-            out[f"{temp}_{queries}"] = {**r.summary(), "heads": [vars(h) for h in r.heads]}
-    return out
-
-
-def calibrate(model, rt_configs: dict[str, RTPurboConfig], calib_len: int, args, kv_task=None) -> tuple[dict, dict]:
-    """Profile once, fit one indexer per (block, top_p) for the largest head set; each variant's (profile,
-    indexer, config), and the calibration record with the selection measurement. ``kv_task``: calibrate on that
-    multi-key retrieval task alone (a model trained on it only) instead of the evaluation tasks."""
-    t = time.perf_counter()
-    if kv_task is None:
-        seqs, fseqs = calibration_sequences(calib_len, args.profile_seqs), fit_sequences(calib_len, args.fit_seqs)
-        held = fit_sequences(calib_len, args.selection_seqs, seed=CALIBRATION_SEED + 7)
-    else:
-        seqs, fseqs, held = ([kv_calibration_sequence(kv_task, CALIBRATION_SEED + k, i) for i in range(n)]
-                             for k, n in ((0, args.profile_seqs), (1, args.fit_seqs), (7, args.selection_seqs)))
-        fseqs, held = [x.tokens for x in fseqs], [x.tokens for x in held]
-    if args.head_scores == "ablation":  # the smallest window and sinks of the configurations: the strictest test
-        scores = ablation_scores(model, seqs, window=min(c.window for c in rt_configs.values()),
-                                 sinks=min(c.num_sinks for c in rt_configs.values()))
-    else:
-        scores = head_scores(model, seqs)
-    spans = "kv pair / question" + ("; vt statement / question; vt number / answer" if kv_task is None else "")
-    meta = {"method": f"{args.head_scores}; task spans ({spans})", "num_sequences": len(seqs), "seq_len": calib_len + 1}
-    big = HeadProfile.from_scores(scores, max(c.retrieval_ratio for c in rt_configs.values()), meta=meta)
-    fits = {}
-    for c in rt_configs.values():
-        key = (c.decode_block, c.top_p)
-        if key not in fits:
-            fits[key] = fit_indexer(model, big, fseqs, steps=args.fit_steps, dim=c.indexer_dim, block=c.decode_block,
-                                    top_p=c.top_p, queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
-            log(f"indexer fit (block {key[0]}, top_p {key[1]}), {args.fit_steps} steps:\n{fits[key][1].table()}")
-    record = {"seconds": round(time.perf_counter() - t, 1), "context": calib_len, "profile_sequences": len(seqs),
-              "fit_sequences": len(fseqs), "fit_steps": args.fit_steps, "queries_per_seq": args.queries_per_seq,
-              "head_scores": scores.tolist(), "configs": {}}
-    variants = {}
-    for name, c in rt_configs.items():
-        prof = HeadProfile.from_scores(scores, c.retrieval_ratio, meta=meta)
-        w_big, rep = fits[(c.decode_block, c.top_p)]
-        heads = {(layer, h) for layer in range(prof.num_layers) for h in prof.retrieval_heads(layer)}
-        hr = [h for h in rep.heads if (h.layer, h.kv_head) in heads]
-        avg = lambda k: sum(getattr(h, k) for h in hr) / len(hr) if hr else float("nan")  # noqa: E731
-        record["configs"][name] = {
-            "rtpurbo_config": {k: getattr(c, k) for k in c.__dataclass_fields__},
-            "retrieval_heads": sorted([list(x) for x in heads]), "num_retrieval_heads": len(heads),
-            **{f"indexer_{k}": avg(k) for k in ("recall", "mass", "density", "dense_density", "temperature")},
-            "kl_init": avg("kl_init"), "kl_final": avg("kl_final"), "per_head": [vars(h) for h in hr]}
-        variants[name] = (prof, subset_indexer(big, prof, w_big), c)
-        record["configs"][name]["selection"] = selection_record(model, prof, variants[name][1], held, c,
-                                                                args.decode_queries)
-        log(f"{name}: retrieval kv heads {sorted(heads)}; indexer recall {avg('recall'):.3f}, mass {avg('mass'):.3f}, "
-            f"density {avg('density'):.3f}; window {c.window}, top_p {c.top_p}, blocks {c.decode_block}/"
-            f"{c.prefill_block}, ret_window {c.ret_window}")
-    return variants, record
+def calibrate(model, rt_configs: dict[str, RTPurboConfig], context: int, args, kv_task=None):
+    """:func:`~sparrow.calibrate.variants.calibrate_variants` with this script's options."""
+    return calibrate_variants(model, rt_configs, context, profile_seqs=args.profile_seqs, fit_seqs=args.fit_seqs,
+                              selection_seqs=args.selection_seqs, fit_steps=args.fit_steps,
+                              queries_per_seq=args.queries_per_seq, lr=args.fit_lr, scores=args.head_scores,
+                              decode_queries=args.decode_queries, kv_task=kv_task, log=log)
 
 
 def selection_only(args) -> dict:
@@ -237,8 +91,7 @@ def run(args) -> dict:
     if args.selection_only:
         return selection_only(args)
     t_start = time.perf_counter()
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    device, dtype = device_dtype() if args.device != "cpu" else (torch.device("cpu"), torch.float32)
     out_dir = args.out
     if args.quick and out_dir is None:  # never overwrite the committed results with a smoke run
         out_dir = Path(tempfile.mkdtemp(prefix="rtpurbo_accuracy_quick_"))
@@ -267,7 +120,7 @@ def run(args) -> dict:
     for L in sorted(lengths, reverse=True):
         for task in TASKS:
             t = time.perf_counter()
-            hits, first = generate_answers(model, task, L, args.examples, **eval_kw)
+            hits, first = engine_answers(model, EVAL_TASKS[task], L, args.examples, **eval_kw)
             dense[(task, L)] = (hits, first, time.perf_counter() - t)
             log(f"dense {task:>17} @ {L:5d}: {sum(hits) / len(hits):.3f} (n={len(hits)})")
     handled = [L for L in lengths if max(sum(dense[(t, L)][0]) / args.examples for t in TASKS) >= args.handled]
@@ -287,7 +140,7 @@ def run(args) -> dict:
 
     # -- RTPurbo accuracy and density, longest context first (what matters most is measured before a deadline)
     rows, skipped, fallbacks = [], [], []
-    sparse = {name: sparse_model(model, *v) for name, v in variants.items()}
+    sparse = {name: rtpurbo_model(model, *v) for name, v in variants.items()}
     config_doc = dict(
         model_dir=Path(model_dir).name, dtype=str(dtype).replace("torch.", ""), device=str(device), lengths=lengths,
         examples=args.examples, jitter=jitter, tasks={t: repr(EVAL_TASKS[t](lengths[-1])) for t in TASKS},
@@ -302,7 +155,7 @@ def run(args) -> dict:
                        first_acc=sum(f) / len(f), seconds=round(s, 2)) for (t, L), (h, f, s) in sorted(dense.items())]
 
     def save(final: bool) -> None:
-        extra = {"summary": summarise(rows, args.handled, calibration), "dense": dense_rows, "calibration": calibration,
+        extra = {"summary": accuracy_summary(rows, args.handled, calibration), "dense": dense_rows, "calibration": calibration,
                  "model": {k: report[k] for k in ("model", "params", "train", "accuracy") if k in report},
                  "skipped": skipped, "kernel_fallbacks": fallbacks, "train_s": round(train_s, 1),
                  "seconds": round(time.perf_counter() - t_start, 1), "complete": final}
@@ -320,16 +173,16 @@ def run(args) -> dict:
                 collect_selection_stats(sparse[name], reset=True)
                 t = time.perf_counter()
                 try:
-                    hits, first = generate_answers(sparse[name], task, L, args.examples, **eval_kw)
+                    hits, first = engine_answers(sparse[name], EVAL_TASKS[task], L, args.examples, **eval_kw)
                 except Exception as e:  # a kernel that fails here: fall back to the PyTorch reference path
                     if c.impl == "reference" and c.prefill_impl == "reference":
                         raise
                     log(f"{name}: {type(e).__name__}: {str(e)[:300]} -- retrying with the reference kernels")
                     fallbacks.append({"config": name, "task": task, "context": L, "error": f"{type(e).__name__}: {str(e)[:500]}"})
                     variants[name] = (prof, w, c := replace(c, impl="reference", prefill_impl="reference"))
-                    sparse[name] = sparse_model(model, prof, w, c)
+                    sparse[name] = rtpurbo_model(model, prof, w, c)
                     t = time.perf_counter()
-                    hits, first = generate_answers(sparse[name], task, L, args.examples, **eval_kw)
+                    hits, first = engine_answers(sparse[name], EVAL_TASKS[task], L, args.examples, **eval_kw)
                 t_sparse = time.perf_counter() - t
                 st = collect_selection_stats(sparse[name], reset=True)
                 sacc = sum(hits) / len(hits)
@@ -353,7 +206,7 @@ def run(args) -> dict:
     save(final=True)
     print_table(rows, ["config", "task", "context", "n", "dense_acc", "sparse_acc", "delta", "delta_se",
                        "sparse_first_acc", "decode_density", "decode_ret_density", "prefill_density"])
-    summary = summarise(rows, args.handled, calibration)
+    summary = accuracy_summary(rows, args.handled, calibration)
     print_table(summary, ["config", "task", "longest_handled", "n", "dense_acc", "sparse_acc", "delta", "delta_se",
                           "within_1pt", "decode_density", "indexer_recall", "window"])
     if skipped:
@@ -420,7 +273,7 @@ def build_parser():
         ("--device", str, "auto", None), ("--lengths", str, "", "comma-separated contexts (default 512, 1024, ... trained max)"),
         ("--examples", int, None, "held-out examples per task and context (default 200; quick 8)"),
         ("--configs", str, "", "';'-separated RTPurbo variants, e.g. 'ratio=0.15;ratio=0.25,top_p=0.95' (keys: "
-         + ", ".join(CONFIG_KEYS) + ")"),
+         + ", ".join(VARIANT_KEYS) + ")"),
         ("--top-p", float, 0.9, None), ("--decode-block", int, 64, None), ("--prefill-block", int, 128, None),
         ("--ret-window", int, 128, None), ("--window", int, None, "local window (default 1/16 of the calibration context)"),
         ("--profile-seqs", int, None, "examples per task for head profiling (default 8; quick 2)"),
@@ -438,8 +291,8 @@ def build_parser():
         ("--selection-seqs", int, None, "held-out sequences of the selection measurement (default 8; quick 2)"),
         ("--decode-queries", int, 16, "the selection's decode region: each sequence's last N positions"),
         ("--model-config", str, None, "with --selection-only: a recipe config naming model, checkpoint and task"),
-        ("--ratio", float, 0.25, "with --selection-only: retrieval-head ratio")])
-    p.add_argument("--selection-only", action="store_true", help="measure the selection only (no accuracy)")
+        ("--ratio", float, 0.25, "with --selection-only: retrieval-head ratio"),
+        ("--selection-only", dict(action="store_true", help="measure the selection only (no accuracy)"))])
     return p
 
 

@@ -23,25 +23,20 @@ Usage: ``python benchmarks/bench_rtpurbo_decode.py [--density 0.55]`` (H200) or 
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, density_arg, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda,
-    write_json,
-)
+from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, rel_err, save_figure,
+                          write_json)
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.attention.base import DecodeMeta, LayerShape  # noqa: E402
-from sparrow.attention.dense import DenseAttention, DenseKVCache  # noqa: E402
-from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig  # noqa: E402
-from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton  # noqa: E402
-from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton  # noqa: E402
+from sparrow.attention.base import DecodeMeta, LayerShape
+from sparrow.attention.dense import DenseAttention, DenseKVCache
+from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig
+from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
 
 NAME = "rtpurbo_decode"
 GEN = 16  # generation-slot capacity: the new token is written at index 0
@@ -176,7 +171,7 @@ def check_against_reference(dev, dtype, hq, hkv, d, window) -> float:
     proj = dict(q_pre=c.q, indexer_q=b.indexer_q.detach(), q_scale=b.score_scale)
     outs = [sparse_decode_attention(*args, impl="triton", fused=False),
             sparse_decode_attention(c.q, None, *args[2:], impl="triton", **proj)]  # the two pipelines timed
-    return max(float((o.float() - ref).norm() / ref.norm()) for o in outs)
+    return max(rel_err(o, ref) for o in outs)
 
 
 @torch.no_grad()
@@ -229,14 +224,11 @@ def plot(result: dict, png_path: Path) -> None:
     summ = result.get("summary", [])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, L in zip(axes, sorted({r["L"] for r in summ})[:2]):
-        for d, p in sorted({(r["density"], r.get("pipeline", "staged")) for r in summ}):
-            pts = sorted((r["B"], r["vs_sdpa"]) for r in summ
-                         if r["L"] == L and r["density"] == d and r.get("pipeline", "staged") == p)
-            ax.plot([x[0] for x in pts], [x[1] for x in pts], marker="o", ls="-" if p == "fused" else ":",
-                    label=f"{d:.0%} density, {p}")
+        for p in ("staged", "fused"):
+            plot_series(ax, [r for r in summ if r["L"] == L and r.get("pipeline", "staged") == p], "B", "vs_sdpa",
+                        "density", label=f"{{:.0%}} density, {p}", style="o-" if p == "fused" else "o:")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"context {L // 1024}K")
-        ax.set_xlabel("batch (rows)")
+        ax.set(title=f"context {L // 1024}K", xlabel="batch (rows)")
         ax.axhline(1.0, color="gray", lw=0.5)
     axes[0].set_ylabel("speedup over SDPA decode (x)")
     axes[0].legend()
@@ -244,10 +236,9 @@ def plot(result: dict, png_path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (override)")
-    p.add_argument("--density", default=None, help="measured retrieval density: numbers, or an accuracy JSON")
-    run(p.parse_args(argv))
+    run(base_parser(__doc__.splitlines()[0], [
+        ("--batches", str, None, "comma-separated batch sizes (override)"),
+        ("--density", str, None, "measured retrieval density: numbers, or an accuracy JSON")]).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -27,22 +27,17 @@ Usage: ``python benchmarks/bench_rtpurbo_prefill.py [--density ACCURACY.json | 0
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, density_arg, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import base_parser, density_arg, measure, plot_series, print_table, rel_err, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.attention.base import LayerShape  # noqa: E402
-from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig  # noqa: E402
-from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention  # noqa: E402
+from sparrow.attention.base import LayerShape
+from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig
+from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
 NAME = "rtpurbo_prefill"
 FLEX = {"dynamic": True}  # one compiled graph for every length and head count
@@ -71,10 +66,9 @@ def check_against_reference(dev, dtype, hq, hkv, d, cfg) -> float:
     qi, ki = synthetic_indexer(S, 0.1, cfg.block, 16, dev, dtype, seed=5)
     args = (q, k, v, qi, ki, torch.tensor([S], device=dev), torch.arange(1, device=dev),
             torch.arange(1, hkv, device=dev), small)
-    ref = sparse_prefill_attention(*args, impl="reference", score_impl="reference").float()
-    return max(float((sparse_prefill_attention(*args, impl="flex", score_impl="triton", local_impl=li,
-                                               flex_dynamic=FLEX["dynamic"]).float() - ref).norm() / ref.norm())
-               for li in ("chunked", "flex"))
+    ref = sparse_prefill_attention(*args, impl="reference", score_impl="reference")
+    return max(rel_err(sparse_prefill_attention(*args, impl="flex", score_impl="triton", local_impl=li,
+                                                flex_dynamic=FLEX["dynamic"]), ref) for li in ("chunked", "flex"))
 
 
 @torch.no_grad()
@@ -164,25 +158,21 @@ def plot(result: dict, png_path: Path) -> None:
 
     rows = [r for r in result["rows"] if r["config"] == "rtpurbo@15%"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for dens, src in sorted({(r["density"], r.get("density_source", "planted")) for r in rows}):
-        pts = sorted((r["S"], r["speedup"]) for r in rows
-                     if r["density"] == dens and r.get("density_source", "planted") == src)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls="-" if src == "planted" else "--",
-                label=f"{dens:.0%} density ({src})")
+    for src, style in (("planted", "o-"), ("measured", "o--")):
+        plot_series(ax, [r for r in rows if r.get("density_source", "planted") == src], "S", "speedup", "density",
+                    label=f"{{:.0%}} density ({src})", style=style)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("speedup over SDPA causal (x)")
-    ax.set_title("RTPurbo prefill, one layer (32q/4kv, d128, bf16), 15% retrieval heads")
+    ax.set(xlabel="prompt tokens", ylabel="speedup over SDPA causal (x)",
+           title="RTPurbo prefill, one layer (32q/4kv, d128, bf16), 15% retrieval heads")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.legend()
     save_figure(fig, png_path)
 
 
 def main(argv=None) -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--lengths", default=None, help="comma-separated prompt lengths (override)")
-    p.add_argument("--density", default=None, help="measured retrieval density: numbers, or an accuracy JSON")
-    run(p.parse_args(argv))
+    run(base_parser(__doc__.splitlines()[0], [
+        ("--lengths", str, None, "comma-separated prompt lengths (override)"),
+        ("--density", str, None, "measured retrieval density: numbers, or an accuracy JSON")]).parse_args(argv))
 
 
 if __name__ == "__main__":

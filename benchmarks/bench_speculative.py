@@ -14,32 +14,25 @@ Run (H200): ``python benchmarks/bench_speculative.py``; CPU smoke run: ``python 
 from __future__ import annotations
 
 import gc
-import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import T0, base_parser, batch_buckets, log, print_table, save_figure, write_json  # noqa: E402
+from sparrow.bench import T0, base_parser, batch_buckets, log, plot_series, print_table, save_figure, synchronize, \
+    write_json
 
-import sparrow.models as sm  # noqa: E402
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams  # noqa: E402
-from sparrow.speculative import (  # noqa: E402
+import sparrow.models as sm
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rollout.summary import bucket_comparison, generation_summary
+from sparrow.speculative import (
     AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig, QuantizedSelfDrafter,
 )
-from sparrow.training import (  # noqa: E402
-    CurriculumConfig, EpisodeBatches, LossConfig, MarkovEpisodes, OptimizerConfig, TrainConfig, Trainer, init_weights,
-)
+from sparrow.training import MarkovEpisodes, init_weights, train_on_episodes
 
 NAME = "speculative"
 EOS = MarkovEpisodes.EOS
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def build_model(args, device, dtype):
@@ -52,35 +45,6 @@ def build_model(args, device, dtype):
         model = (sm.qwen2_5_1_5b if args.model == "1.5b" else sm.qwen2_5_0_5b)(max_seq_len=max_len)
     init_weights(model, 0.02, zero_bias=True)
     return model.to(device=device, dtype=dtype).eval()
-
-
-def train(model, task: MarkovEpisodes, args, device: str) -> dict:
-    """Train ``model`` in place on episode streams (plain language-model loss; AdamW, warm-up, cosine to 10%)."""
-    cfg = TrainConfig(minutes=args.train_seconds / 60, device=device, log_every_s=5.0,
-                      curriculum=CurriculumConfig(min_context=args.train_seq, max_context=args.train_seq),
-                      loss=LossConfig(prompt_weight=0.0, answer_mean="token"),
-                      optimizer=OptimizerConfig(lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=0.0))
-    stats = Trainer(model, cfg, EpisodeBatches(task, args.train_seq, args.train_batch), log=log).train()
-    sync()
-    curve = stats["loss_curve"]
-    return {"steps": stats["steps"], "seconds": stats["train_s"], "tokens": stats["tokens_seen"],
-            "loss_curve": [(r["step"], r["episodes"]) for r in curve], "final_loss": curve[-1]["episodes"] if curve else None}
-
-
-def summarize(name: str, gen, total_s: float) -> dict:
-    st, lengths = gen.stats, sorted(s.length for s in gen)
-    decode_s = total_s - st.prefill_s
-    return {
-        "run": name, "latency_s": total_s, "prefill_s": st.prefill_s, "decode_s": decode_s,
-        "tokens": st.generated_tokens, "decode_tok_s": st.generated_tokens / decode_s if decode_s else 0.0,
-        "acceptance": st.acceptance_rate if st.draft_proposed else None,
-        "tokens_per_cycle": st.tokens_per_cycle if st.spec_row_cycles else None,
-        "spec_cycles": st.spec_cycles, "steps": st.decode_steps, "draft_len_hist": dict(sorted(st.draft_len_hist.items())),
-        "len_p50": lengths[len(lengths) // 2], "len_p90": lengths[int(0.9 * (len(lengths) - 1))], "len_max": lengths[-1],
-        "stop_frac": sum(s.finish_reason == "stop" for s in gen) / len(gen),
-        "bucket_tok_s": {b: st.block_tokens[b] / st.block_time_s[b] for b in sorted(st.block_tokens) if st.block_time_s[b] > 0},
-        "bucket_steps": dict(sorted(st.active_hist.items())), "bucket_spec_steps": dict(sorted(st.spec_hist.items())),
-    }
 
 
 def toggles(args, costs):
@@ -102,11 +66,11 @@ def run_phase(label, engine, prompts, params, args, costs, save, deadline=None) 
             continue
         engine.toggle = toggle
         gc.collect()
-        sync()
+        synchronize()
         t0 = time.perf_counter()
         gen = engine.generate(prompts, args.samples, params)
-        sync()
-        row = summarize(name, gen, time.perf_counter() - t0) | {"phase": label}
+        synchronize()
+        row = generation_summary(name, gen, time.perf_counter() - t0) | {"phase": label}
         if isinstance(toggle, CostModelToggle):
             row["final_alpha_estimate"] = toggle.adaptive.alpha
         out.append(row)
@@ -135,10 +99,10 @@ def per_batch_phase(engine, buckets, prompts, args, costs, deadline=None) -> lis
         for name, toggle in toggles(args, costs):
             engine.toggle = toggle
             graphs = engine.sampling_modes + engine.captured_graphs  # a new mode or graph would compile here
-            sync()
+            synchronize()
             t0 = time.perf_counter()
             gen = engine.generate(prompts[:b // n_s], n_s, params)
-            sync()
+            synchronize()
             row[f"{name} compiled"] = engine.sampling_modes + engine.captured_graphs - graphs
             row[f"{name} tok/s"] = gen.stats.generated_tokens / (time.perf_counter() - t0 - gen.stats.prefill_s)
             if name != "AR":
@@ -147,21 +111,6 @@ def per_batch_phase(engine, buckets, prompts, args, costs, deadline=None) -> lis
         out.append(row)
         log(f"  per-batch {b}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k.endswith("/AR") and v))
     return out
-
-
-def bucket_table(rows: list[dict]) -> list[dict]:
-    tog = next((r for r in rows if r["run"].startswith("SD toggle")), None)
-    table = []
-    for b in sorted({b for r in rows for b in r["bucket_tok_s"]}):
-        t, ar = {"bucket": b}, rows[0]["bucket_tok_s"].get(b)
-        for r in rows:
-            t[r["run"]] = v = r["bucket_tok_s"].get(b)
-            if r is not rows[0]:
-                t[r["run"] + " /AR"] = v / ar if v is not None and ar else None
-        steps = tog["bucket_steps"].get(b, 0) if tog else 0
-        t["toggle SD frac"] = tog["bucket_spec_steps"].get(b, 0) / steps if steps else None
-        table.append(t)
-    return table
 
 
 def build_parser():
@@ -180,9 +129,9 @@ def build_parser():
         ("--lr", float, 3e-4, "AdamW peak (1e-3 stalled a 0.5B model at loss ~7.3 against a floor of 1.76)"),
         ("--warmup-steps", int, 50, None), ("--deadline-minutes", float, None, "skip runs that would end past it"),
         ("--calib-steps", int, 6, None), ("--model", ["0.5b", "1.5b"], "0.5b", None),
-        ("--weight", ["int8", "int4", "fp8", "none"], "int8", "drafter weights")])
-    p.add_argument("--lengths", type=int, nargs="+", default=[2, 4, 8], help="adaptive draft-length ladder")
-    p.add_argument("--compile", action="store_true", help="compile the steps off CUDA too (a slow smoke test)")
+        ("--weight", ["int8", "int4", "fp8", "none"], "int8", "drafter weights"),
+        ("--lengths", dict(type=int, nargs="+", default=[2, 4, 8], help="adaptive draft-length ladder")),
+        ("--compile", dict(action="store_true", help="compile the steps off CUDA too (a slow smoke test)"))])
     return p
 
 
@@ -240,11 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         raise RuntimeError("no drafter variant could be compiled and calibrated")
     extra["drafter"] = repr(drafter)
     ctx = (args.min_prompt + args.max_prompt) / 2
-    extra["calibration"] = cal = [
-        {"bucket": b, "ctx": int(ctx), "target_ms": 1e3 * costs.target_step(b, ctx), "draft_ms": 1e3 * costs.draft_step(b, ctx),
-         **{f"verify{k}_ms": 1e3 * costs.verify_step(b, ctx, k) for k in sorted(set(args.lengths))},
-         **{f"best_speedup@a={a}": max(costs.speedup(b, ctx, k, a) for k in args.lengths) for a in (0.7, 0.9)}}
-        for b in costs.buckets]
+    extra["calibration"] = cal = costs.table(ctx, args.lengths)
     print("\nCost model (calibrated on this engine; ms per step at the middle context):")
     print_table(cal, list(cal[0]))
     deadline = T0 + 60 * args.deadline_minutes if args.deadline_minutes else None
@@ -256,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
         write_json(NAME + ("_quick" if args.quick else ""), config, done, args.out, extra=extra)
 
     log(f"training for {args.train_seconds:.0f}s (loss floor inside episodes ~{task.entropy():.2f} nats)")
-    extra["training"] = train(model, task, args, device)
+    extra["training"] = train_on_episodes(model, task, seq_len=args.train_seq, batch=args.train_batch, lr=args.lr,
+                                          warmup_steps=args.warmup_steps, minutes=args.train_seconds / 60,
+                                          device=device, log=log)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -270,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\nPhase '{phase}':")
         print_table(rs, ["run", "latency_s", "prefill_s", "decode_s", "tokens", "decode_tok_s", "speedup_vs_ar",
                          "latency_reduction", "acceptance", "tokens_per_cycle", "len_p50", "len_max"])
-        bt = bucket_table(rs)
+        bt = bucket_comparison(rs)
         print_table(bt, list(bt[0]) if bt else ["bucket"])
     if args.per_batch_tokens:
         log(f"phase 'per_batch' ({args.per_batch_tokens} tokens per row, the batch held fixed)")
@@ -288,17 +235,16 @@ def plot(result: dict, png: Path) -> None:
     per_batch = result.get("per_batch") or []
     fig, ax = plt.subplots(1, 3 if per_batch else 2, figsize=(16 if per_batch else 11, 4))
     for r in rows:
-        tok_s = {int(b): v for b, v in r["bucket_tok_s"].items()}
-        ax[0].plot(sorted(tok_s), [tok_s[b] for b in sorted(tok_s)], marker="o", label=r["run"])
+        pts = [{"bucket": int(b), "tok_s": v} for b, v in r["bucket_tok_s"].items()]
+        plot_series(ax[0], pts, "bucket", "tok_s", label=r["run"])
     ax[0].set(xscale="log", xlabel="active batch bucket", ylabel="decode tokens/s")
     ax[0].set_xscale("log", base=2)
     ax[0].legend()
     ax[1].bar([r["run"] for r in rows], [r["latency_s"] for r in rows])
     ax[1].set_ylabel("rollout latency (s)")
     if per_batch:
-        bs = [r["batch"] for r in per_batch]
         for key in [k for k in per_batch[0] if k.endswith("/AR")]:
-            ax[2].plot(bs, [r.get(key) for r in per_batch], marker="o", label=key.replace(" /AR", ""))
+            plot_series(ax[2], per_batch, "batch", key, label=key.replace(" /AR", ""))
         ax[2].axhline(1.0, color="grey", lw=0.8)
         ax[2].set_xscale("log", base=2)
         ax[2].set(xlabel="active batch (held fixed)", ylabel="decode speed vs AR (x)")

@@ -18,19 +18,16 @@ Writes ``docs/benchmarks/sync_links.json``; ``plot()`` draws ``sync_links.png``.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, plot_series, print_table, save_figure,
+                          write_json)
 
-from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
-
-from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
-from sparrow.sync.projection import SyncRates, project_sync, rates_at  # noqa: E402
-from sparrow.sync.synthetic import adamw_bf16_step  # noqa: E402
+from sparrow.sync.projection import SyncRates, project_sync, rates_at
+from sparrow.sync.roundtrip import round_trip
+from sparrow.sync.synthetic import adamw_bf16_step
 
 NAME = "sync_links"
 LINKS_GBIT = (10, 25, 100, 400)
@@ -40,56 +37,22 @@ LRS = (1e-7, 2.5e-7, 6e-7, 1.5e-6)
 
 
 def measure_step(width: int, layers: int, lr: float, iters: int) -> dict:
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    prev, new = adamw_bf16_step(width, layers, lr, dev)
-    sender = SyncSender(prev, codec="auto", bucket_bytes=256 << 20)
-
-    def reset_sender() -> None:
-        for n, t in prev.items():
-            sender.snapshot[n].copy_(t)
-        sender.rehash()  # the snapshot was written by hand (untimed)
-
-    t_enc = measure(lambda: list(sender.encode(new)), setup=reset_sender, warmup=1, iters=iters)
-    reset_sender()
-    encoded = list(sender.encode(new))
-    buckets = [b for b, _ in encoded]
-    ranges = [(e.name, e.start, e.length) for b in buckets for e in parse_bucket(b).entries]
-    rx_t = {n: t.clone() for n, t in prev.items()}
-    state: dict = {}
-
-    def reset_rx() -> None:
-        for n, t in prev.items():
-            rx_t[n].copy_(t)
-        state["rx"] = SyncReceiver(rx_t, verify="incremental", version=encoded[0][1].base_version)
-        state["rx"].rehash(ranges)
-
-    def apply() -> None:
-        for b in buckets:
-            state["rx"].apply_bucket(b)
-
-    t_app = measure(apply, setup=reset_rx, warmup=1, iters=iters)
-    reset_rx()
-    apply()
-    if not all(torch.equal(rx_t[n].view(torch.int16), new[n].view(torch.int16)) for n in new):
-        raise AssertionError("receiver differs from sender")
-    params = sum(t.numel() for t in prev.values())
-    changed = sum(int((prev[n].view(torch.int16) != new[n].view(torch.int16)).sum()) for n in new)
-    wire = sum(b.numel() for b in buckets)
-    out = {"part": "measured", "lr": lr, "params": params, "changed": changed, "density": changed / params,
-           "wire_bytes": wire, "ratio_vs_dense": 2 * params / wire, "encode_ms": t_enc["median_ms"],
-           "apply_ms": t_app["median_ms"], "encode_s_per_param": t_enc["median_ms"] * 1e-3 / params,
-           "apply_s_per_param": t_app["median_ms"] * 1e-3 / params, "payload_bytes_per_param": wire / params}
+    """One AdamW step's sync, timed (``sparrow.sync.roundtrip``), as costs per parameter."""
+    prev, new = adamw_bf16_step(width, layers, lr, device_dtype()[0])
+    r = round_trip(prev, new, iters=iters, warmup=1)
+    params, wire = r["params"], r["wire_bytes"]
+    enc_ms, app_ms = r["encode"]["median_ms"], r["apply"]["incremental"]["median_ms"]
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return out
+    return {"part": "measured", "lr": lr, "params": params, "changed": r["changed"], "density": r["changed"] / params,
+            "wire_bytes": wire, "ratio_vs_dense": 2 * params / wire, "encode_ms": enc_ms, "apply_ms": app_ms,
+            "encode_s_per_param": enc_ms * 1e-3 / params, "apply_s_per_param": app_ms * 1e-3 / params,
+            "payload_bytes_per_param": wire / params}
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--iters", type=int, default=None)
-    args = p.parse_args()
+    options = [(flag, int, None, None) for flag in ("--width", "--layers", "--iters")]
+    args = base_parser(__doc__.splitlines()[0], options).parse_args()
     quick = args.quick or not torch.cuda.is_available()
     width = args.width or (256 if quick else 4096)
     layers = args.layers or (4 if quick else 30)  # 30 x 4096^2 = 503M parameters
@@ -135,21 +98,17 @@ def plot(result: dict, png_path) -> None:
         print("sync_links: results of the earlier benchmark (no projection); its plot is left as it is")
         return
     models = list(result["config"]["models"])
-    dens = sorted({r["density"] for r in proj})
-    d0 = min(dens, key=lambda d: abs(d - 0.01))
+    d0 = min({r["density"] for r in proj}, key=lambda d: abs(d - 0.01))
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        rs = sorted((r for r in proj if r["model"] == model and r["density"] == d0), key=lambda r: r["link_gbit"])
-        x = [r["link_gbit"] for r in rs]
-        for d in dens:
-            ax.loglog(x, [r["sparse_s"] for r in sorted((r for r in proj if r["model"] == model and r["density"] == d),
-                                                          key=lambda r: r["link_gbit"])], "-o", ms=3,
-                      label=f"sparse, {100 * d:.1f}% changed")
-        ax.loglog(x, [r["dense_s"] for r in rs], "k--", label="dense broadcast")
-        ax.loglog(x, [r["pipelined_dense_s"] for r in rs], "k:", label="pipelined dense")
-        ax.axhline(rs[0]["checkpoint_engine_s"], color="grey", lw=0.7, label="checkpoint-engine rate (reported)")
-        ax.set_xlabel("link (Gbit/s)")
-        ax.set_title(f"{model} bf16")
+        rs = [r for r in proj if r["model"] == model]
+        plot_series(ax, rs, "link_gbit", "sparse_s", "density", label=lambda d: f"sparse, {100 * d:.1f}% changed",
+                    style="-o", ms=3)
+        at = [r for r in rs if r["density"] == d0]
+        plot_series(ax, at, "link_gbit", "dense_s", style="k--", label="dense broadcast")
+        plot_series(ax, at, "link_gbit", "pipelined_dense_s", style="k:", label="pipelined dense")
+        ax.axhline(at[0]["checkpoint_engine_s"], color="grey", lw=0.7, label="checkpoint-engine rate (reported)")
+        ax.set(xscale="log", yscale="log", xlabel="link (Gbit/s)", title=f"{model} bf16")
     axes[0][0].set_ylabel("sync time (s)")
     axes[0][0].legend(fontsize=7)
     save_figure(fig, png_path, title=f"projected from {result['config']['params'] / 1e6:.3g}M-param AdamW steps, "

@@ -16,70 +16,22 @@ Writes ``docs/benchmarks/sync_payload.json``; ``plot()`` draws ``sync_payload.pn
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparrow.bench import bar_groups, base_parser, device_dtype, plot_series, print_table, save_figure, synchronize, \
+    write_json
 
-from runner import base_parser, print_table, save_figure, write_json  # noqa: E402
-
-from sparrow.kernels.sync import api as K  # noqa: E402
-from sparrow.sync import empirical_entropy_bits, position_entropy_bits  # noqa: E402
-from sparrow.sync.codecs import SliceJob, slice_sizes  # noqa: E402
-from sparrow.sync.synthetic import SyntheticGrads, linear_stack, perturb_bits  # noqa: E402
+from sparrow.sync.codecs import codec_bytes
+from sparrow.sync.synthetic import SyntheticGrads, linear_stack, perturb_bits
 
 NAME = "sync_payload"
 CODECS = ("dense", "coo", "compact", "auto")
-SLICE = 1 << 25
-
-
-def device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
-def sync_device() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def slices(old: list[torch.Tensor], new: list[torch.Tensor]) -> list[SliceJob]:
-    jobs = []
-    for o, x in zip(old, new):
-        ob, xb = o.reshape(-1).view(torch.int16), x.reshape(-1).view(torch.int16)
-        for s in range(0, ob.numel(), SLICE):
-            jobs.append(SliceJob(ob[s:s + SLICE], xb[s:s + SLICE], s))
-    return jobs
-
-
-def codec_bytes(old: list[torch.Tensor], new: list[torch.Tensor], *, entropy: bool = True) -> dict:
-    """Bytes of each codec for the change old -> new (lists of bf16 tensors), bounds, and counts."""
-    jobs = slices(old, new)
-    enc = slice_sizes(jobs)
-    out = {"n": sum(j.old.numel() for j in jobs), "m": sum(m for m, _ in enc)}
-    for c in ("dense", "coo", "compact"):
-        out[c] = sum(sz[c] for _, sz in enc)
-    out["auto"] = sum(min(sz.values()) for _, sz in enc)
-    if entropy:
-        pos_bits = 0.0
-        codes = []
-        for o, x in zip(old, new):
-            ob, xb = o.reshape(-1).view(torch.int16), x.reshape(-1).view(torch.int16)
-            m = int((ob != xb).sum())
-            pos_bits += position_entropy_bits(ob.numel(), m)
-            for s in range(0, ob.numel(), SLICE):
-                codes.append(K.diff_records(ob[s:s + SLICE], xb[s:s + SLICE])[1])
-        allc = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32)
-        out["bound_positions"] = pos_bits / 8
-        out["bound_positions_values"] = (pos_bits + empirical_entropy_bits(allc)) / 8
-        out["pm1_fraction"] = float((allc <= 1).float().mean()) if allc.numel() else 0.0
-    return out
 
 
 def density_sweep(n: int, densities: list[float], seed: int = 0) -> list[dict]:
-    dev = device()
+    dev = device_dtype()[0]
     gen = torch.Generator(device=dev).manual_seed(seed)
     base = (torch.randn(n, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
     rows = []
@@ -87,7 +39,7 @@ def density_sweep(n: int, densities: list[float], seed: int = 0) -> list[dict]:
         new = perturb_bits(base, d, gen)
         t0 = time.perf_counter()
         b = codec_bytes([base], [new])
-        sync_device()
+        synchronize()
         dt = time.perf_counter() - t0
         for c in (*CODECS, "bound_positions", "bound_positions_values"):
             rows.append({"part": "density", "density": d, "n": b["n"], "changed": b["m"], "codec": c,
@@ -107,7 +59,7 @@ def bf16_copies(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def adamw_updates(width: int, layers: int, lrs: list[float], steps: int, *, entropy: bool = True) -> list[dict]:
-    dev = device()
+    dev = device_dtype()[0]
     rows = []
     for lr in lrs:
         model = linear_stack(width, layers, dev)
@@ -135,12 +87,8 @@ def adamw_updates(width: int, layers: int, lrs: list[float], steps: int, *, entr
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=None, help="elements of the density-sweep tensor")
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    args = p.parse_args()
+    args = base_parser(__doc__.splitlines()[0], [("--n", int, None, "elements of the density-sweep tensor")] +
+                       [(f, int, None, None) for f in ("--width", "--layers", "--steps")]).parse_args()
     quick = args.quick or not torch.cuda.is_available() and args.n is None
     n = args.n or (1 << 18 if quick else 1 << 26)
     width = args.width or (256 if quick else 4096)
@@ -173,34 +121,22 @@ def plot(result: dict, png_path) -> None:
     labels = {"bound_positions": "entropy bound (positions)",
               "bound_positions_values": "entropy bound (positions + deltas)"}
     for c, st in styles.items():
-        pts = sorted((r["density"], r["bits_per_element"]) for r in rows if r["part"] == "density" and r["codec"] == c)
-        if pts:
-            a1.loglog(*zip(*pts), st, label=labels.get(c, c), ms=3)
+        plot_series(a1, [r for r in rows if r["part"] == "density" and r["codec"] == c], "density",
+                    "bits_per_element", style=st, label=labels.get(c, c), ms=3)
     a1.axhline(0.16, color="grey", lw=0.5)
     a1.text(1.1e-3, 0.17, "100x smaller than bf16", fontsize=7, color="grey")
-    a1.set_xlabel("changed fraction")
-    a1.set_ylabel("payload bits per element (bf16 dense = 16)")
-    a1.set_title("payload vs density")
+    a1.set(xscale="log", yscale="log", xlabel="changed fraction", ylabel="payload bits per element (bf16 dense = 16)",
+           title="payload vs density")
     a1.legend(fontsize=7)
     adam = [r for r in rows if r["part"] == "adamw"]
     lrs = sorted({r["lr"] for r in adam})
     cods = [c for c in ("coo", "compact", "auto", "bound_positions_values") if any(r["codec"] == c for r in adam)]
-    w = 0.8 / max(1, len(cods))
-    for k, c in enumerate(cods):
-        vals = []
-        for lr in lrs:
-            rs = [r["ratio_vs_dense"] for r in adam if r["lr"] == lr and r["codec"] == c]
-            vals.append(sum(rs) / len(rs) if rs else 0)
-        a2.bar([i + k * w for i in range(len(lrs))], vals, w, label=labels.get(c, c))
-    dens = []
-    for lr in lrs:
-        ds = [r["density"] for r in adam if r["lr"] == lr and r["codec"] == "dense"]
-        dens.append(sum(ds) / max(1, len(ds)))
-    a2.set_xticks([i + 0.4 - w / 2 for i in range(len(lrs))])
-    a2.set_xticklabels([f"lr {lr:g}\n{100 * d:.1f}% changed" for lr, d in zip(lrs, dens)])
-    a2.set_yscale("log")
-    a2.set_ylabel("x smaller than dense bf16")
-    a2.set_title(f"AdamW updates, {result['config'].get('params', 0) / 1e6:.3g}M params")
+    mean = lambda xs: sum(xs) / max(1, len(xs))  # noqa: E731
+    at = lambda lr, c, key: [r[key] for r in adam if r["lr"] == lr and r["codec"] == c]  # noqa: E731
+    bar_groups(a2, [f"lr {lr:g}\n{100 * mean(at(lr, 'dense', 'density')):.1f}% changed" for lr in lrs],
+               {labels.get(c, c): [mean(at(lr, c, "ratio_vs_dense")) for lr in lrs] for c in cods})
+    a2.set(yscale="log", ylabel="x smaller than dense bf16",
+           title=f"AdamW updates, {result['config'].get('params', 0) / 1e6:.3g}M params")
     a2.legend(fontsize=7)
     save_figure(fig, png_path, dpi=130)
 

@@ -18,94 +18,36 @@ Writes ``docs/benchmarks/sync_throughput.json``; ``plot()`` draws ``sync_through
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sparrow.bench import base_parser, copy_bandwidth_gbs, device_dtype, plot_series, print_table, save_figure, \
+    write_json
 
-from runner import base_parser, copy_bandwidth_gbs, measure, print_table, save_figure, write_json  # noqa: E402
-
-from sparrow.sync import SyncReceiver, SyncSender, parse_bucket  # noqa: E402
-from sparrow.sync.stats import StageTimer  # noqa: E402
-from sparrow.sync.synthetic import perturb_bits  # noqa: E402
+from sparrow.sync.roundtrip import round_trip
+from sparrow.sync.synthetic import perturb_bits
 
 NAME = "sync_throughput"
 DENSITIES = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.1, 0.25]
-
-
-def _stages(run, setup, timer, reps: int) -> dict:
-    """Mean per-stage ``gpu_ms`` / ``cpu_ms`` of ``reps`` timed runs (StageTimer marks; CUDA events)."""
-    acc: dict = {}
-    for _ in range(reps):
-        setup()
-        timer.start()
-        run()
-        for k, v in timer.result().items():
-            d = acc.setdefault(k, {"gpu_ms": 0.0, "cpu_ms": 0.0})
-            d["gpu_ms"] += v["gpu_ms"] / reps
-            d["cpu_ms"] += v["cpu_ms"] / reps
-    return {k: {kk: round(vv, 4) for kk, vv in v.items()} for k, v in acc.items()}
+APPLY_KEY = {False: "", "incremental": "_inc", "full": "_full"}  # the receiver's verify -> the keys' suffix
 
 
 def run_density(base: dict, density: float, gen, *, iters: int, bucket_bytes: int) -> dict:
+    """Encode / apply of one density, without and with hashes (``sparrow.sync.roundtrip``), checked bit for bit."""
     new = {k: perturb_bits(v, density, gen) for k, v in base.items()}
-    dev = next(iter(base.values())).device
     row: dict = {"density": density, "params": sum(v.numel() for v in base.values())}
-    reps = max(2, iters // 2)
-    for with_hash in (False, True):
-        sender = SyncSender(base, codec="auto", bucket_bytes=bucket_bytes, with_hash=with_hash)
-
-        def reset_sender() -> None:
-            for k, v in base.items():
-                sender.snapshot[k].copy_(v)
-            sender.rehash()  # the snapshot was written by hand: refresh its running hashes (untimed)
-
+    for with_hash, verifies in ((False, (False,)), (True, ("incremental", "full"))):
+        r = round_trip(base, new, bucket_bytes=bucket_bytes, with_hash=with_hash, verifies=verifies, iters=iters,
+                       stage_reps=max(2, iters // 2))
         sfx = "_hash" if with_hash else ""
-        t = measure(lambda: list(sender.encode(new)), setup=reset_sender, warmup=2, iters=iters)
-        row[f"encode_ms{sfx}"], row[f"encode_p20_p80{sfx}"] = t["median_ms"], [t["p20_ms"], t["p80_ms"]]
-        sender.timer = StageTimer(dev)
-        row[f"encode_stages{sfx}"] = _stages(lambda: list(sender.encode(new)), reset_sender, sender.timer, reps)
-        sender.timer = None
-        reset_sender()
-        encoded = list(sender.encode(new))
-        buckets = [b for b, _ in encoded]
-        ranges = [(e.name, e.start, e.length) for b in buckets for e in parse_bucket(b).entries]
-        rx_t = {k: v.clone() for k, v in base.items()}
-        for verify, key in (((False, ""),) if not with_hash else (("incremental", "_inc"), ("full", "_full"))):
-            state: dict = {}
-
-            def reset_rx() -> None:
-                for k, v in base.items():
-                    rx_t[k].copy_(v)
-                state["rx"] = SyncReceiver(rx_t, verify=verify, version=encoded[0][1].base_version)
-                if verify == "incremental":  # steady state: running hashes of the base already known
-                    state["rx"].rehash(ranges)
-
-            def apply() -> None:
-                for b in buckets:
-                    state["rx"].apply_bucket(b)
-
-            t = measure(apply, setup=reset_rx, warmup=2, iters=iters)
-            row[f"apply_ms{key}"], row[f"apply_p20_p80{key}"] = t["median_ms"], [t["p20_ms"], t["p80_ms"]]
-            timer = StageTimer(dev)
-
-            def setup_timed() -> None:
-                reset_rx()
-                state["rx"].timer = timer
-
-            row[f"apply_stages{key}"] = _stages(apply, setup_timed, timer, reps)
-            reset_rx()
-            apply()
-            if not all(torch.equal(rx_t[k].view(torch.int16), new[k].view(torch.int16)) for k in base):
-                raise AssertionError(f"receiver differs from sender at density {density} (verify={verify})")
+        timed = [(f"encode_{{}}{sfx}", r["encode"], r["encode_stages"])]
+        timed += [(f"apply_{{}}{APPLY_KEY[v]}", r["apply"][v], r["apply_stages"][v]) for v in verifies]
+        for name, t, stages in timed:  # e.g. apply_ms_inc, apply_p20_p80_inc, apply_stages_inc
+            row[name.format("ms")], row[name.format("p20_p80")] = t["median_ms"], [t["p20_ms"], t["p80_ms"]]
+            row[name.format("stages")] = stages
         if not with_hash:
-            row["changed"] = sum(int((base[k].view(torch.int16) != new[k].view(torch.int16)).sum()) for k in base)
-            row["wire_bytes"] = sum(b.numel() for b in buckets)
-            row["buckets"] = len(buckets)
-            row["bitexact"] = True
+            row.update(changed=r["changed"], wire_bytes=r["wire_bytes"], buckets=r["buckets"], bitexact=True)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
@@ -124,17 +66,15 @@ def add_floor(r: dict, copy_gbs: float) -> None:
 
 
 def main() -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--tensors", type=int, default=None, help="number of weight tensors")
-    p.add_argument("--elems", type=int, default=None, help="elements per tensor")
-    p.add_argument("--iters", type=int, default=None)
-    args = p.parse_args()
+    args = base_parser(__doc__.splitlines()[0], [("--tensors", int, None, "number of weight tensors"),
+                                                 ("--elems", int, None, "elements per tensor"),
+                                                 ("--iters", int, None, None)]).parse_args()
     quick = args.quick or not torch.cuda.is_available()
     ntens = args.tensors or (4 if quick else 32)
     elems = args.elems or (1 << 16 if quick else 1 << 25)  # 32 x 2^25 = 1.07B parameters
     iters = args.iters or (3 if quick else 10)
     densities = [0.01, 0.1] if quick else DENSITIES
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    dev = device_dtype()[0]
     t0 = time.perf_counter()
     copy_gbs = copy_bandwidth_gbs()
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -163,31 +103,26 @@ def main() -> None:
 def plot(result: dict, png_path) -> None:
     import matplotlib.pyplot as plt
 
-    rows = sorted(result["rows"], key=lambda r: r["density"])
+    rows = [{**r, "pct": 100 * r["density"]} for r in result["rows"]]
     if not rows or "apply_ms_full" not in rows[0]:
         print("sync_throughput: results of the earlier pipeline (bucket format 2); its plot is left as it is")
         return
-    d = [100 * r["density"] for r in rows]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    a1.plot(d, [r["encode_ms"] for r in rows], "C0-o", label="encode")
-    a1.plot(d, [r["apply_ms"] for r in rows], "C1-o", label="apply")
-    a1.plot(d, [r["encode_ms"] + r["apply_ms"] for r in rows], "C2-o", label="encode + apply")
-    a1.plot(d, [r["encode_ms_hash"] + r["apply_ms_inc"] for r in rows], "C2--", label="... with hashes (incremental)")
-    a1.plot(d, [r["floor_ms"] for r in rows], "k:", label="memory-traffic floor")
-    a1.plot(d, [2 * r["floor_ms"] for r in rows], "k--", lw=0.7, label="2x floor (target)")
-    a1.set_xscale("log")
-    a1.set_yscale("log")
-    a1.set_xlabel("changed elements (%)")
-    a1.set_ylabel("ms")
-    a1.set_title(f"{result['config']['params'] / 1e9:.2f}B bf16 params, {result['environment']['device']}")
+    for y, style, label in (("encode_ms", "C0-o", "encode"), ("apply_ms", "C1-o", "apply"),
+                            (lambda r: r["encode_ms"] + r["apply_ms"], "C2-o", "encode + apply"),
+                            (lambda r: r["encode_ms_hash"] + r["apply_ms_inc"], "C2--",
+                             "... with hashes (incremental)"),
+                            ("floor_ms", "k:", "memory-traffic floor")):
+        plot_series(a1, rows, "pct", y, style=style, label=label)
+    plot_series(a1, rows, "pct", lambda r: 2 * r["floor_ms"], style="k--", lw=0.7, label="2x floor (target)")
+    a1.set(xscale="log", yscale="log", xlabel="changed elements (%)", ylabel="ms",
+           title=f"{result['config']['params'] / 1e9:.2f}B bf16 params, {result['environment']['device']}")
     a1.legend(fontsize=7)
     for key, style, label in (("x_floor", "C2-o", "no hashes"), ("x_floor_hash", "C3-o", "hashes, incremental verify"),
                               ("x_floor_full", "C4-o", "hashes, full verify (its own floor)")):
-        a2.plot(d, [r[key] for r in rows], style, label=label)
+        plot_series(a2, rows, "pct", key, style=style, label=label)
     a2.axhline(2.0, color="k", ls="--", lw=0.7, label="target")
-    a2.set_xscale("log")
-    a2.set_xlabel("changed elements (%)")
-    a2.set_ylabel("x floor")
+    a2.set(xscale="log", xlabel="changed elements (%)", ylabel="x floor")
     a2.legend(fontsize=7)
     save_figure(fig, png_path, dpi=130)
 

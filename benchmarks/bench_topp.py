@@ -12,25 +12,20 @@ Usage: ``python benchmarks/bench_topp.py`` (H200: ~1 min) or ``--quick`` (CPU sm
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runner import (  # noqa: E402
-    base_parser, graphed, measure, print_table, save_figure, triton_interpreter_without_cuda, write_json,
-)
+from sparrow.bench import base_parser, device_dtype, graphed, measure, plot_series, print_table, save_figure, write_json
 
-triton_interpreter_without_cuda()  # before anything imports triton
-from sparrow.kernels.topp import topp_select_dense  # noqa: E402
+from sparrow.kernels.topp import topp_select_dense
 
 NAME = "topp"
 BLOCK, TOP_P, SINK_BLOCKS, LOCAL_WINDOW = 64, 0.9, 1, 128
 
 
 def run(args) -> None:
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = device_dtype()[0]
     rows_list = [2, 5] if args.quick else [1, 16, 256, 1024]
     blocks_list = [24, 70] if args.quick else [512, 2048, 4096, 16384]  # 4096: the last row held in registers
     iters = 2 if args.quick else args.iters
@@ -65,22 +60,18 @@ def plot(result: dict, png_path: Path) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for n in sorted({r["N"] for r in rows}):
-        pts = sorted((r["tokens"], r["speedup"]) for r in rows if r["N"] == n)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{n} rows")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel(f"context tokens ({BLOCK}-token blocks)")
-    ax.set_ylabel("speedup over the sort (x)")
+    plot_series(ax, rows, "tokens", "speedup", "N", label="{} rows")
     ax.axhline(1.0, color="gray", lw=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel=f"context tokens ({BLOCK}-token blocks)", ylabel="speedup over the sort (x)")
     ax.legend()
     device = result["environment"].get("device", "")
     save_figure(fig, png_path, f"Top-p block selection, Triton bisection vs sort ({device})")
 
 
 def main(argv=None) -> None:
-    p = base_parser(__doc__.splitlines()[0])
-    p.add_argument("--iters", type=int, default=50, help="timed calls per size (--quick: 2)")
-    run(p.parse_args(argv))
+    options = [("--iters", int, 50, "timed calls per size (--quick: 2)")]
+    run(base_parser(__doc__.splitlines()[0], options).parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -10,10 +10,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from sparrow.bench import RESULTS_DIR, load_json
 
-from runner import RESULTS_DIR, load_json  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def main(paths: list[str]) -> None:

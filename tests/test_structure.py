@@ -97,3 +97,23 @@ def test_the_check_finds_a_circle():
     graph["sparrow.rollout.forward"] = graph["sparrow.rollout.forward"] | {"sparrow.rollout.engine"}
     circle = find_circle(graph)
     assert circle is not None and circle[0] == circle[-1] and "sparrow.rollout.engine" in circle
+
+
+def _imported_names(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+    return names
+
+
+def test_tests_and_benchmarks_import_no_benchmark_script():
+    """Tests exercise the library, never a benchmark script; a benchmark reaches shared code through ``sparrow.*``
+    (so a helper lives where it is typed, documented and tested)."""
+    root = SRC.parent
+    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    for path in [*(root / "tests").rglob("*.py"), *(root / "benchmarks").glob("*.py")]:
+        bad = {n for n in _imported_names(path) if n.split(".")[0] in scripts | {"benchmarks", "runner"}}
+        assert not bad, f"{path.relative_to(root)} imports {sorted(bad)}"

@@ -15,6 +15,7 @@ from sparrow.models import (
     HFModelConfig,
     from_hf,
     hf_tokenizer,
+    hf_twin,
     llama3,
     load_hf_checkpoint,
     model_config,
@@ -102,6 +103,23 @@ def test_logits_match_transformers(case, hf_dir):
         assert _logit_diff(model, hf, tokens) <= TOL, length
         if length > 1:
             assert _logit_diff(wrong, hf, tokens) > 100 * TOL, length
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_twin_has_the_same_weights(case, hf_dir):
+    """``hf_twin`` of a loaded model gives its logits (the twin of the model with the RoPE base doubled does not:
+    the twin follows the model, not the directory it came from); tied weights stay tied."""
+    path, hf = hf_dir(case)
+    model = from_hf(path).eval()
+    twin, twin_of_wrong = hf_twin(model, attn_implementation="eager"), hf_twin(_with_rope_base(model, 2.0))
+    assert type(twin) is type(hf) and twin.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    for length in LENGTHS:
+        tokens = _tokens(hf.config.vocab_size, length)
+        assert _logit_diff(model, twin, tokens) <= TOL, length
+        if length > 1:
+            assert _logit_diff(model, twin_of_wrong, tokens) > 100 * TOL, length
+    if hf.config.tie_word_embeddings:
+        assert twin.lm_head.weight.data_ptr() == twin.model.embed_tokens.weight.data_ptr()
 
 
 def test_llama3_rope_scaling_changes_the_logits(hf_dir):

@@ -66,3 +66,28 @@ def test_plot_runs_writes_a_png(tmp_path):
     steps = step_rows("all_off", 0, records([2.0, 2.0, 2.0], [1.0, 1.0, 1.0], [0, 0, 0]), warmup=1)
     plot_runs(steps, tmp_path / "runs.png", title="t")
     assert (tmp_path / "runs.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_partial_costs():
+    from sparrow.rl.runs import partial_costs
+
+    assert partial_costs([{"step": 1}]) == {"stale_token_frac": None, "dropped_groups": 0.0}
+    steps = [{"partial/staleness_0": 1.0}, {"partial/staleness_0": 0.5, "partial/dropped_groups": 2.0}]
+    assert partial_costs(steps) == {"stale_token_frac": 0.25, "dropped_groups": 2.0}
+
+
+def test_merge_results_joins_seeds_and_refuses_mismatches():
+    from sparrow.rl.runs import merge_results
+
+    def doc(seed, **config):
+        rows = [{"config": c, "seed": seed, "median_step_s": s, "rollout_s": s, "rollout_ms_per_token": s} for c, s in (("all_off", 4.0), ("all_on", 2.0 + seed))]
+        return {"benchmark": "e2e", "complete": True, "environment": {"device": "x"}, "rows": rows,
+                "steps": [{"config": "all_off", "seed": seed}], "config": {"configs": ["all_off", "all_on"],
+                                                                        "seeds": [seed], "steps": 4, **config}}
+
+    config, rows, steps = merge_results([doc(0), doc(1)], "e2e")
+    assert config["seeds"] == [0, 1] and config["configs"] == ["all_off", "all_on"] and len(steps) == 2
+    assert [r["speedup"] for r in rows if r["config"] == "all_on"] == [pytest.approx(2.0), pytest.approx(4 / 3)]
+    for bad in ([doc(0), doc(1, steps=8)], [doc(0), doc(0)], [doc(0) | {"complete": False}]):
+        with pytest.raises(ValueError):
+            merge_results(bad, "e2e")

@@ -290,3 +290,16 @@ def test_cost_key_names_everything_the_costs_depend_on(monkeypatch):
     assert key(model) == base  # and stable
     monkeypatch.setattr(sparrow, "__version__", "9.9.9")
     assert key(model) != base
+
+
+def test_cost_model_table_at_one_context():
+    m = synthetic_costs()
+    rows = m.table(0, [4, 2, 4], alphas=(0.9,))
+    assert [r["bucket"] for r in rows] == m.buckets
+    r = rows[2]  # bucket 4
+    assert list(r) == ["bucket", "ctx", "target_ms", "draft_ms", "verify2_ms", "verify4_ms", "best_speedup@a=0.9"]
+    assert r["target_ms"] == pytest.approx(1e3 * m.target_step(4, 0))
+    assert r["verify2_ms"] == pytest.approx(1e3 * m.verify_step(4, 0, 2))
+    assert r["best_speedup@a=0.9"] == pytest.approx(max(m.speedup(4, 0, k, 0.9) for k in (2, 4)))
+    with pytest.raises(ValueError):
+        m.table(0, [])

@@ -48,3 +48,21 @@ def test_bad_settings():
         MarkovEpisodes(first=1)
     with pytest.raises(ValueError, match="seq_len and batch must be >= 1, got 0, 2"):
         EpisodeBatches(MarkovEpisodes(n_classes=1, per_class=4), 0, 2)
+
+
+def test_train_on_episodes_lowers_the_loss():
+    from sparrow.models import tiny_qwen2
+    from sparrow.training import init_weights, train_on_episodes
+
+    task = MarkovEpisodes(n_classes=2, per_class=8, min_mean=4, max_mean=8)
+    torch.manual_seed(0)
+    model = tiny_qwen2(vocab_size=task.vocab_needed, max_seq_len=64)
+    init_weights(model, 0.02)
+    lines = []
+    out = train_on_episodes(model, task, seq_len=32, batch=4, lr=3e-3, warmup_steps=2, steps=40, log=lines.append,
+                            log_every_s=0.0)
+    assert out["steps"] == 40 and out["tokens"] > 0 and out["seconds"] >= 0 and lines
+    losses = [loss for _, loss in out["loss_curve"]]
+    assert out["final_loss"] == losses[-1] < losses[0]
+    with pytest.raises(ValueError):
+        train_on_episodes(model, task, seq_len=32, batch=4, lr=1e-3, warmup_steps=0)  # neither minutes nor steps

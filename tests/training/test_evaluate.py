@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -58,3 +60,51 @@ def test_longest_handled_and_model_score():
     # a retrieval model's score counts the tasks that moved its curriculum only
     rep["train"] = {"config": {"eval": {"tasks": ["kv_retrieval"]}}}
     assert model_score(rep) == (128, pytest.approx(3.55 / 6))
+
+
+def test_paired_difference():
+    from sparrow.training import paired, paired_delta_se
+
+    dense = [True, True, False, False, True]
+    sparse = [True, False, True, True, True]
+    p = paired(dense, sparse)
+    assert (p["dense_only"], p["sparse_only"], p["both"]) == (1, 2, 2)
+    assert p["delta"] == pytest.approx(0.2)
+    assert p["delta_se"] == pytest.approx(math.sqrt((3 / 5 - 0.2 ** 2) / 5)) == paired_delta_se(1, 2, 5)
+    assert paired(dense, dense)["delta_se"] == 0.0
+
+
+def test_handled_context():
+    from sparrow.training import handled_context
+
+    report = {"accuracy": [{"task": "kv_retrieval", "context": c, "accuracy": a} for c, a in ((512, 0.9), (1024, 0.6),
+                                                                                              (2048, 0.2))]}
+    assert handled_context(report, "kv_list") == 1024 and handled_context(report, "kv_retrieval", 0.95) == 512
+    with pytest.raises(ValueError):
+        handled_context(report, "variable_tracking")
+
+
+def test_accuracy_summary_longest_handled_context_and_pooling():
+    from sparrow.training import accuracy_summary, paired_delta_se
+
+    def row(task, context, dense, sparse, n=10, density=0.5):
+        return dict(config="r", task=task, context=context, n=n, dense_acc=dense, sparse_acc=sparse,
+                    dense_only=round(n * max(0.0, dense - sparse)), sparse_only=round(n * max(0.0, sparse - dense)),
+                    decode_density=density)
+
+    rows = [row("kv", 512, 1.0, 0.9), row("kv", 1024, 0.9, 0.9, density=0.3), row("kv", 2048, 0.5, 0.5),
+            row("vt", 512, 0.8, 0.8), row("vt", 1024, 1.0, 1.0, density=0.1)]
+    cal = {"configs": {"r": {"indexer_recall": 0.97, "rtpurbo_config": {"window": 64}}}}
+    out = {s["task"]: s for s in accuracy_summary(rows, 0.9, cal)}
+    assert list(out) == ["kv", "vt", "both"]
+    assert out["kv"]["longest_handled"] == 1024 and out["kv"]["delta"] == 0.0 and out["kv"]["within_1pt"]
+    assert out["vt"]["longest_handled"] == 1024 and out["vt"]["indexer_recall"] == 0.97 and out["vt"]["window"] == 64
+    both = out["both"]  # 2048 has one task only; 1024: (0.9 + 1.0) / 2 >= 0.9
+    assert both["longest_handled"] == 1024 and both["n"] == 20
+    assert both["dense_acc"] == pytest.approx(0.95) and both["decode_density"] == pytest.approx(0.2)
+    assert accuracy_summary(rows, 0.9)[0]["indexer_recall"] is None
+    low = accuracy_summary([row("kv", 512, 1.0, 0.8)], 0.9)[0]
+    assert low["delta"] == pytest.approx(-0.2) and low["delta_se"] == pytest.approx(paired_delta_se(2, 0, 10))
+    assert not low["within_1pt"]
+    none = accuracy_summary([row("kv", 512, 0.5, 0.5)], 0.9)[0]
+    assert none["longest_handled"] is None and "dense_acc" not in none

@@ -411,3 +411,56 @@ def hf_tokenizer(path: str | Path, *, max_seq_len: int | None = None, **kwargs: 
         f"{d}: no tokenizer for model_type {family!r}: looked for vocab.json + merges.txt (qwen2) and "
         "tokenizer.model or original/tokenizer.model (llama)"
     )
+
+
+def hf_twin(model: TransformerDecoder, *, dtype: Any = None, attn_implementation: str = "sdpa"):
+    """The ``transformers`` model (``Qwen2ForCausalLM`` / ``LlamaForCausalLM``) with ``model``'s architecture and
+    weights: the baseline a benchmark puts Sparrow against, or a way to check a Sparrow model against the reference
+    implementation.
+
+    Args:
+        model: a Sparrow / torchtune Qwen2 or Llama-3 ``TransformerDecoder`` (what :func:`model_config` reads).
+        dtype: the twin's parameter dtype (default: ``model``'s).
+        attn_implementation: ``transformers``' attention (``"sdpa"``, ``"eager"``, ...).
+
+    Returns:
+        The twin in eval mode on ``model``'s device; its ``max_position_embeddings`` is ``model.max_seq_len``, tied
+        output weights stay tied. Given the same token ids ``[B, S]``, its ``logits`` match ``model(ids)`` up to
+        rounding.
+
+    Raises:
+        ImportError: ``transformers`` is not installed.
+        ValueError: from :func:`model_config` (layers that differ, an unknown RoPE module), or a weight of
+            ``model`` that the twin has no place for.
+    """
+    import transformers
+    from torchtune.models.convert_weights import tune_to_hf
+    from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
+    cfg = model_config(model)
+    param = next(model.parameters())
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling is not None:
+        rope = {**rope, "rope_type": "llama3", **cfg.rope_scaling}
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim, intermediate_size=cfg.intermediate_dim,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+              head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.norm_eps,
+              tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope)
+    shape = dict(num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, dim=cfg.embed_dim, head_dim=cfg.head_dim)
+    state = {k: v for k, v in model.state_dict().items()}
+    if cfg.family == "qwen2":
+        hf_cfg = transformers.Qwen2Config(**kw)
+        state = qwen2_tune_to_hf(state, tie_word_embeddings=cfg.tie_word_embeddings, **shape)
+    else:
+        hf_cfg = transformers.LlamaConfig(**kw, attention_bias=cfg.attention_bias, mlp_bias=False)
+        state = tune_to_hf(state, **shape)
+    twin = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype or param.dtype,
+                                                         attn_implementation=attn_implementation)
+    missing, unexpected = twin.load_state_dict(state, strict=False)
+    if unexpected or any("lm_head" not in k for k in missing):
+        raise ValueError(f"weights without a place in the transformers model: {unexpected}; left unset: {missing}")
+    if cfg.tie_word_embeddings:
+        twin.tie_weights()
+    elif missing:
+        raise ValueError(f"untied model, yet the transformers model's {missing} were left unset")
+    return twin.to(param.device).eval()

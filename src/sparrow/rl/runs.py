@@ -4,7 +4,8 @@ time goes).
 
 A *record* is one ``metric_logger.log_dict`` call of ``sparrow_grpo`` (``time/step_s``, ``time/rollout_s``,
 ``reward/mean``, ...); :func:`step_rows` keeps the training steps, :func:`run_summary` reduces one run,
-:func:`add_speedups` and :func:`compare` relate runs to the baseline, :func:`plot_runs` draws them.
+:func:`add_speedups` and :func:`compare` relate runs to the baseline, :func:`plot_runs` draws them;
+:func:`partial_costs` reduces partial rollout's records, :func:`merge_results` joins results of several seeds.
 
 Example::
 
@@ -150,6 +151,39 @@ def compare(rows: list[dict[str, Any]], steps: list[dict[str, Any]], baseline: s
         s["speedup"] = ratio(b[0], s["median_step_s"]) if b else None
         s["rollout_speedup"] = ratio(b[1], s["median_rollout_s"]) if b else None
     return out
+
+
+def partial_costs(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What partial rollout cost over a run's :func:`step_rows`: ``stale_token_frac``, the mean share of trained
+    tokens an older policy sampled (None without ``partial/staleness_0`` records), and ``dropped_groups``, the
+    groups dropped (0 without partial rollout)."""
+    stale = [1.0 - s["partial/staleness_0"] for s in steps if "partial/staleness_0" in s]
+    return {"stale_token_frac": sum(stale) / len(stale) if stale else None,
+            "dropped_groups": sum(s.get("partial/dropped_groups", 0.0) for s in steps)}
+
+
+def merge_results(docs: list[dict[str, Any]], benchmark: str, free: Iterable[str] = ("configs", "seeds")
+                  ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Join complete results of one comparison benchmark run with other seeds: ``(config, rows, steps)``, the
+    config the first document's with ``configs`` and ``seeds`` of all, the rows with :func:`add_speedups` again
+    (each seed's speedup still compares runs of one process). ``ValueError`` when a document is not a complete
+    ``benchmark`` result, when settings other than the ``free`` config keys or the device differ, or unless every
+    (configuration, seed) appears once and the baseline ``all_off`` for every seed."""
+    free = set(free)
+    settings = [{k: v for k, v in d["config"].items() if k not in free} for d in docs]
+    for i, (d, s) in enumerate(zip(docs, settings)):
+        if d.get("benchmark") != benchmark or not d.get("complete"):
+            raise ValueError(f"result {i}: not a complete {benchmark} result")
+        if s != settings[0] or d["environment"].get("device") != docs[0]["environment"].get("device"):
+            raise ValueError(f"result {i}: settings or device differ from result 0")
+    rows, steps = [r for d in docs for r in d["rows"]], [s for d in docs for s in d["steps"]]
+    pairs = [(r["config"], r["seed"]) for r in rows]
+    if len(set(pairs)) < len(pairs) or any(("all_off", s) not in pairs for _, s in pairs):
+        raise ValueError("every (configuration, seed) once, and all_off for every seed")
+    add_speedups(rows)
+    config = dict(docs[0]["config"], configs=list(dict.fromkeys(r["config"] for r in rows)),
+                  seeds=sorted({r["seed"] for r in rows}))
+    return config, rows, steps
 
 
 def plot_runs(steps: list[dict[str, Any]], png: Path | str, title: str = "", warmup: int = 1) -> None:

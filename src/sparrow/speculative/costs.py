@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from tqdm import tqdm
@@ -124,6 +124,19 @@ class CostModel:
     def speedup(self, bucket: float, ctx: float, k: int, alpha: float) -> float:
         """Predicted tokens-per-second ratio of speculative over plain decoding."""
         return expected_tokens_per_cycle(alpha, k) * self.target_step(bucket, ctx) / self.cycle(bucket, ctx, k)
+
+    def table(self, ctx: float, lengths: Sequence[int], alphas: Sequence[float] = (0.7, 0.9)) -> list[dict[str, float]]:
+        """The model at context ``ctx``, one row per calibrated bucket: ``bucket``, ``ctx`` (as an int),
+        ``target_ms``, ``draft_ms``, ``verify<k>_ms`` for each distinct ``k`` of ``lengths`` (ascending) and
+        ``best_speedup@a=<alpha>`` (the best :meth:`speedup` over ``lengths``) for each of ``alphas``.
+        ``ValueError`` without ``lengths``."""
+        if not lengths:
+            raise ValueError("CostModel.table: give at least one draft length")
+        return [{"bucket": b, "ctx": int(ctx), "target_ms": 1e3 * self.target_step(b, ctx),
+                 "draft_ms": 1e3 * self.draft_step(b, ctx),
+                 **{f"verify{k}_ms": 1e3 * self.verify_step(b, ctx, k) for k in sorted(set(lengths))},
+                 **{f"best_speedup@a={a}": max(self.speedup(b, ctx, k, a) for k in lengths) for a in alphas}}
+                for b in self.buckets]
 
     # -------------------------------------------------------------------------- persistence
     def to_json(self) -> str:

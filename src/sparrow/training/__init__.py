@@ -41,9 +41,14 @@ from sparrow.training.evaluate import (
     EVAL_SEED,
     accuracy_table,
     binomial_se,
+    engine_answers,
     greedy_accuracy,
+    handled_context,
     longest_handled,
     model_score,
+    paired,
+    paired_delta_se,
+    accuracy_summary,
     sampled_accuracy,
     teacher_forced_hits,
 )
@@ -59,6 +64,7 @@ from sparrow.training.trainer import (
     Trainer,
     chunked_teacher_forced_loss,
     teacher_forced_loss,
+    train_on_episodes,
 )
 
 __all__ = [
@@ -66,7 +72,7 @@ __all__ = [
     "EpisodeBatches", "EvalConfig", "FAMILIES", "FORMAT", "IGNORED", "LossConfig", "LossParts", "MODEL_FILE",
     "MarkovEpisodes", "MultiQuery", "OptimizerConfig", "PROMPT", "REPORT_FILE", "TOKENIZER", "Task", "TaskFamily",
     "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "accuracy_table", "best_of_seeds", "binomial_se",
-    "build_model", "encode_text", "greedy_accuracy", "init_weights", "load_trained_model", "longest_handled",
-    "longest_sequence", "model_score", "pick", "read_report", "sampled_accuracy", "save_trained_model",
-    "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report",
+    "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
+    "longest_sequence", "model_score", "paired", "paired_delta_se", "accuracy_summary", "pick", "read_report", "sampled_accuracy", "save_trained_model",
+    "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
 ]

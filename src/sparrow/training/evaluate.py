@@ -57,21 +57,61 @@ def greedy_accuracy(model: torch.nn.Module, task: Task, n: int, *, seed: int = E
     return sum(teacher_forced_hits(model, seqs, batch_tokens=batch_tokens)) / n
 
 
+def _engine_generate(model: torch.nn.Module, exs: Sequence, *, rows: int, temperature: float, seed: int = 0,
+                     prefill_tokens: int | None = None):
+    """One answer per example of ``exs`` (answer and ``<eos>`` room) through the uncompiled rollout engine."""
+    from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+
+    prompts = [TOKENIZER.encode(e.prompt) for e in exs]
+    new = max(len(e.answer) for e in exs) + 1
+    extra = {"prefill_tokens": prefill_tokens, "cuda_graphs": False} if prefill_tokens else {}
+    engine = RolloutEngine(model, EngineConfig(max_rows=rows, compile=False, max_prompt_len=max(map(len, prompts)),
+                                               max_new_tokens=new, **extra))
+    return engine.generate(prompts, 1, SamplingParams(temperature=temperature, max_new_tokens=new,
+                                                      stop_token_ids=(TOKENIZER.eos_id,), seed=seed))
+
+
 @torch.no_grad()
 def sampled_accuracy(model: torch.nn.Module, task: Task, n: int, *, seed: int = EVAL_SEED,
                      sample_seed: int = 0) -> float:
     """Exact-match accuracy of one sample per prompt at temperature 1 (the rollout engine, uncompiled, sampling
     with ``sample_seed``) on examples ``0 .. n-1`` of ``task`` at ``seed``."""
-    from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
-
     exs = [task.example(seed, i) for i in range(n)]
-    prompts = [TOKENIZER.encode(e.prompt) for e in exs]
-    new = max(len(e.answer) for e in exs) + 1
-    engine = RolloutEngine(model, EngineConfig(max_rows=max(8, n), compile=False, max_prompt_len=max(map(len, prompts)),
-                                               max_new_tokens=new))
-    out = engine.generate(prompts, 1, SamplingParams(temperature=1.0, max_new_tokens=new,
-                                                     stop_token_ids=(TOKENIZER.eos_id,), seed=sample_seed))
+    out = _engine_generate(model, exs, rows=max(8, n), temperature=1.0, seed=sample_seed)
     return sum(TOKENIZER.decode(s.tokens.tolist()) == e.answer for s, e in zip(out, exs)) / n
+
+
+@torch.no_grad()
+def engine_answers(model: torch.nn.Module, family: TaskFamily, context: int, n: int, *, rows: int = 64,
+                   prefill_tokens: int = 32768, jitter: int = 0,
+                   seed: int = EVAL_SEED) -> tuple[list[bool], list[bool]]:
+    """Greedy answers of examples ``0 .. n-1`` (at ``seed``) of ``family`` through the uncompiled rollout engine
+    (``rows`` at once, prefill chunks of at least ``context + 1`` tokens); example ``i`` has ``context - (37 i mod
+    jitter)`` characters, so that with ``jitter`` > 1 questions end at every offset inside a selection block.
+    Returns the exact-match hits and the hits of the first answer token alone (what the prefill produced)."""
+    exs = [family(context - (37 * i) % jitter if jitter > 1 else context).example(seed, i) for i in range(n)]
+    out = _engine_generate(model, exs, rows=min(rows, n), temperature=0.0, prefill_tokens=max(prefill_tokens,
+                                                                                               context + 1))
+    hits = [TOKENIZER.decode(s.tokens.tolist()) == e.answer for s, e in zip(out, exs)]
+    first = [int(s.tokens[0]) == TOKENIZER.encode(e.answer, add_bos=False)[0] for s, e in zip(out, exs)]
+    return hits, first
+
+
+def paired_delta_se(b: int, c: int, n: int) -> float:
+    """Standard error of a paired accuracy difference over ``n`` examples, ``b`` right only in the first
+    measurement and ``c`` only in the second."""
+    return math.sqrt(max((b + c) / n - ((c - b) / n) ** 2, 0.0) / n)
+
+
+def paired(first: Sequence[bool], second: Sequence[bool]) -> dict[str, float]:
+    """Two measurements of the same examples (hits, equal lengths): ``dense_only`` / ``sparse_only`` (right only in
+    the first / the second), ``both``, and the paired difference ``delta`` (second minus first accuracy) with its
+    standard error ``delta_se``."""
+    n = len(first)
+    b = sum(d and not s for d, s in zip(first, second))
+    c = sum(s and not d for d, s in zip(first, second))
+    return {"dense_only": b, "sparse_only": c, "both": sum(d and s for d, s in zip(first, second)),
+            "delta": (c - b) / n, "delta_se": paired_delta_se(b, c, n)}
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -109,9 +149,54 @@ def longest_handled(report: dict[str, Any], bar: float, tasks: Collection[str] |
     return max([c for c, a in by_ctx.items() if min(a) >= bar], default=None)
 
 
+def handled_context(report: dict[str, Any], task: str, bar: float = 0.5) -> int:
+    """The longest context of a trained model's accuracy table (``report["accuracy"]``) at which ``task``'s
+    accuracy reaches ``bar``, the shortest measured one if none does; ``variable_tracking`` is read as itself, any
+    other task as ``kv_retrieval``. ``ValueError`` when the table has no row of that task."""
+    name = "variable_tracking" if task == "variable_tracking" else "kv_retrieval"
+    contexts = [r["context"] for r in report["accuracy"] if r["task"] == name]
+    if not contexts:
+        raise ValueError(f"the model's report has no {name} accuracy")
+    return longest_handled(report, bar, [name]) or min(contexts)
+
+
 def model_score(report: dict[str, Any], bar: float = 0.8) -> tuple[int, float]:
     """How good a trained model is: (the longest context at which every task that moved its curriculum reaches
     ``bar``, the mean accuracy over the whole table)."""
     tasks = report.get("train", {}).get("config", {}).get("eval", {}).get("tasks")
     accs = [r["accuracy"] for r in report["accuracy"]]
     return longest_handled(report, bar, tasks) or 0, sum(accs) / max(1, len(accs))
+
+
+def accuracy_summary(rows: Sequence[Mapping[str, Any]], threshold: float,
+                     calibration: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per configuration and task, and both tasks pooled (``task="both"``, at contexts both were measured at): the
+    longest context whose dense accuracy is at least ``threshold`` (``longest_handled``, None if none) and there
+    the pooled ``n``, ``dense_acc``, ``sparse_acc``, their paired difference ``delta`` with ``delta_se``,
+    ``within_1pt`` and the mean ``decode_density``; ``indexer_recall`` and ``window`` from ``calibration``
+    (:func:`~sparrow.calibrate.variants.calibrate_variants`' record) where it names the configuration.
+
+    ``rows``: one per (``config``, ``task``, ``context``) with ``n``, ``dense_acc``, ``sparse_acc``, ``dense_only``,
+    ``sparse_only`` (:func:`paired`) and ``decode_density``."""
+    out = []
+    for cfg in sorted({r["config"] for r in rows}):
+        for task in sorted({r["task"] for r in rows if r["config"] == cfg}) + ["both"]:
+            by_ctx: dict[int, list[Mapping[str, Any]]] = {}
+            for r in rows:
+                if r["config"] == cfg and task in ("both", r["task"]):
+                    by_ctx.setdefault(r["context"], []).append(r)
+            total = lambda rs, k: sum(r[k] * (r["n"] if k.endswith("acc") else 1) for r in rs)  # noqa: E731
+            ok = [c for c, rs in by_ctx.items() if len(rs) >= (2 if task == "both" else 1)
+                  and total(rs, "dense_acc") / total(rs, "n") >= threshold]
+            cal = ((calibration or {}).get("configs") or {}).get(cfg, {})
+            row = {"config": cfg, "task": task, "threshold": threshold, "indexer_recall": cal.get("indexer_recall"),
+                   "window": (cal.get("rtpurbo_config") or {}).get("window"), "longest_handled": max(ok, default=None)}
+            if ok:
+                rs = by_ctx[max(ok)]
+                n, dense, sparse = total(rs, "n"), total(rs, "dense_acc"), total(rs, "sparse_acc")
+                row.update(n=n, dense_acc=dense / n, sparse_acc=sparse / n, delta=(sparse - dense) / n,
+                           delta_se=paired_delta_se(total(rs, "dense_only"), total(rs, "sparse_only"), n),
+                           within_1pt=abs(sparse - dense) / n <= 0.01,
+                           decode_density=sum(r["decode_density"] for r in rs) / len(rs))
+            out.append(row)
+    return out

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from sparrow.rl.logprobs import hidden_states
 from sparrow.training.curriculum import Curriculum, CurriculumConfig
 from sparrow.training.data import ANSWER, EOS, IGNORED, PROMPT, Batch, BatchSource
+from sparrow.training.episodes import EpisodeBatches, MarkovEpisodes
 from sparrow.training.evaluate import EVAL_SEED, autocast, greedy_accuracy
 from sparrow.training.tasks import TaskFamily
 
@@ -372,3 +373,26 @@ class Trainer:
                 "final_max_context": cur.top, "curriculum_events": cur.events, "progress": progress,
                 "loss_curve": curve,
                 "data_wait_frac": round(data_wait / max(train_s, 1e-9), 3), "config": dataclasses.asdict(cfg)}
+
+
+def train_on_episodes(model: torch.nn.Module, task: MarkovEpisodes, *, seq_len: int, batch: int, lr: float,
+                      warmup_steps: int, minutes: float | None = None, steps: int | None = None, device: str = "cpu",
+                      log: Callable[[str], None] = print, log_every_s: float = 5.0) -> dict[str, Any]:
+    """Train ``model`` in place on :class:`EpisodeBatches` of ``task`` (``batch`` streams of ``seq_len`` tokens; the
+    plain language-model loss, token mean) with AdamW (peak ``lr``, ``warmup_steps`` of warm-up, cosine to 10 %, no
+    weight decay) for ``minutes`` and / or ``steps``: the peaked, structured distributions a speculative-decoding
+    measurement needs. Returns ``{"steps", "seconds", "tokens", "loss_curve": [(step, loss), ...], "final_loss"}``:
+    the loss is logged (to ``log`` and the curve) every ``log_every_s`` seconds, ``final_loss`` None when it never
+    was. Raises ``ValueError`` from :class:`TrainConfig` (neither
+    ``minutes`` nor ``steps``) and :class:`EpisodeBatches`."""
+    cfg = TrainConfig(minutes=minutes, steps=steps, device=device, log_every_s=log_every_s,
+                      curriculum=CurriculumConfig(min_context=seq_len, max_context=seq_len),
+                      loss=LossConfig(prompt_weight=0.0, answer_mean="token"),
+                      optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup_steps, weight_decay=0.0))
+    stats = Trainer(model, cfg, EpisodeBatches(task, seq_len, batch), log=log).train()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    curve = stats["loss_curve"]
+    return {"steps": stats["steps"], "seconds": stats["train_s"], "tokens": stats["tokens_seen"],
+            "loss_curve": [(r["step"], r["episodes"]) for r in curve],
+            "final_loss": curve[-1]["episodes"] if curve else None}

@@ -1,0 +1,385 @@
+"""Benchmark harness: timing, the environment record, JSON results, tables and figures.
+
+What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring their own setup the same way:
+
+* :func:`measure` times a callable with CUDA events (warm-up excluded; median, p20 and p80 over many runs);
+  without CUDA it falls back to ``time.perf_counter`` (CPU figures are smoke runs, never speed claims).
+  :func:`graphed` replays a callable as a CUDA graph, :func:`copy_bandwidth_gbs` measures the device's copy speed.
+* :func:`environment` records device, library versions, git revision and time; :func:`write_json` writes
+  ``{"benchmark", "environment", "config", "rows", ...}`` with no path of the machine in it
+  (:func:`scrub_paths`), :func:`load_json` reads it back.
+* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`print_table`, :func:`log`.
+* :func:`plot_series` and :func:`bar_groups` draw rows of results; :func:`save_figure` finishes a figure.
+* :func:`task_model` gives the trained model a benchmark runs on (a folder, or a tiny one trained now).
+
+Importing this module on a machine without CUDA sets ``TRITON_INTERPRET=1`` (unless set): Triton kernels then
+run through the interpreter, as the CPU smoke runs need. Import it before anything imports triton.
+
+Example::
+
+    from sparrow.bench import base_parser, measure, write_json
+
+    args = base_parser("my question").parse_args()
+    t = measure(lambda: model(x), warmup=3, iters=20)          # {"median_ms", "p20_ms", "p80_ms", "n"}
+    write_json("mine", {"batch": 8}, [{"batch": 8, **t}], out_dir=args.out)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+if not torch.cuda.is_available():  # the CPU smoke runs: Triton through its interpreter, before anything imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: the source checkout this module runs from (benchmarks run from one): results go to its ``docs/benchmarks``
+REPO = Path(__file__).resolve().parents[2]
+RESULTS_DIR = REPO / "docs" / "benchmarks"
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Print a progress line stamped with the seconds since this module was imported."""
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+def synchronize() -> None:
+    """Wait for the CUDA device (nothing without CUDA): call it before reading a host clock."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def device_dtype() -> tuple[torch.device, torch.dtype]:
+    """``(cuda, bfloat16)`` with CUDA, else ``(cpu, float32)``: the device and precision a benchmark runs at."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|x - ref| / |ref|`` (Frobenius norms, in fp32) of two tensors of one shape."""
+    ref = ref.float()
+    return float((x.float() - ref).norm() / ref.norm())
+
+
+def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
+    """``model_dir`` (a trained model: ``tune run sparrow_sft --config ... output_dir=DIR``), or for a ``--quick``
+    run a tiny one trained now, for seconds, into ``work/task_model``. Without either: ``SystemExit`` naming the
+    command that trains one."""
+    if model_dir is not None:
+        return model_dir
+    if not quick:
+        raise SystemExit("give --model DIR (tune run sparrow_sft --config recipes/configs/task_model_8k_sft.yaml "
+                         "output_dir=DIR)")
+    out = Path(work) / "task_model"
+    cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "sparrow_sft", "--config",
+           str(REPO / "recipes" / "configs" / "tiny_task_model_sft.yaml"), f"output_dir={out}", "minutes=0.05"]
+    subprocess.run(cmd, check=True)
+    return str(out)
+
+
+def triton_interpreter_without_cuda() -> None:
+    """On a machine without CUDA, run Triton kernels through the interpreter (CPU smoke runs). Call it before
+    triton is first imported (``import torch`` does not import it; Sparrow's kernel modules do)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def git_revision() -> str:
+    """``SPARROW_GIT_REVISION`` when set (a copy of the tree whose ``.git`` is not the one it came from), else
+    the checkout's short HEAD, ``+dirty`` with uncommitted changes to tracked files; ``unknown`` without git."""
+    if os.environ.get("SPARROW_GIT_REVISION"):
+        return os.environ["SPARROW_GIT_REVISION"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return out + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """Where a result was measured: timestamp (UTC), git revision, Python / torch / CUDA / Triton versions, the
+    device name and, with CUDA, its SM count and memory (GiB)."""
+    env: dict[str, Any] = {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": git_revision(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["sm_count"] = props.multi_processor_count
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+    return env
+
+
+def quantiles(samples: Sequence[float]) -> dict[str, float]:
+    """``{"median_ms", "p20_ms", "p80_ms", "n"}`` of ``samples`` (milliseconds, at least one; nearest rank)."""
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, max(0, round(f * (len(s) - 1))))]  # noqa: E731
+    return {"median_ms": statistics.median(s), "p20_ms": q(0.2), "p80_ms": q(0.8), "n": len(s)}
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, min_time_s: float = 0.0,
+            setup: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Time ``fn()``; returns :func:`quantiles` of the calls in milliseconds.
+
+    ``setup`` (untimed) runs before every call, e.g. to rotate inputs or reset a cache. With CUDA the
+    region is bracketed by CUDA events; ``min_time_s`` keeps repeating past ``iters`` until that much
+    time has been measured (at most ``10 * iters`` calls).
+    """
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    samples: list[float] = []
+    total = 0.0
+    while len(samples) < iters or total < min_time_s * 1e3:
+        if setup is not None:
+            setup()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        samples.append(ms)
+        total += ms
+        if len(samples) >= 10 * max(iters, 1):
+            break
+    return quantiles(samples)
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """A CUDA graph replaying ``fn`` (warm-up on a side stream first); eager ``fn`` without CUDA."""
+    if not torch.cuda.is_available():
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, GB/s) measured now (on the CPU: at most
+    256 MiB copied)."""
+    if not torch.cuda.is_available():
+        nbytes = min(nbytes, 256 << 20)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * nbytes / (t["median_ms"] * 1e-3) / 1e9
+
+
+def kernel_times(fn: Callable[[], Any], runs: int, top: int = 15) -> dict[str, Any]:
+    """``fn()`` under ``torch.profiler``, its time per run grouped by name, largest first: CUDA kernels' device time
+    with CUDA, CPU operators' self time without. Returns ``{"kernel_us_per_step", "kernels": [{"name", "us",
+    "calls"}]}`` (the ``top`` largest names, cut to 120 characters); ``runs``: the calls ``fn`` makes."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        fn()
+    if cuda:
+        events = [(e.name, e.device_time_total, 1) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:
+        events = [(a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()]
+    per_name: dict[str, list[float]] = {}
+    for name, us, n in events:
+        t = per_name.setdefault(name[:120], [0.0, 0.0])
+        t[0], t[1] = t[0] + us / runs, t[1] + n / runs
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
+    return {"kernel_us_per_step": sum(v[0] for _, v in ranked),
+            "kernels": [{"name": k, "us": v[0], "calls": v[1]} for k, v in ranked[:top]]}
+
+
+_SITE = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)*?(site|dist)-packages/")
+_ABS = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)+([\w.+-]+)")
+
+
+def scrub_paths(obj: Any) -> Any:
+    """``obj`` (JSON-like) with no path of the machine it ran on: files of this repository become
+    repository-relative, installed packages' files ``site-packages/...``, any other absolute path its last
+    component (an output or scratch folder named on the command line)."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub_paths(v) for v in obj]
+    if isinstance(obj, Path):
+        obj = str(obj)
+    if not isinstance(obj, str):
+        return obj
+    obj = obj.replace(str(REPO) + "/", "")
+    obj = _SITE.sub(lambda m: f"{m.group(1)}-packages/", obj)
+    return _ABS.sub(lambda m: m.group(1), obj)
+
+
+def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path | None = None,
+               extra: dict[str, Any] | None = None) -> Path:
+    """Write ``<out_dir>/<name>.json`` (default :data:`RESULTS_DIR`) atomically: ``{"benchmark": name,
+    "environment": environment(), "config", "rows"}`` and the keys of ``extra``, through :func:`scrub_paths`
+    (values JSON cannot hold as their ``str``). Returns the path."""
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    doc = {"benchmark": name, "environment": environment(), "config": config, "rows": rows}
+    if extra:
+        doc.update(extra)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(scrub_paths(doc), indent=1, default=str))
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return path
+
+
+def load_json(path: Path | str) -> dict[str, Any]:
+    """A result :func:`write_json` wrote."""
+    return json.loads(Path(path).read_text())
+
+
+def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
+    """Engine batch buckets: the powers of ``growth`` from ``smallest`` below ``rows``, then ``rows`` (growth 4
+    keeps every other power of two: about half the compiled steps and CUDA graphs of 2)."""
+    out, b = [], 1
+    while b < rows:
+        if b >= smallest:
+            out.append(b)
+        b *= growth
+    return out + [rows]
+
+
+def density_arg(value: str | None, key: str) -> list[float]:
+    """A benchmark's ``--density``: numbers (``"0.89,0.55"``), or the JSON of ``bench_rtpurbo_accuracy.py`` read by
+    ``key`` — a top-level value, else the largest over its summary / rows at their longest ``context``
+    (``SystemExit`` when it has none)."""
+    if not value:
+        return []
+    if not value.endswith(".json"):
+        return [float(x) for x in value.split(",")]
+    doc = load_json(value)
+    if key in doc:
+        return [float(doc[key])]
+    rows = [r for part in ("summary", "rows") for r in doc.get(part, [])
+            if isinstance(r, dict) and r.get(key) is not None]
+    if not rows:
+        raise SystemExit(f"{value} has no {key!r}: give the measured density as a number (--density 0.9)")
+    longest = max(r.get("context", 0) for r in rows)
+    return [max(float(r[key]) for r in rows if r.get("context", 0) == longest)]
+
+
+def base_parser(description: str, options: Iterable[tuple] = ()) -> argparse.ArgumentParser:
+    """``--out``, ``--quick`` and ``options``: rows ``(flag, type, default, help)`` (a list as ``type`` is the
+    choices, strings), or ``(flag, kwargs)`` for :meth:`argparse.ArgumentParser.add_argument`."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSON (default docs/benchmarks/)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run that checks the script works")
+    for flag, *row in options:
+        if len(row) == 1:
+            p.add_argument(flag, **row[0])
+            continue
+        kind, default, text = row
+        kw = {"choices": kind} if isinstance(kind, list) else {"type": kind}
+        p.add_argument(flag, default=default, help=text, **kw)
+    return p
+
+
+def format_table(rows: list[dict[str, Any]], cols: Sequence[str]) -> str:
+    """``rows`` as right-aligned columns ``cols`` under a header (floats to 4 significant digits, a missing
+    key as ``None``)."""
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) if rows else len(c) for c in cols}
+    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
+    lines += ["  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def print_table(rows: list[dict[str, Any]], cols: Sequence[str]) -> None:
+    """Print :func:`format_table`."""
+    print(format_table(rows, cols))
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def plot_series(ax, rows: Iterable[dict[str, Any]], x: str, y: str | Callable[[dict], Any],
+                by: str | Callable[[dict], Any] | None = None, *, label: str | Callable[[Any], str] = "{}",
+                style: str = "o-", **kw) -> list:
+    """One line on the matplotlib axes ``ax`` per distinct value of ``by`` (a key, or a function of a row; None:
+    one line) of ``y`` (a key or a function) against ``x`` over ``rows``, points in ``x`` order; rows whose ``y``
+    is missing or None are left out. ``label`` formats the group's value (a format string or a function), groups
+    in sorted order, ``style`` and ``kw`` go to ``ax.plot``. Returns the lines drawn."""
+    key = (lambda r: r[by]) if isinstance(by, str) else by or (lambda r: None)
+    get = (lambda r: r.get(y)) if isinstance(y, str) else y
+    rows = [r for r in rows if get(r) is not None]
+    lines = []
+    for g in sorted({key(r) for r in rows}, key=lambda v: (v is None, v)):
+        pts = sorted((r[x], get(r)) for r in rows if key(r) == g)
+        name = label(g) if callable(label) else label.format(g)
+        lines += ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, **kw)
+    return lines
+
+
+def pick(rows: Iterable[dict[str, Any]], key: str, default: Any = None, **where: Any) -> Any:
+    """``row[key]`` of the first of ``rows`` whose items include ``where``; ``default`` when none does (or that row
+    has no ``key``)."""
+    return next((r.get(key, default) for r in rows if all(r.get(k) == v for k, v in where.items())), default)
+
+
+def bar_groups(ax, labels: Sequence[str], series: dict[str, Sequence[float]], width: float = 0.8) -> None:
+    """Grouped bars on ``ax``: one group per label, one bar per ``series`` entry (its name the legend label, its
+    values one per label), the groups' ticks at their centres."""
+    w = width / max(1, len(series))
+    for k, (name, vals) in enumerate(series.items()):
+        ax.bar([i + (k - (len(series) - 1) / 2) * w for i in range(len(labels))], list(vals), w, label=name)
+    ax.set_xticks(range(len(labels)), list(labels))
+
+
+def save_figure(fig, path: Path | str, title: str | None = None, dpi: int = 120) -> None:
+    """A benchmark plot's last step: title, layout, PNG, and the figure closed (``make_plots`` draws many)."""
+    import matplotlib.pyplot as plt
+
+    if title is not None:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

@@ -1,0 +1,98 @@
+"""The benchmark harness (``sparrow.bench``): timing, tables, paths scrubbed from results, argument rows, plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow import bench
+
+
+def test_quantiles_and_measure():
+    q = bench.quantiles([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert q == {"median_ms": 3.0, "p20_ms": 2.0, "p80_ms": 4.0, "n": 5}
+    calls = []
+    t = bench.measure(lambda: calls.append(1), warmup=2, iters=4, setup=lambda: calls.append(0))
+    assert t["n"] == 4 and calls == [0, 1] * 6 and t["p20_ms"] <= t["median_ms"] <= t["p80_ms"]
+
+
+def test_scrub_paths_leaves_no_machine_path():
+    doc = {"a": str(bench.REPO / "recipes" / "x.yaml"), "b": ["/usr/lib/python3/site-packages/torch/x.py"],
+           "c": Path("/tmp/run_42/out"), "d": "tokens/s at https://example.org/a/b", "e": 3}
+    assert bench.scrub_paths(doc) == {"a": "recipes/x.yaml", "b": ["site-packages/torch/x.py"], "c": "out",
+                                      "d": "tokens/s at https://example.org/a/b", "e": 3}
+
+
+def test_write_json_round_trip(tmp_path):
+    path = bench.write_json("demo", {"where": str(tmp_path / "w")}, [{"x": 1}], out_dir=tmp_path, extra={"k": 2})
+    doc = bench.load_json(path)
+    assert path == tmp_path / "demo.json" and doc["benchmark"] == "demo" and doc["rows"] == [{"x": 1}]
+    assert doc["k"] == 2 and doc["config"] == {"where": "w"} and {"torch", "device"} <= set(doc["environment"])
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_batch_buckets():
+    assert bench.batch_buckets(64, 2) == [1, 2, 4, 8, 16, 32, 64]
+    assert bench.batch_buckets(64, 4) == [1, 4, 16, 64]
+    assert bench.batch_buckets(8, 2, smallest=2) == [2, 4, 8]
+    assert bench.batch_buckets(1, 2) == [1]
+
+
+def test_density_arg(tmp_path):
+    assert bench.density_arg(None, "k") == [] and bench.density_arg("0.5,0.25", "k") == [0.5, 0.25]
+    f = tmp_path / "acc.json"
+    f.write_text(json.dumps({"summary": [{"context": 8, "k": 0.4}, {"context": 16, "k": 0.2}, {"context": 16, "k": 0.3}]}))
+    assert bench.density_arg(str(f), "k") == [0.3]  # the largest at the longest context
+    with pytest.raises(SystemExit):
+        bench.density_arg(str(f), "missing")
+
+
+def test_base_parser_rows():
+    p = bench.base_parser("q", [("--n", int, 3, None), ("--mode", ["a", "b"], "a", None),
+                                ("--model", dict(type=Path, required=True))])
+    args = p.parse_args(["--model", "m", "--n", "5", "--quick"])
+    assert (args.n, args.mode, args.model, args.quick, args.out) == (5, "a", Path("m"), True, None)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--mode", "c"])
+
+
+def test_format_table_and_pick():
+    rows = [{"a": 1, "b": 0.123456}, {"a": 22}]
+    assert bench.format_table(rows, ["a", "b"]).splitlines() == [" a       b", " 1  0.1235", "22    None"]
+    assert bench.pick(rows, "a", a=5) is None
+    assert bench.pick(rows, "b", 0.0, a=22) == 0.0 and bench.pick(rows, "a", a=22) == 22
+
+
+def test_rel_err_and_device():
+    x = torch.tensor([3.0, 4.0])
+    assert bench.rel_err(x, x) == 0.0 and bench.rel_err(torch.zeros(2), x) == pytest.approx(1.0)
+    dev, dtype = bench.device_dtype()
+    assert (dev.type, dtype) == (("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32))
+
+
+def test_plot_series_and_bar_groups(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{"n": 2, "x": 4, "y": 1.0}, {"n": 1, "x": 2, "y": 3.0}, {"n": 1, "x": 1, "y": 2.0}, {"n": 2, "x": 1, "y": None}]
+    fig, (a, b) = plt.subplots(1, 2)
+    lines = bench.plot_series(a, rows, "x", "y", "n", label="{} rows")
+    assert [ln.get_label() for ln in lines] == ["1 rows", "2 rows"]
+    assert list(lines[0].get_xdata()) == [1, 2] and list(lines[1].get_ydata()) == [1.0]  # sorted, None left out
+    assert len(bench.plot_series(a, rows, "x", lambda r: r["x"] * 2)) == 1  # no grouping: one line
+    bench.bar_groups(b, ["p", "q"], {"s": [1, 2], "t": [3, 4]}, width=0.5)
+    assert [round(r.get_x() + r.get_width() / 2, 3) for r in b.patches] == [-0.125, 0.875, 0.125, 1.125]
+    bench.save_figure(fig, tmp_path / "f.png", title="t")
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_kernel_times_groups_by_name():
+    x = torch.randn(64, 64)
+    out = bench.kernel_times(lambda: [x @ x for _ in range(3)], runs=3)
+    names = {k["name"] for k in out["kernels"]}
+    assert any("mm" in n for n in names) and out["kernel_us_per_step"] >= 0
