@@ -17,6 +17,8 @@ every row's prompt itself (``DenseAttention(shared_prefix=False)``, the kernel b
 group's prompt KV once, each row's generated KV, 2 x parameters FLOPs per row, at ``--bandwidth-tbs`` and
 ``--tflops``): ``*_roofline_fraction``. ``breakdown``: one decode step at 1 and 64 rows (8 groups of 8, prompts of
 ``--breakdown-len``) under ``torch.profiler``, kernel time per step grouped by kernel name (CPU operators on CPU).
+Fused projections (``--fused-projections both``): a third engine with ``EngineConfig(fuse_projections=False)``
+(q / k / v and gate / up as separate matmuls, as before the fusion), keys ``unfused_*``, ``fused_speedup``.
 
 Run (H200): ``python benchmarks/bench_engine.py``; smoke run on CPU: ``python benchmarks/bench_engine.py --quick``.
 """
@@ -24,6 +26,7 @@ Run (H200): ``python benchmarks/bench_engine.py``; smoke run on CPU: ``python be
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import time
 from functools import partial
@@ -67,12 +70,13 @@ def hf_generate(hf, input_ids, new_tokens):
     return time.perf_counter() - t0
 
 
-def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5) -> dict:
+def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5,
+                     fuse: bool = True) -> dict:
     """One plain decode step at 1 and 64 rows (``64 // group`` prompts of ``L`` tokens, ``new_tokens // 2``
     generated) under ``torch.profiler``: per step, the wall time and the time of each kernel name (CUDA kernels;
     CPU operators' self time without CUDA), largest first (:func:`sparrow.bench.kernel_times`)."""
     cfg = EngineConfig(max_rows=64, max_prompts=64 // group, batch_buckets=(1, 64), max_prompt_len=L,
-                       max_new_tokens=new_tokens, compile=device == "cuda")
+                       max_new_tokens=new_tokens, compile=device == "cuda", fuse_projections=fuse)
     engine, out = RolloutEngine(model, cfg), {}
     for rows in (1, 64):
         ctx = L + new_tokens // 2
@@ -89,6 +93,7 @@ def main() -> None:
         ("--group", int, 8, None), ("--new-tokens", int, 128, None), ("--repeats", int, 3, None),
         ("--hf-max-tokens", int, 2_200_000, "skip transformers above B*(L+N)"),
         ("--shared-prefix", ["both", "auto"], "both", "also measure an engine without shared-prefix decode"),
+        ("--fused-projections", ["both", "on"], "both", "also measure an engine with separate projections"),
         ("--bandwidth-tbs", float, 4.2, "roofline copy bandwidth"), ("--tflops", float, 778.0, "roofline bf16 FLOP/s"),
         ("--breakdown-len", int, 8192, "prompt length of the per-kernel breakdown (0: skip it)"),
         ("--prompt-lens", dict(type=int, nargs="+", default=[1024, 8192, 32768])),
@@ -103,10 +108,13 @@ def main() -> None:
     models = {"auto": model}  # shared-prefix decode as the engine chooses it; "off": every row reads its prompt
     if args.shared_prefix == "both":
         models["off"] = sm.use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False))
+    if args.fused_projections == "both":
+        models["unfused"] = copy.deepcopy(model)
     max_b = max(args.batches)
     cfg = EngineConfig(max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
                        max_new_tokens=args.new_tokens, block_steps=16, compile=device == "cuda", prefill_tokens=65536)
-    engines = {mode: RolloutEngine(m, cfg) for mode, m in models.items()}
+    engines = {mode: RolloutEngine(m, dataclasses.replace(cfg, fuse_projections=mode != "unfused"))
+               for mode, m in models.items()}
     engine = engines["auto"]
     footprint = DecodeFootprint.of(model, torch.bfloat16 if device == "cuda" else None)
     rates = dict(bandwidth=args.bandwidth_tbs * 1e12, flops=args.tflops * 1e12)
@@ -155,7 +163,9 @@ def main() -> None:
                 row[f"{key}_decode_tok_s"] = B * (args.new_tokens - 1) / row[f"{key}_decode_s"]
                 row[f"{key}_step_ms"] = median(step) * 1e3
                 row[f"{key}_roofline_fraction"] = floor.fraction(median(step))
-            if len(engines) == 2:
+            if "unfused" in engines:
+                row["fused_speedup"] = row["sparrow_decode_tok_s"] / row["unfused_decode_tok_s"]
+            if "off" in engines:
                 row["shared_prefix_speedup"] = row["sparrow_decode_tok_s"] / row["off_decode_tok_s"]
                 # bf16 sums in another order: a near-tie may flip a token (and the rest of that sample)
                 row["samples_same_as_off"] = sum(a == b for a, b in zip(tokens["auto"], tokens["off"])) / B
@@ -197,7 +207,8 @@ def main() -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-        extra["breakdown"] = {mode: kernel_breakdown(m, args.breakdown_len, args.group, args.new_tokens, device)
+        extra["breakdown"] = {mode: kernel_breakdown(m, args.breakdown_len, args.group, args.new_tokens, device,
+                                                     fuse=mode != "unfused")
                               for mode, m in models.items()}
         for mode, b in extra["breakdown"].items():
             for n, r in b.items():
