@@ -123,3 +123,18 @@ def test_kernel_times_groups_by_name():
     out = bench.kernel_times(lambda: [x @ x for _ in range(3)], runs=3)
     names = {k["name"] for k in out["kernels"]}
     assert any("mm" in n for n in names) and out["kernel_us_per_step"] >= 0
+
+
+def test_first_working_tries_variants_in_order(capsys):
+    tried = []
+
+    def build(v):
+        tried.append(v)
+        if v < 3:
+            raise ValueError(f"variant {v}")
+        return v * 10
+
+    assert bench.first_working([1, 2, 3, 4], build, "drafter") == (3, 30)
+    assert tried == [1, 2, 3] and "ValueError: variant 2" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="no drafter worked"):
+        bench.first_working([1, 2], build, "drafter")

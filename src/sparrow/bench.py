@@ -8,7 +8,8 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
 * :func:`environment` records device, library versions, git revision and time; :func:`write_json` writes
   ``{"benchmark", "environment", "config", "rows", ...}`` with no path of the machine in it
   (:func:`scrub_paths`), :func:`load_json` reads it back.
-* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`print_table`, :func:`log`.
+* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`print_table`, :func:`log`;
+  :func:`first_working` tries variants of a setup in order.
 * :func:`plot_series`, :func:`bar_groups` and :func:`stacked_bars` draw rows of results; :func:`save_figure`
   finishes a figure.
 * :func:`task_model` gives the trained model a benchmark runs on (a folder, or a tiny one trained now).
@@ -89,6 +90,25 @@ def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
            str(REPO / "recipes" / "configs" / "tiny_task_model_sft.yaml"), f"output_dir={out}", "minutes=0.05"]
     subprocess.run(cmd, check=True)
     return str(out)
+
+
+def first_working(variants: Iterable[Any], build: Callable[[Any], Any], what: str = "variant") -> tuple[Any, Any]:
+    """``(variant, build(variant))`` for the first of ``variants`` whose ``build`` returns (e.g. a drafter that
+    compiles and captures, simpler ones after it); a failing one's traceback is printed and logged, and its
+    memory freed (garbage collected, the CUDA cache emptied) before the next. ``RuntimeError`` when none works."""
+    import gc
+    import traceback
+
+    for v in variants:
+        try:
+            return v, build(v)
+        except Exception:  # noqa: BLE001 - report, free, try the next
+            traceback.print_exc()
+            log(f"{what} {v} failed; trying the next")
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    raise RuntimeError(f"no {what} worked")
 
 
 def triton_interpreter_without_cuda() -> None:
