@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, rel_err, save_figure,
+from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, save_figure,
                           write_json)
 
 from sparrow.attention.base import DecodeMeta, LayerShape
 from sparrow.attention.dense import DenseAttention, DenseKVCache
-from sparrow.attention.rtpurbo_synthetic import SyntheticDecodeLayer, decode_speedups, hot_indexer_keys
+from sparrow.attention.rtpurbo_synthetic import (SyntheticDecodeLayer, decode_speedups, hot_indexer_keys,
+                                                triton_vs_reference)
 from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
 from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
 
@@ -87,23 +88,6 @@ def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool) -> No
             del cache
 
 
-def check_against_reference(dev, dtype, hq, hkv, d, window) -> float:
-    """Relative error of the Triton pipeline vs the PyTorch reference on a small case of this device."""
-    from sparrow.kernels.sparse_decode import SparseDecodeConfig, sparse_decode_attention
-
-    c = SyntheticDecodeLayer(2048, 2, hq, hkv, d, min(window, 512), 64, dtype, dev)
-    b = c.backend(1)
-    cache = c.cache(1, hot_indexer_keys(2, 2048, 0.05, 64, c.u, seed=3, top_p=TOP_P))
-    q_idx, _ = b.index(c.q, c.k_new)
-    cfg = SparseDecodeConfig(TOP_P, 64, 4, min(window, 512), 128)
-    args = (c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, b.ret_idx, b.loc_idx, b.head_is_ret, cfg)
-    ref = sparse_decode_attention(*args, impl="reference").float()
-    proj = dict(q_pre=c.q, indexer_q=b.indexer_q.detach(), q_scale=b.score_scale)
-    outs = [sparse_decode_attention(*args, impl="triton", fused=False),
-            sparse_decode_attention(c.q, None, *args[2:], impl="triton", **proj)]  # the two pipelines timed
-    return max(rel_err(o, ref) for o in outs)
-
-
 @torch.no_grad()
 def run(args) -> None:
     cuda = torch.cuda.is_available()
@@ -122,7 +106,7 @@ def run(args) -> None:
     block = 64
     rows: list[dict] = []
     t_start = time.perf_counter()
-    check = check_against_reference(dev, dtype, hq, hkv, d, window)
+    check = triton_vs_reference(dev, dtype, hq, hkv, d, window, top_p=TOP_P)
     print(f"Triton vs reference, relative error {check:.2e}" + ("" if check < 2e-2 else "  <-- TOO LARGE"), flush=True)
     for L in lengths:
         for B in batches:

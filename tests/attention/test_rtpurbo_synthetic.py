@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from sparrow.attention.rtpurbo_synthetic import SyntheticDecodeLayer, decode_speedups, hot_indexer_keys
+from sparrow.attention.rtpurbo_synthetic import (SyntheticDecodeLayer, decode_speedups, hot_indexer_keys,
+                                                triton_vs_reference)
 
 
 def test_hot_indexer_keys_plant_the_density():
@@ -55,3 +56,8 @@ def test_decode_speedups():
     assert e["timing"] == "eager_ms" and e["sdpa_ms"] == 16.0
     with pytest.raises(StopIteration):
         decode_speedups([r for r in _rows(True) if r["config"] != "sdpa"])
+
+
+def test_triton_pipelines_agree_with_the_reference():
+    err = triton_vs_reference("cpu", torch.float32, 4, 2, 16, 64, L=256, B=1, block=16)
+    assert 0.0 <= err < 1e-3

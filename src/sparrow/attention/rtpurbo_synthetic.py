@@ -4,7 +4,8 @@ and the speedups of a 15%-retrieval-head model derived from per-layer times.
 What ``benchmarks/bench_rtpurbo_decode.py`` times, for a user timing their own shapes: :func:`hot_indexer_keys`
 plants the blocks that carry the indexer's mass, :class:`SyntheticDecodeLayer` holds a dense two-level cache and
 RTPurbo caches for zero and one retrieval kv head with a backend whose indexer maps the layer's query onto the
-planted direction, :func:`decode_speedups` reads the times back.
+planted direction, :func:`decode_speedups` reads the times back and :func:`triton_vs_reference` checks the Triton
+pipelines timed against the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -104,3 +105,24 @@ def decode_speedups(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                             vs_sdpa=sdpa / t15, vs_triton=tri / t15, step_dense_ms=dstep, step_rtpurbo15_ms=st15,
                             step_speedup=dstep / st15, timing=key))
     return out
+
+
+def triton_vs_reference(dev: torch.device | str, dtype: torch.dtype, hq: int, hkv: int, d: int, window: int, *,
+                        top_p: float = 0.9, L: int = 2048, B: int = 2, block: int = 64) -> float:
+    """The largest relative error (Frobenius, fp32) of the two Triton sparse-decode pipelines (``staged``: the
+    indexer projection in PyTorch; ``fused``: inside the score kernel) against the PyTorch reference, on a
+    :class:`SyntheticDecodeLayer` of ``L`` tokens and ``B`` rows (window at most 512, 5% planted density). Needs
+    CUDA or Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    from sparrow.kernels.sparse_decode import SparseDecodeConfig, sparse_decode_attention
+
+    c = SyntheticDecodeLayer(L, B, hq, hkv, d, min(window, 512), block, dtype, dev)
+    b = c.backend(1)
+    cache = c.cache(1, hot_indexer_keys(B, L, 0.05, block, c.u, seed=3, top_p=top_p))
+    q_idx, _ = b.index(c.q, c.k_new)
+    cfg = SparseDecodeConfig(top_p, block, 4, min(window, 512), 128)
+    args = (c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, b.ret_idx, b.loc_idx, b.head_is_ret, cfg)
+    ref = sparse_decode_attention(*args, impl="reference").float()
+    proj = dict(q_pre=c.q, indexer_q=b.indexer_q.detach(), q_scale=b.score_scale)
+    outs = [sparse_decode_attention(*args, impl="triton", fused=False),
+            sparse_decode_attention(c.q, None, *args[2:], impl="triton", **proj)]
+    return max(float((o.float() - ref).norm() / ref.norm()) for o in outs)
