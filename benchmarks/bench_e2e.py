@@ -41,7 +41,8 @@ from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
 from sparrow.rl.launch import (REWARDS, TASKS, grpo_base_config, run_in_process, speculative_section,
                                technique_config)
 from sparrow.rl.runs import (
-    add_speedups, compare, merge_results, partial_costs, plot_runs, run_summary, step_rows,
+    SIGNAL_COLUMNS, SUMMARY_COLUMNS, TIME_COLUMNS, add_speedups, compare, merge_results, partial_costs, plot_runs,
+    run_line, run_summary, step_rows,
 )
 from sparrow.training import MODEL_FILE, handled_context, load_trained_model, read_report
 
@@ -297,10 +298,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                                     partial=bool(on.get("partial")), **partial_costs(st),
                                     **{k: v for k, v in out.items() if k.startswith("fixed_")}))
             r = rows[-1]
-            log(f"{tag}: median step {r['median_step_s']:.3f} s (prefill {r['prefill_s']:.3f}, decode "
-                f"{r['decode_s']:.3f}, train {r['train_s']:.3f}, sync {r['sync_s']:.3f}), reward "
-                f"{r['reward_mean']:.3f}, eval {r['eval_start']} -> {r['eval_final']}, run {r['run_s']:.1f} s "
-                f"(setup {r['setup_s']:.1f})")
+            log(f"{tag}: {run_line(r)}")
             if r["compiled_timed_steps"]:
                 log(f"{tag}: WARNING {r['compiled_timed_steps']} timed step(s) compiled or captured graphs "
                     "(see 'compiled' in the steps)")
@@ -311,17 +309,12 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
 
     # -- summarise
     print()
-    print_table(rows, ["config", "seed", "median_step_s", "speedup", "prefill_s", "decode_s", "logprob_s", "train_s",
-                       "sync_s", "drafter_refresh_s", "rollout_s", "rollout_tokens_per_s", "wall_s", "wall_s_all"])
+    print_table(rows, TIME_COLUMNS)
     print()
-    print_table(rows, ["config", "seed", "reward_mean", "reward_last_half", "eval_start", "eval_final", "mismatch_kl",
-                       "is_clip_frac", "spec_acceptance", "decode_density", "prefill_ret_density", "sync_wire_mb",
-                       "sync_dense_mb"])
+    print_table(rows, SIGNAL_COLUMNS)
     print()
     summary = compare(rows, steps)
-    print_table(summary, ["config", "seeds", "median_step_s", "speedup", "median_rollout_s", "rollout_speedup",
-                          "reward_last_half", "eval_final", "mismatch_kl", "spec_acceptance", "sync_wire_mb"]
-                + (["wall_s", "stale_token_frac"] if args.partial else []))
+    print_table(summary, SUMMARY_COLUMNS + (("wall_s", "stale_token_frac") if args.partial else ()))
     if skipped:
         print(f"skipped at the deadline: {skipped}")
     if failed:

@@ -29,14 +29,16 @@ from pathlib import Path
 
 import torch
 
-from sparrow.bench import base_parser, device_dtype, log, print_table, save_figure, task_model, write_json
+from sparrow.bench import (base_parser, device_dtype, log, plot_series, print_table, save_figure, task_model,
+                          write_json)
 
 from sparrow.attention.rtpurbo import RTPurboConfig, collect_selection_stats
 from sparrow.calibrate.variants import (VARIANT_KEYS, calibrate_variants, local_prefill_fraction, parse_variants,
                                        rtpurbo_model)
 from sparrow.models import load_model_state
 from sparrow.training import (
-    EVAL_SEED, EVAL_TASKS, accuracy_summary, binomial_se, engine_answers, load_trained_model, paired, read_report,
+    EVAL_SEED, EVAL_TASKS, accuracy_summary, answers_with_fallback, binomial_se, engine_answers, load_trained_model,
+    paired_accuracy, read_report,
 )
 
 NAME = "rtpurbo_accuracy"
@@ -161,6 +163,13 @@ def run(args) -> dict:
                  "seconds": round(time.perf_counter() - t_start, 1), "complete": final}
         write_json(NAME, config_doc, rows, out_dir=out_dir, extra=extra)
 
+    def reference(name: str):  # a variant on the PyTorch reference kernels, unless it already runs on them
+        prof, w, c = variants[name]
+        if c.impl == "reference" and c.prefill_impl == "reference":
+            return None
+        variants[name] = (prof, w, replace(c, impl="reference", prefill_impl="reference"))
+        return rtpurbo_model(model, *variants[name])
+
     for L in sorted(lengths, reverse=True):
         for task in TASKS:
             d_hits, d_first, _ = dense[(task, L)]
@@ -169,34 +178,24 @@ def run(args) -> dict:
                 if deadline is not None and time.perf_counter() > deadline:
                     skipped.append(f"{name}:{task}@{L}")
                     continue
-                prof, w, c = variants[name]
                 collect_selection_stats(sparse[name], reset=True)
-                t = time.perf_counter()
-                try:
-                    hits, first = engine_answers(sparse[name], EVAL_TASKS[task], L, args.examples, **eval_kw)
-                except Exception as e:  # a kernel that fails here: fall back to the PyTorch reference path
-                    if c.impl == "reference" and c.prefill_impl == "reference":
-                        raise
-                    log(f"{name}: {type(e).__name__}: {str(e)[:300]} -- retrying with the reference kernels")
-                    fallbacks.append({"config": name, "task": task, "context": L, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-                    variants[name] = (prof, w, c := replace(c, impl="reference", prefill_impl="reference"))
-                    sparse[name] = rtpurbo_model(model, prof, w, c)
-                    t = time.perf_counter()
-                    hits, first = engine_answers(sparse[name], EVAL_TASKS[task], L, args.examples, **eval_kw)
-                t_sparse = time.perf_counter() - t
+                a = answers_with_fallback(sparse[name], EVAL_TASKS[task], L, args.examples,
+                                          fallback=lambda: reference(name), **eval_kw)
+                if a.error:
+                    log(f"{name}: {a.error[:300]} -- retried with the reference kernels")
+                    fallbacks.append({"config": name, "task": task, "context": L, "error": a.error[:500]})
+                sparse[name], (prof, _, c) = a.model, variants[name]
                 st = collect_selection_stats(sparse[name], reset=True)
-                sacc = sum(hits) / len(hits)
+                hits, sacc = a.hits, sum(a.hits) / len(a.hits)
                 n_ret, n_all = int(prof.retrieval.sum()), prof.retrieval.numel()
                 pre_ret = st["prefill_ret_density"] if n_ret else 0.0
                 rows.append(dict(
-                    config=name, task=task, context=L, n=len(hits), dense_acc=dacc, dense_se=binomial_se(dacc, len(hits)),
-                    sparse_acc=sacc, sparse_se=binomial_se(sacc, len(hits)), **paired(d_hits, hits),
-                    dense_first_acc=sum(d_first) / len(d_first), sparse_first_acc=sum(first) / len(first),
+                    config=name, task=task, context=L, **paired_accuracy(d_hits, d_first, a.hits, a.first),
                     decode_density=st["decode_density"], decode_ret_density=st["decode_ret_density"],
                     prefill_ret_density=st["prefill_ret_density"],
                     prefill_density=(n_ret * pre_ret + (n_all - n_ret) * local_prefill_fraction(L + 1, c.window, c.num_sinks)) / n_all,
                     window=c.window, window_frac=c.window / (L + 1), retrieval_heads=n_ret, impl=c.impl,
-                    prefill_impl=c.prefill_impl, sparse_s=round(t_sparse, 2)))
+                    prefill_impl=c.prefill_impl, sparse_s=round(a.seconds, 2)))
                 r = rows[-1]
                 log(f"{task:>17} @ {L:5d}  dense {dacc:.3f}  {name} {sacc:.3f}  (n={len(hits)}, delta {r['delta']:+.3f} "
                     f"+- {r['delta_se']:.3f}; first token {r['dense_first_acc']:.3f} -> {r['sparse_first_acc']:.3f})  "
@@ -246,20 +245,17 @@ def plot(result: dict, png_path: Path) -> None:
         return plot_selection(result["rows"], png_path, f"RTPurbo selection vs the dense top-{c['top_p']} set "
                                                         f"({c['context']}-token context)")
     rows = result["rows"]
-    tasks, configs = sorted({r["task"] for r in rows}), sorted({r["config"] for r in rows})
+    tasks = sorted({r["task"] for r in rows})
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rs = [r for r in rows if r["task"] == task]
         first = {c: next(r for r in rs if r["context"] == c) for c in sorted({r["context"] for r in rs})}
-        ax.errorbar(list(first), [r["dense_acc"] for r in first.values()], yerr=[r["dense_se"] for r in first.values()],
-                    marker="o", color="black", label="dense", capsize=3)
+        plot_series(ax, first.values(), "context", "dense_acc", yerr="dense_se", label="dense", color="black",
+                    capsize=3)
+        plot_series(ax, rs, "context", "sparse_acc", "config", yerr="sparse_se", label="RTPurbo {}", style="s-",
+                    capsize=3)
         ax2 = ax.twinx()
-        for i, cfg in enumerate(configs):
-            pts = sorted((r["context"], r) for r in rs if r["config"] == cfg)
-            ax.errorbar([p[0] for p in pts], [p[1]["sparse_acc"] for p in pts], yerr=[p[1]["sparse_se"] for p in pts],
-                        marker="s", color=f"C{i}", capsize=3, label=f"RTPurbo {cfg}")
-            ax2.plot([p[0] for p in pts], [p[1]["decode_density"] for p in pts], ls="--", marker=".", color=f"C{i}",
-                     alpha=0.6)
+        plot_series(ax2, rs, "context", "decode_density", "config", style=".--", alpha=0.6)
         ax.set_xscale("log", base=2)
         ax.set(ylim=(-0.02, 1.02), xlabel="context (tokens)", ylabel="greedy exact-match accuracy", title=task)
         ax2.set(ylim=(0, 1), ylabel="decode density (dashed)")

@@ -29,71 +29,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, rel_err, save_figure,
+from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, save_figure,
                           write_json)
 
 from sparrow.attention.base import DecodeMeta, LayerShape
 from sparrow.attention.dense import DenseAttention, DenseKVCache
-from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig
+from sparrow.attention.rtpurbo_synthetic import (SyntheticDecodeLayer, decode_speedups, hot_indexer_keys,
+                                                triton_vs_reference)
 from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
 from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
 
 NAME = "rtpurbo_decode"
-GEN = 16  # generation-slot capacity: the new token is written at index 0
 TOP_P = 0.9
 
 
-def hot_indexer_keys(B: int, L: int, density: float, block: int, u: torch.Tensor, seed: int) -> torch.Tensor:
-    """[B, 1, L, r]: keys of a random ``density / top_p`` fraction of blocks aligned with ``u`` (~all the mass)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    hot = torch.rand(B, -(-L // block), generator=g) < min(1.0, density / TOP_P)
-    hot[:, 0] = False
-    tok = hot.repeat_interleave(block, dim=1)[:, :L].to(u.device)
-    return torch.randn(B, 1, L, u.numel(), device=u.device) * 0.05 + tok[:, None, :, None] * (12.0 * u)
-
-
-class Case:
-    """Caches and inputs for one (L, B): dense two-level cache, RTPurbo caches for 0 and 1 retrieval heads."""
-
-    def __init__(self, L, B, hq, hkv, d, window, block, dtype, dev):
-        self.L, self.B, self.hq, self.hkv, self.d = L, B, hq, hkv, d
-        torch.manual_seed(0)
-        rn = lambda *shape: torch.randn(*shape, device=dev, dtype=dtype)  # noqa: E731
-        self.pk, self.pv, self.gk, self.gv = rn(B, hkv, L, d), rn(B, hkv, L, d), rn(B + 1, hkv, GEN, d), \
-            rn(B + 1, hkv, GEN, d)
-        self.q = rn(1, hq, 1, d).expand(B, hq, 1, d).contiguous()  # one query for every row: the indexer maps it to u
-        self.k_new, self.v_new = rn(B, hkv, 1, d), rn(B, hkv, 1, d)
-        self.rs, self.ps = torch.arange(B, device=dev), torch.arange(B, device=dev)
-        self.plen, self.cl = torch.full((B,), L - 1, device=dev), torch.zeros(B, dtype=torch.int64, device=dev)
-        self.window, self.block, self.dtype, self.dev = window, block, dtype, dev
-        wp, wg = min(window, L), min(window + 64, GEN)
-        self.local = {n: (rn(B, hkv - n, 4 + wp, d), rn(B, hkv - n, 4 + wp, d), rn(B + 1, hkv - n, wg, d),
-                          rn(B + 1, hkv - n, wg, d)) for n in (0, 1)}
-        g = torch.Generator(device="cpu").manual_seed(1)
-        u = torch.randn(16, generator=g)
-        self.u = (u / u.norm()).to(dev)
-
-    def cache(self, n_ret: int, ik: torch.Tensor | None) -> RTPurboCache:
-        r = 16
-        if ik is None:
-            ik = torch.zeros(self.B, n_ret, self.L, r, device=self.dev, dtype=self.dtype)
-        gik = torch.zeros(self.B + 1, n_ret, GEN, r, device=self.dev, dtype=self.dtype)
-        return RTPurboCache(self.pk[:, :n_ret], self.pv[:, :n_ret], self.gk[:, :n_ret], self.gv[:, :n_ret],
-                            ik.to(self.dtype), gik, *self.local[n_ret])
-
-    def backend(self, n_ret: int) -> RTPurboAttention:
-        """An RTPurbo backend whose indexer maps this case's query to ``u`` (so the hot blocks win)."""
-        shape = LayerShape(0, self.hq, self.hkv, self.d)
-        b = RTPurboAttention(shape, RTPurboConfig(window=self.window, decode_block=self.block, impl="triton"),
-                             list(range(n_ret))).to(self.dev)
-        if n_ret:
-            qg = b.group_queries(self.q[:1].float())[0, 0, 0]  # [qpk * d]
-            wq = (qg / qg.square().sum())[:, None] * self.u.float()[None, :]
-            b.load_indexer(wq[None].expand(n_ret, -1, -1), b.indexer_k.detach())
-        return b
-
-
-def bench_case(c: Case, densities, rows, use_graphs: bool) -> None:
+def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool) -> None:
     L, B = c.L, c.B
     reps = dict(warmup=3, iters=30 if torch.cuda.is_available() else 2)
 
@@ -116,7 +66,8 @@ def bench_case(c: Case, densities, rows, use_graphs: bool) -> None:
         ret, loc, is_ret = b.ret_idx, b.loc_idx, b.head_is_ret
         wq, qs = b.indexer_q.detach(), b.score_scale
         for dens, source in (densities if n_ret else [(0.0, "-")]):
-            cache = c.cache(n_ret, hot_indexer_keys(B, L, dens, c.block, c.u, seed=2) if n_ret else None)
+            ik = hot_indexer_keys(B, L, dens, c.block, c.u, seed=2, top_p=TOP_P) if n_ret else None
+            cache = c.cache(n_ret, ik)
             args = (cache, c.rs, c.ps, c.plen, c.cl, ret, loc, is_ret)
 
             def staged():  # the indexer query projection in PyTorch, then the four launches
@@ -137,43 +88,6 @@ def bench_case(c: Case, densities, rows, use_graphs: bool) -> None:
             del cache
 
 
-def summarise(rows: list[dict]) -> list[dict]:
-    """Per (L, B, density, pipeline): the 15%-model RTPurbo time and speedups over SDPA and the dense Triton kernel."""
-    out = []
-    key = "graph_ms" if any(r["graph_ms"] == r["graph_ms"] for r in rows) else "eager_ms"  # NaN-free column
-    for (L, B) in sorted({(r["L"], r["B"]) for r in rows}):
-        sel = [r for r in rows if r["L"] == L and r["B"] == B]
-        get = lambda cfg, n=0, d=0.0, p="-": next(  # noqa: E731
-            r[key] for r in sel if (r["config"], r["n_ret"], r["density"], r["pipeline"]) == (cfg, n, d, p))
-        sdpa, tri, dstep = get("sdpa", d=1.0), get("dense_triton", d=1.0), get("dense_step", d=1.0)
-        for r1 in (r for r in sel if r["config"] == "rtpurbo" and r["n_ret"] == 1):
-            d, p = r1["density"], r1["pipeline"]
-            t15 = 0.6 * r1[key] + 0.4 * get("rtpurbo", 0, 0.0, p)
-            st15 = 0.6 * get("rtpurbo_step", 1, d, "library") + 0.4 * get("rtpurbo_step", 0, 0.0, "library")
-            out.append(dict(L=L, B=B, pipeline=p, density=d, density_source=r1["density_source"],
-                            ret_density=r1["ret_density"], sdpa_ms=sdpa, triton_ms=tri, rtpurbo15_ms=t15,
-                            vs_sdpa=sdpa / t15, vs_triton=tri / t15, step_dense_ms=dstep, step_rtpurbo15_ms=st15,
-                            step_speedup=dstep / st15, timing=key))
-    return out
-
-
-def check_against_reference(dev, dtype, hq, hkv, d, window) -> float:
-    """Relative error of the Triton pipeline vs the PyTorch reference on a small case of this device."""
-    from sparrow.kernels.sparse_decode import SparseDecodeConfig, sparse_decode_attention
-
-    c = Case(2048, 2, hq, hkv, d, min(window, 512), 64, dtype, dev)
-    b = c.backend(1)
-    cache = c.cache(1, hot_indexer_keys(2, 2048, 0.05, 64, c.u, seed=3))
-    q_idx, _ = b.index(c.q, c.k_new)
-    cfg = SparseDecodeConfig(TOP_P, 64, 4, min(window, 512), 128)
-    args = (c.q, q_idx, cache, c.rs, c.ps, c.plen, c.cl, b.ret_idx, b.loc_idx, b.head_is_ret, cfg)
-    ref = sparse_decode_attention(*args, impl="reference").float()
-    proj = dict(q_pre=c.q, indexer_q=b.indexer_q.detach(), q_scale=b.score_scale)
-    outs = [sparse_decode_attention(*args, impl="triton", fused=False),
-            sparse_decode_attention(c.q, None, *args[2:], impl="triton", **proj)]  # the two pipelines timed
-    return max(rel_err(o, ref) for o in outs)
-
-
 @torch.no_grad()
 def run(args) -> None:
     cuda = torch.cuda.is_available()
@@ -192,12 +106,12 @@ def run(args) -> None:
     block = 64
     rows: list[dict] = []
     t_start = time.perf_counter()
-    check = check_against_reference(dev, dtype, hq, hkv, d, window)
+    check = triton_vs_reference(dev, dtype, hq, hkv, d, window, top_p=TOP_P)
     print(f"Triton vs reference, relative error {check:.2e}" + ("" if check < 2e-2 else "  <-- TOO LARGE"), flush=True)
     for L in lengths:
         for B in batches:
             try:
-                c = Case(L, B, hq, hkv, d, window, block, dtype, dev)
+                c = SyntheticDecodeLayer(L, B, hq, hkv, d, window, block, dtype, dev)
                 bench_case(c, densities, rows, use_graphs=cuda)
                 del c
             except torch.cuda.OutOfMemoryError as e:
@@ -206,7 +120,7 @@ def run(args) -> None:
                 torch.cuda.empty_cache()
             print(f"L={L} B={B} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
     ok = [r for r in rows if r["config"] != "error"]
-    summary = summarise(ok)
+    summary = decode_speedups(ok)
     config = dict(heads=hq, kv_heads=hkv, head_dim=d, dtype=str(dtype), window=window, sinks=4, block=block,
                   top_p=TOP_P, indexer_dim=16, quick=args.quick, seconds=time.perf_counter() - t_start,
                   triton_vs_reference_rel_err=check, density_json=args.density,

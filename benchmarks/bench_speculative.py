@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import gc
 import time
-import traceback
 from pathlib import Path
 
 import torch
 
-from sparrow.bench import T0, base_parser, batch_buckets, log, plot_series, print_table, save_figure, synchronize, \
-    write_json
+from sparrow.bench import (T0, base_parser, batch_buckets, first_working, log, plot_series, print_table, save_figure,
+                          synchronize, write_json)
 
 import sparrow.models as sm
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
@@ -164,29 +163,20 @@ def main(argv: list[str] | None = None) -> None:
     # drafter variants in order: a failure to compile / capture one falls back to the next
     variants = list(dict.fromkeys([(args.weight, args.window or None), ("none", args.window or None),
                                    (args.weight, None), ("none", None)]))
-    engine = drafter = costs = None
-    for weight, win in variants:
-        try:
-            drafter = QuantizedSelfDrafter(model, DrafterConfig(weight=weight, window=win, sink=args.sink))
-            engine = RolloutEngine(model, cfg, drafter=drafter)
-            t = time.perf_counter()
-            prep = engine.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
-            log(f"drafter {drafter!r}: compiled and captured every step in {prep:.1f}s (KV cache "
-                f"{engine.cache_nbytes() / 2**30:.1f} GiB)")
-            costs = CostModel.calibrate(engine, params, draft_lengths=(min(args.lengths), max(args.lengths)),
-                                        steps=args.calib_steps,
-                                        cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
-            extra["prepare_s"], extra["calibration_s"] = prep, time.perf_counter() - t - prep
-            break
-        except Exception:  # noqa: BLE001 - report, free the engine, try a simpler drafter
-            traceback.print_exc()
-            log(f"drafter weight={weight} window={win} failed; trying the next variant")
-            engine = drafter = costs = None
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-    if costs is None:
-        raise RuntimeError("no drafter variant could be compiled and calibrated")
+    def build(variant):  # a drafter variant compiled, captured and its costs calibrated
+        drafter = QuantizedSelfDrafter(model, DrafterConfig(weight=variant[0], window=variant[1], sink=args.sink))
+        engine = RolloutEngine(model, cfg, drafter=drafter)
+        t = time.perf_counter()
+        prep = engine.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
+        log(f"drafter {drafter!r}: compiled and captured every step in {prep:.1f}s (KV cache "
+            f"{engine.cache_nbytes() / 2**30:.1f} GiB)")
+        costs = CostModel.calibrate(engine, params, draft_lengths=(min(args.lengths), max(args.lengths)),
+                                    steps=args.calib_steps,
+                                    cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
+        extra["prepare_s"], extra["calibration_s"] = prep, time.perf_counter() - t - prep
+        return engine, drafter, costs
+
+    _, (engine, drafter, costs) = first_working(variants, build, "drafter variant (weight, window)")
     extra["drafter"] = repr(drafter)
     ctx = (args.min_prompt + args.max_prompt) / 2
     extra["calibration"] = cal = costs.table(ctx, args.lengths)

@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import REPO, bar_groups, base_parser, log, pick, print_table, save_figure, write_json
+from sparrow.bench import (REPO, bar_groups, base_parser, log, pick, print_table, save_figure, stacked_bars,
+                          write_json)
 from sparrow.rl.launch import (
     calibrate, launch_options, launch_recipe, log_overrides, recipe_env, technique_overrides,
 )
@@ -65,18 +66,14 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 
     rows = doc["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    layers = {p: [r[f"{p}_s"] for r in rows] for p in PHASES} | {"first step": [r["first_step_time_s"] for r in rows]}
+    labels = [f"{r['config']}\n{r['cache']}" for r in rows]
+    tops = stacked_bars(a, labels, layers, colors=[f"C{j}" for j in range(len(PHASES))] + ["0.45"])
+    stacked_bars(a, labels, {"other (start, load, trainer)": [max(0.0, r["first_step_s"] - t) for r, t in
+                                                               zip(rows, tops)]}, colors=["0.8"], bottom=tops)
     for i, r in enumerate(rows):
-        bottom = 0.0
-        for j, p in enumerate(PHASES):
-            a.bar(i, r[f"{p}_s"], bottom=bottom, color=f"C{j}", label=p if i == 0 else None)
-            bottom += r[f"{p}_s"]
-        a.bar(i, r["first_step_time_s"], bottom=bottom, color="0.45", label="first step" if i == 0 else None)
-        bottom += r["first_step_time_s"]
-        a.bar(i, max(0.0, r["first_step_s"] - bottom), bottom=bottom, color="0.8",
-              label="other (start, load, trainer)" if i == 0 else None)
         if r.get("target_s"):
             a.plot([i - 0.4, i + 0.4], [r["target_s"]] * 2, "k--", lw=1, label="target" if i == 0 else None)
-    a.set_xticks(range(len(rows)), [f"{r['config']}\n{r['cache']}" for r in rows])
     a.set(ylabel="seconds from launch to the first finished step", title="time to the first step, by phase")
     a.legend(fontsize=7)
     names = sorted({r["config"] for r in rows})

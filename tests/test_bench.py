@@ -91,8 +91,50 @@ def test_plot_series_and_bar_groups(tmp_path):
     assert (tmp_path / "f.png").stat().st_size > 0
 
 
+def test_plot_series_error_bars_and_stacked_bars():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [{"x": 2, "y": 0.5, "se": 0.1}, {"x": 1, "y": 0.25, "se": 0.2}, {"x": 3, "y": None, "se": 9.0}]
+    fig, (a, b) = plt.subplots(1, 2)
+    (line,) = bench.plot_series(a, rows, "x", "y", yerr="se", label="acc", capsize=3)
+    assert list(line.get_xdata()) == [1, 2] and list(line.get_ydata()) == [0.25, 0.5]
+    (bars,) = [c for c in a.containers if hasattr(c, "has_yerr")]
+    assert bars.get_label() == "acc" and bars.lines[0] is line
+    segs = bars.lines[2][0].get_segments()  # the vertical bars, in x order: y -/+ se
+    assert [(round(s[0][1], 6), round(s[1][1], 6)) for s in segs] == [(0.05, 0.45), (0.4, 0.6)]
+    with pytest.raises(KeyError):
+        bench.plot_series(a, [{"x": 1, "y": 1.0}], "x", "y", yerr="se")
+
+    tops = bench.stacked_bars(b, ["p", "q"], {"u": [1.0, 2.0], "v": [3.0, 0.5]}, colors=["r", "g"])
+    assert tops == [4.0, 2.5]
+    assert [(r.get_y(), r.get_height()) for r in b.patches] == [(0, 1), (0, 2), (1, 3), (2, 0.5)]
+    assert bench.stacked_bars(b, ["p", "q"], {"w": [1.0, 1.0]}, bottom=tops) == [5.0, 3.5]
+    assert [t.get_text() for t in b.get_xticklabels()] == ["p", "q"]
+    with pytest.raises(ValueError):
+        bench.stacked_bars(b, ["p", "q"], {"u": [1.0]})
+    plt.close(fig)
+
+
 def test_kernel_times_groups_by_name():
     x = torch.randn(64, 64)
     out = bench.kernel_times(lambda: [x @ x for _ in range(3)], runs=3)
     names = {k["name"] for k in out["kernels"]}
     assert any("mm" in n for n in names) and out["kernel_us_per_step"] >= 0
+
+
+def test_first_working_tries_variants_in_order(capsys):
+    tried = []
+
+    def build(v):
+        tried.append(v)
+        if v < 3:
+            raise ValueError(f"variant {v}")
+        return v * 10
+
+    assert bench.first_working([1, 2, 3, 4], build, "drafter") == (3, 30)
+    assert tried == [1, 2, 3] and "ValueError: variant 2" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="no drafter worked"):
+        bench.first_working([1, 2], build, "drafter")

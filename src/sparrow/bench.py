@@ -8,8 +8,10 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
 * :func:`environment` records device, library versions, git revision and time; :func:`write_json` writes
   ``{"benchmark", "environment", "config", "rows", ...}`` with no path of the machine in it
   (:func:`scrub_paths`), :func:`load_json` reads it back.
-* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`print_table`, :func:`log`.
-* :func:`plot_series` and :func:`bar_groups` draw rows of results; :func:`save_figure` finishes a figure.
+* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`print_table`, :func:`log`;
+  :func:`first_working` tries variants of a setup in order.
+* :func:`plot_series`, :func:`bar_groups` and :func:`stacked_bars` draw rows of results; :func:`save_figure`
+  finishes a figure.
 * :func:`task_model` gives the trained model a benchmark runs on (a folder, or a tiny one trained now).
 
 Importing this module on a machine without CUDA sets ``TRITON_INTERPRET=1`` (unless set): Triton kernels then
@@ -88,6 +90,25 @@ def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
            str(REPO / "recipes" / "configs" / "tiny_task_model_sft.yaml"), f"output_dir={out}", "minutes=0.05"]
     subprocess.run(cmd, check=True)
     return str(out)
+
+
+def first_working(variants: Iterable[Any], build: Callable[[Any], Any], what: str = "variant") -> tuple[Any, Any]:
+    """``(variant, build(variant))`` for the first of ``variants`` whose ``build`` returns (e.g. a drafter that
+    compiles and captures, simpler ones after it); a failing one's traceback is printed and logged, and its
+    memory freed (garbage collected, the CUDA cache emptied) before the next. ``RuntimeError`` when none works."""
+    import gc
+    import traceback
+
+    for v in variants:
+        try:
+            return v, build(v)
+        except Exception:  # noqa: BLE001 - report, free, try the next
+            traceback.print_exc()
+            log(f"{what} {v} failed; trying the next")
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    raise RuntimeError(f"no {what} worked")
 
 
 def triton_interpreter_without_cuda() -> None:
@@ -343,20 +364,44 @@ def _fmt(v: Any) -> str:
 
 def plot_series(ax, rows: Iterable[dict[str, Any]], x: str, y: str | Callable[[dict], Any],
                 by: str | Callable[[dict], Any] | None = None, *, label: str | Callable[[Any], str] = "{}",
-                style: str = "o-", **kw) -> list:
+                style: str = "o-", yerr: str | Callable[[dict], Any] | None = None, **kw) -> list:
     """One line on the matplotlib axes ``ax`` per distinct value of ``by`` (a key, or a function of a row; None:
     one line) of ``y`` (a key or a function) against ``x`` over ``rows``, points in ``x`` order; rows whose ``y``
     is missing or None are left out. ``label`` formats the group's value (a format string or a function), groups
-    in sorted order, ``style`` and ``kw`` go to ``ax.plot``. Returns the lines drawn."""
+    in sorted order, ``style`` and ``kw`` go to ``ax.plot``; with ``yerr`` (a key or a function of a row: the
+    half-height of each point's error bar) to ``ax.errorbar`` instead. Returns the lines drawn (with error bars:
+    each data line; the label is its errorbar container's). A row without ``x`` (or, with ``yerr``, without it) raises
+    ``KeyError``."""
     key = (lambda r: r[by]) if isinstance(by, str) else by or (lambda r: None)
     get = (lambda r: r.get(y)) if isinstance(y, str) else y
+    err = (lambda r: r[yerr]) if isinstance(yerr, str) else yerr
     rows = [r for r in rows if get(r) is not None]
     lines = []
     for g in sorted({key(r) for r in rows}, key=lambda v: (v is None, v)):
-        pts = sorted((r[x], get(r)) for r in rows if key(r) == g)
+        pts = sorted(((r[x], get(r), err(r) if err else None) for r in rows if key(r) == g), key=lambda p: p[:2])
         name = label(g) if callable(label) else label.format(g)
-        lines += ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, **kw)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if err is None:
+            lines += ax.plot(xs, ys, style, label=name, **kw)
+        else:
+            lines.append(ax.errorbar(xs, ys, yerr=[p[2] for p in pts], fmt=style, label=name, **kw).lines[0])
     return lines
+
+
+def stacked_bars(ax, labels: Sequence[str], layers: dict[str, Sequence[float]], colors: Sequence[str] | None = None,
+                 bottom: Sequence[float] | None = None) -> list[float]:
+    """One bar per label on ``ax``, ``layers`` stacked in order (each name a legend label, its values one per
+    label) from ``bottom`` (default 0), layer ``k`` coloured ``colors[k]`` (default the colour cycle's ``Ck``);
+    the ticks carry ``labels``. Returns each bar's top. ``ValueError`` when a layer or ``bottom`` has not one
+    value per label."""
+    tops = [0.0] * len(labels) if bottom is None else [float(b) for b in bottom]
+    for k, (name, vals) in enumerate(layers.items()):
+        if len(vals) != len(labels) or len(tops) != len(labels):
+            raise ValueError(f"layer {name!r}: {len(vals)} values (bottom {len(tops)}) for {len(labels)} labels")
+        ax.bar(range(len(labels)), list(vals), bottom=tops, label=name, color=colors[k] if colors else f"C{k}")
+        tops = [t + v for t, v in zip(tops, vals)]
+    ax.set_xticks(range(len(labels)), list(labels))
+    return tops
 
 
 def pick(rows: Iterable[dict[str, Any]], key: str, default: Any = None, **where: Any) -> Any:

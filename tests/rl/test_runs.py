@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparrow.rl.runs import add_speedups, compare, plot_runs, run_summary, step_rows
+from sparrow.rl.runs import add_speedups, compare, plot_runs, run_line, run_summary, step_rows
 
 
 def records(step_s: list[float], rollout_s: list[float], graphs: list[int], reward: float = 0.5) -> list[dict]:
@@ -91,3 +91,12 @@ def test_merge_results_joins_seeds_and_refuses_mismatches():
     for bad in ([doc(0), doc(1, steps=8)], [doc(0), doc(0)], [doc(0) | {"complete": False}]):
         with pytest.raises(ValueError):
             merge_results(bad, "e2e")
+
+
+def test_run_line():
+    r = dict(median_step_s=1.23456, prefill_s=0.1, decode_s=0.2, train_s=0.3, sync_s=0.04, reward_mean=0.5,
+             eval_start=0.25, eval_final=0.75, run_s=12.34, setup_s=2.0)
+    assert run_line(r) == ("median step 1.235 s (prefill 0.100, decode 0.200, train 0.300, sync 0.040), reward "
+                           "0.500, eval 0.25 -> 0.75, run 12.3 s (setup 2.0)")
+    with pytest.raises(KeyError):
+        run_line({k: v for k, v in r.items() if k != "sync_s"})

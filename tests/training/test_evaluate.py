@@ -108,3 +108,31 @@ def test_accuracy_summary_longest_handled_context_and_pooling():
     assert not low["within_1pt"]
     none = accuracy_summary([row("kv", 512, 0.5, 0.5)], 0.9)[0]
     assert none["longest_handled"] is None and "dense_acc" not in none
+
+
+def test_answers_with_fallback_and_paired_accuracy(monkeypatch):
+    from sparrow.training import evaluate
+
+    broken, reference = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    calls = []
+
+    def fake(model, family, context, n, **kw):
+        calls.append((model, kw))
+        if model is broken:
+            raise RuntimeError("kernel failed")
+        return [True] * n, [False] * n
+
+    monkeypatch.setattr(evaluate, "engine_answers", fake)
+    a = evaluate.answers_with_fallback(reference, EVAL_TASKS["kv_retrieval"], 64, 3, rows=2)
+    assert (a.hits, a.model, a.error, calls[-1][1]) == ([True] * 3, reference, None, {"rows": 2})
+    a = evaluate.answers_with_fallback(broken, EVAL_TASKS["kv_retrieval"], 64, 2, fallback=lambda: reference)
+    assert a.model is reference and a.error == "RuntimeError: kernel failed" and a.first == [False, False]
+    with pytest.raises(RuntimeError):  # no fallback model: the error itself
+        evaluate.answers_with_fallback(broken, EVAL_TASKS["kv_retrieval"], 64, 2, fallback=lambda: None)
+
+    r = evaluate.paired_accuracy([True, True, False, False], [True] * 4, [True, False, True, True], [False] * 4)
+    assert (r["n"], r["dense_acc"], r["sparse_acc"], r["delta"]) == (4, 0.5, 0.75, 0.25)
+    assert (r["dense_only"], r["sparse_only"], r["both"], r["dense_first_acc"], r["sparse_first_acc"]) == (1, 2, 1, 1.0, 0.0)
+    assert r["sparse_se"] == pytest.approx(binomial_se(0.75, 4))
+    with pytest.raises(ValueError):
+        evaluate.paired_accuracy([True], [True], [True, False], [True, False])

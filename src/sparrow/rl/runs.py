@@ -5,7 +5,8 @@ time goes).
 A *record* is one ``metric_logger.log_dict`` call of ``sparrow_grpo`` (``time/step_s``, ``time/rollout_s``,
 ``reward/mean``, ...); :func:`step_rows` keeps the training steps, :func:`run_summary` reduces one run,
 :func:`add_speedups` and :func:`compare` relate runs to the baseline, :func:`plot_runs` draws them;
-:func:`partial_costs` reduces partial rollout's records, :func:`merge_results` joins results of several seeds.
+:func:`partial_costs` reduces partial rollout's records, :func:`merge_results` joins results of several seeds;
+:func:`run_line` and the ``*_COLUMNS`` tuples report them.
 
 Example::
 
@@ -110,6 +111,25 @@ def run_summary(name: str, seed: int, steps: list[dict[str, Any]], records: list
     tps = row["rollout_tokens_per_s"]
     row["rollout_ms_per_token"] = 1e3 / tps if tps else None  # equal work when the runs sample other lengths
     return row
+
+
+#: the columns of a run's time table, its training-signal table and the per-configuration summary table
+TIME_COLUMNS = ("config", "seed", "median_step_s", "speedup", "prefill_s", "decode_s", "logprob_s", "train_s",
+                "sync_s", "drafter_refresh_s", "rollout_s", "rollout_tokens_per_s", "wall_s", "wall_s_all")
+SIGNAL_COLUMNS = ("config", "seed", "reward_mean", "reward_last_half", "eval_start", "eval_final", "mismatch_kl",
+                  "is_clip_frac", "spec_acceptance", "decode_density", "prefill_ret_density", "sync_wire_mb",
+                  "sync_dense_mb")
+SUMMARY_COLUMNS = ("config", "seeds", "median_step_s", "speedup", "median_rollout_s", "rollout_speedup",
+                   "reward_last_half", "eval_final", "mismatch_kl", "spec_acceptance", "sync_wire_mb")
+
+
+def run_line(row: dict[str, Any]) -> str:
+    """One line about a :func:`run_summary` row: the median step and its phases, the reward, the held-out
+    evaluation before and after, the run's and its setup's seconds. ``KeyError`` when a field is missing."""
+    r = row
+    return (f"median step {r['median_step_s']:.3f} s (prefill {r['prefill_s']:.3f}, decode {r['decode_s']:.3f}, "
+            f"train {r['train_s']:.3f}, sync {r['sync_s']:.3f}), reward {r['reward_mean']:.3f}, eval "
+            f"{r['eval_start']} -> {r['eval_final']}, run {r['run_s']:.1f} s (setup {r['setup_s']:.1f})")
 
 
 def add_speedups(rows: list[dict[str, Any]], baseline: str = "all_off") -> None:

@@ -39,7 +39,9 @@ from sparrow.training.data import (
 from sparrow.training.episodes import EpisodeBatches, MarkovEpisodes
 from sparrow.training.evaluate import (
     EVAL_SEED,
+    Answers,
     accuracy_table,
+    answers_with_fallback,
     binomial_se,
     engine_answers,
     greedy_accuracy,
@@ -47,6 +49,7 @@ from sparrow.training.evaluate import (
     longest_handled,
     model_score,
     paired,
+    paired_accuracy,
     paired_delta_se,
     accuracy_summary,
     sampled_accuracy,
@@ -71,8 +74,8 @@ __all__ = [
     "ANSWER", "Batch", "BatchSource", "Curriculum", "CurriculumConfig", "DEFAULT_MIX", "EOS", "EVAL_SEED", "EVAL_TASKS",
     "EpisodeBatches", "EvalConfig", "FAMILIES", "FORMAT", "IGNORED", "LossConfig", "LossParts", "MODEL_FILE",
     "MarkovEpisodes", "MultiQuery", "OptimizerConfig", "PROMPT", "REPORT_FILE", "TOKENIZER", "Task", "TaskFamily",
-    "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "accuracy_table", "best_of_seeds", "binomial_se",
+    "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "Answers", "accuracy_table", "answers_with_fallback", "best_of_seeds", "binomial_se",
     "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
-    "longest_sequence", "model_score", "paired", "paired_delta_se", "accuracy_summary", "pick", "read_report", "sampled_accuracy", "save_trained_model",
+    "longest_sequence", "model_score", "paired", "paired_accuracy", "paired_delta_se", "accuracy_summary", "pick", "read_report", "sampled_accuracy", "save_trained_model",
     "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
 ]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Collection, Mapping, Sequence
+import time
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -95,6 +96,51 @@ def engine_answers(model: torch.nn.Module, family: TaskFamily, context: int, n: 
     hits = [TOKENIZER.decode(s.tokens.tolist()) == e.answer for s, e in zip(out, exs)]
     first = [int(s.tokens[0]) == TOKENIZER.encode(e.answer, add_bos=False)[0] for s, e in zip(out, exs)]
     return hits, first
+
+
+class Answers(NamedTuple):
+    """What :func:`answers_with_fallback` returns: the hits, the first-token hits, the model that answered, the
+    seconds its answering took, and the error (``"Type: message"``) that made it the fallback (None: it was not)."""
+
+    hits: list[bool]
+    first: list[bool]
+    model: torch.nn.Module
+    seconds: float
+    error: str | None
+
+
+def answers_with_fallback(model: torch.nn.Module, family: TaskFamily, context: int, n: int, *,
+                          fallback: Callable[[], torch.nn.Module | None] | None = None, **kw: Any) -> Answers:
+    """:func:`engine_answers` of ``model`` (``kw``: its options); when that raises and ``fallback()`` gives a model
+    (e.g. the same sparse attention on its PyTorch reference kernels; None: there is none), that model's answers,
+    with the error. Raises the original error when there is no fallback model (or the fallback's own error)."""
+    t = time.perf_counter()
+    try:
+        hits, first = engine_answers(model, family, context, n, **kw)
+        return Answers(hits, first, model, time.perf_counter() - t, None)
+    except Exception as e:  # a kernel that fails on this device or shape
+        other = fallback() if fallback is not None else None
+        if other is None:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    t = time.perf_counter()
+    hits, first = engine_answers(other, family, context, n, **kw)
+    return Answers(hits, first, other, time.perf_counter() - t, error)
+
+
+def paired_accuracy(dense_hits: Sequence[bool], dense_first: Sequence[bool], hits: Sequence[bool],
+                    first: Sequence[bool]) -> dict[str, float]:
+    """Dense vs sparse answers of the same examples: ``n``, ``dense_acc`` / ``sparse_acc`` with their
+    :func:`binomial_se` (``dense_se`` / ``sparse_se``), the :func:`paired` difference, and the first answer
+    token's accuracies (``dense_first_acc`` / ``sparse_first_acc``). ``ValueError`` unless all four have one
+    equal, non-zero length."""
+    n = len(hits)
+    if not n or {len(dense_hits), len(dense_first), len(first)} != {n}:
+        raise ValueError(f"answers of unequal or zero length: {len(dense_hits)}, {len(dense_first)}, {n}, "
+                         f"{len(first)}")
+    dacc, sacc = sum(dense_hits) / n, sum(hits) / n
+    return dict(n=n, dense_acc=dacc, dense_se=binomial_se(dacc, n), sparse_acc=sacc, sparse_se=binomial_se(sacc, n),
+                **paired(dense_hits, hits), dense_first_acc=sum(dense_first) / n, sparse_first_acc=sum(first) / n)
 
 
 def paired_delta_se(b: int, c: int, n: int) -> float:
