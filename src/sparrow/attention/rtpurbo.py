@@ -219,6 +219,17 @@ class IndexerWeights:
         return None
 
 
+def indexer_temperature(temperature: torch.Tensor | None, n: int, layer: int) -> torch.Tensor:
+    """``temperature`` (None: ones) as [n] float32 on the host, checked (loading and saving read it this way).
+
+    Raises: ValueError unless it is ``n`` positive finite values.
+    """
+    t = torch.ones(n) if temperature is None else temperature.detach().float().cpu()
+    if t.shape != (n,) or not bool(torch.isfinite(t).all() and (t > 0).all()):  # host values (load/save time)
+        raise ValueError(f"layer {layer}: temperature must be {n} positive finite values, got {t.tolist()}")
+    return t
+
+
 class RTPurboCache(SparseDecodeCache):
     """One layer's RTPurbo cache: the tensors :func:`sparrow.kernels.sparse_decode.sparse_decode_attention` reads
     (a :class:`~sparrow.kernels.sparse_decode.SparseDecodeCache`, so it goes to the kernel as it is), allocated
@@ -337,10 +348,7 @@ class RTPurboAttention(AttentionBackend):
             raise ValueError(f"indexer shapes {tuple(wq.shape)}, {tuple(wk.shape)} do not fit layer "
                              f"{self.shape.layer_idx}: expected {tuple(self.indexer_q.shape)}, "
                              f"{tuple(self.indexer_k.shape)}")
-        t = torch.ones(self.num_retrieval) if temperature is None else temperature.detach().float().cpu()
-        if t.shape != (self.num_retrieval,) or not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ValueError(f"layer {self.shape.layer_idx}: temperature must be {self.num_retrieval} positive "
-                             f"finite values, got {t.tolist()}")
+        t = indexer_temperature(temperature, self.num_retrieval, self.shape.layer_idx)
         with torch.no_grad():
             self.indexer_q.copy_(wq)
             self.indexer_k.copy_(wk)
@@ -518,7 +526,8 @@ class RTPurboAttention(AttentionBackend):
             q5[:, self.loc_idx].reshape(A, -1, T, D), cache.prefix_lk, cache.prefix_lv, cache.gen_lk, cache.gen_lv,
             meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len, meta.prefix_order, meta.group_start,
             num_sinks=c.num_sinks, window=c.window, impl=impl, validate=False)
-        out = q5.new_zeros(q5.shape).index_copy(1, self.loc_idx, ol.view(A, -1, s.q_per_kv, T, D))
+        out = q5.new_empty(q5.shape)  # the local and retrieval heads together fill every head
+        out.index_copy_(1, self.loc_idx, ol.view(A, -1, s.q_per_kv, T, D))
         sel = None
         if self.num_retrieval:
             hr = self.num_retrieval
@@ -530,7 +539,7 @@ class RTPurboAttention(AttentionBackend):
                 self.head_is_ret[self.ret_idx], self._decode_cfg(meta), impl=impl, validate=False,
                 return_selection=self._stats is not None)
             orr, sel = res if self._stats is not None else (res, None)
-            out = out.index_copy(1, self.ret_idx, orr.view(A, hr, s.q_per_kv, T, D))
+            out.index_copy_(1, self.ret_idx, orr.view(A, hr, s.q_per_kv, T, D))
         out = out.view(A, Hq, T, D)
         return out if self._stats is None else (out, sel)
 

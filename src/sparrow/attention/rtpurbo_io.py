@@ -17,10 +17,10 @@ import json
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from sparrow.attention.base import LayerShape
-from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights, RTPurboAttention, RTPurboConfig, rtpurbo_attention
+from sparrow.attention.rtpurbo import (
+    HeadProfile, IndexerWeights, RTPurboAttention, RTPurboConfig, indexer_temperature, rtpurbo_attention,
+)
 
 PROFILE_FILE = "rtpurbo.json"
 INDEXER_FILE = "rtpurbo_indexer.safetensors"
@@ -53,11 +53,7 @@ def save_rtpurbo(directory: str | Path, profile: HeadProfile, indexer: IndexerWe
     for l in sorted(indexer.q):
         tensors[f"layers.{l}.indexer_q"] = indexer.q[l].detach().float().contiguous().cpu()
         tensors[f"layers.{l}.indexer_k"] = indexer.k[l].detach().float().contiguous().cpu()
-        t = indexer.temperature.get(l)
-        t = torch.ones(indexer.q[l].shape[0]) if t is None else t.detach().float().cpu()
-        if t.shape != (indexer.q[l].shape[0],) or not bool(torch.isfinite(t).all() and (t > 0).all()):
-            raise ValueError(f"layer {l}: temperature must be {indexer.q[l].shape[0]} positive finite values, "
-                             f"got {t.tolist()}")
+        t = indexer_temperature(indexer.temperature.get(l), indexer.q[l].shape[0], l)
         tensors[f"layers.{l}.temperature"] = t.contiguous()
     save_file(tensors, str(d / INDEXER_FILE), metadata={"format": FORMAT, "version": str(FORMAT_VERSION)})
     doc = {"format": FORMAT, "version": FORMAT_VERSION, "indexer_dim": indexer.dim,

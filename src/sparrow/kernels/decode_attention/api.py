@@ -26,6 +26,11 @@ def _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_le
             raise ValueError(f"{name} must be an integer tensor of shape ({A},), got {t.dtype} {tuple(t.shape)}")
 
 
+def _check_window(q, window, sink) -> None:
+    if window is not None and (window < q.shape[2] or sink < 0):
+        raise ValueError(f"window ({window}) must cover the {q.shape[2]} new tokens and sink ({sink}) be >= 0")
+
+
 def decode_attention(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -63,8 +68,7 @@ def decode_attention(
     """
     if validate:
         _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len)
-        if window is not None and (window < q.shape[2] or sink < 0):
-            raise ValueError(f"window ({window}) must cover the {q.shape[2]} new tokens and sink ({sink}) be >= 0")
+        _check_window(q, window, sink)
     if resolve_impl(impl, q) == "triton":
         from .triton_decode import decode_attention_triton
 
@@ -147,8 +151,7 @@ def cascade_decode_attention(
     if validate:
         _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len)
         _check_groups(q, prefix_order, group_start)
-        if window is not None and (window < q.shape[2] or sink < 0):
-            raise ValueError(f"window ({window}) must cover the {q.shape[2]} new tokens and sink ({sink}) be >= 0")
+        _check_window(q, window, sink)
     if resolve_impl(impl, q) == "triton":
         from .triton_cascade import cascade_attention_triton
 
