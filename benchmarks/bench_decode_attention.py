@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 
 from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, graphed, measure, plot_series, print_table,
-                          rel_err, save_figure, write_json)
+                           rel_err, save_figure, triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.kernels.decode_attention import decode_attention
 from sparrow.kernels.decode_attention import triton_decode as td

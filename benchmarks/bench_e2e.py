@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from sparrow.bench import REPO, base_parser, log, print_table, task_model, write_json
+from sparrow.bench import REPO, base_parser, log, print_table, task_model, triton_interpreter_without_cuda, write_json
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
+
 from sparrow.attention.rtpurbo import RTPurboConfig
 from sparrow.calibrate.variants import calibrate_and_save
 from sparrow.rl import KVListRetrieval

@@ -35,7 +35,10 @@ from pathlib import Path
 import torch
 
 from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, kernel_times, plot_series, print_table,
-                          save_figure, synchronize, write_json)
+                           save_figure, synchronize, triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
+
 from sparrow.rl.runs import median
 
 import sparrow.models as sm

@@ -31,7 +31,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import REPO, base_parser, print_table, write_json
+from sparrow.bench import REPO, base_parser, print_table, triton_interpreter_without_cuda, write_json
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
+
 from sparrow.rl.launch import TOGGLES, calibrate, launch_options, launch_recipe, log_overrides, technique_overrides
 from sparrow.rl.runs import mean, plot_runs, run_summary, step_rows
 

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.bench import (base_parser, device_dtype, graphed, measure, plot_series, print_table, rel_err, save_figure,
-                          write_json)
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.kernels.int8_linear import int8_linear, quantize_int8
 from sparrow.kernels.int8_linear.reference import int8_linear_reference

@@ -29,7 +29,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from sparrow.bench import REPO, bar_groups, base_parser, pick, print_table, save_figure, write_json
+from sparrow.bench import (REPO, bar_groups, base_parser, pick, print_table, save_figure,
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
+
 from sparrow.rl.launch import launch_recipe, recipe_env
 from sparrow.rl.runs import median
 

@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 
 from sparrow.bench import (base_parser, device_dtype, log, plot_series, print_table, save_figure, task_model,
-                          write_json)
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.attention.rtpurbo import RTPurboConfig, collect_selection_stats
 from sparrow.calibrate.variants import (VARIANT_KEYS, calibrate_variants, local_prefill_fraction, parse_variants,

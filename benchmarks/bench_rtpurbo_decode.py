@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, save_figure,
-                          write_json)
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.attention.base import DecodeMeta, LayerShape
 from sparrow.attention.dense import DenseAttention, DenseKVCache

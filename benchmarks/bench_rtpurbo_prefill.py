@@ -33,7 +33,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench import base_parser, density_arg, measure, plot_series, print_table, rel_err, save_figure, write_json
+from sparrow.bench import (base_parser, density_arg, measure, plot_series, print_table, rel_err, save_figure,
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.attention.base import LayerShape
 from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig

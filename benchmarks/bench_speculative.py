@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 
 from sparrow.bench import (T0, base_parser, batch_buckets, first_working, log, plot_series, print_table, save_figure,
-                          synchronize, write_json)
+                           synchronize, triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 import sparrow.models as sm
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from sparrow.bench import (REPO, bar_groups, base_parser, log, pick, print_table, save_figure, stacked_bars,
-                          write_json)
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
+
 from sparrow.rl.launch import (
     calibrate, launch_options, launch_recipe, log_overrides, recipe_env, technique_overrides,
 )

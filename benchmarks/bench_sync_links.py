@@ -23,7 +23,9 @@ import time
 import torch
 
 from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, plot_series, print_table, save_figure,
-                          write_json)
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.sync.projection import SyncRates, project_sync, rates_at
 from sparrow.sync.roundtrip import round_trip

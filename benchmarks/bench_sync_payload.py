@@ -20,8 +20,10 @@ import time
 
 import torch
 
-from sparrow.bench import bar_groups, base_parser, device_dtype, plot_series, print_table, save_figure, synchronize, \
-    write_json
+from sparrow.bench import (bar_groups, base_parser, device_dtype, plot_series, print_table, save_figure, synchronize,
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.sync.codecs import codec_bytes
 from sparrow.sync.synthetic import SyntheticGrads, linear_stack, perturb_bits

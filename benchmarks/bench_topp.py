@@ -16,7 +16,10 @@ from pathlib import Path
 
 import torch
 
-from sparrow.bench import base_parser, device_dtype, graphed, measure, plot_series, print_table, save_figure, write_json
+from sparrow.bench import (base_parser, device_dtype, graphed, measure, plot_series, print_table, save_figure,
+                           triton_interpreter_without_cuda, write_json)
+
+triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.kernels.topp import topp_select_dense
 

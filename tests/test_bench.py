@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,3 +141,14 @@ def test_first_working_tries_variants_in_order(capsys):
     assert tried == [1, 2, 3] and "ValueError: variant 2" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="no drafter worked"):
         bench.first_working([1, 2], build, "drafter")
+
+
+def test_triton_interpreter_only_when_asked(monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import os, sparrow.bench; print(os.environ.get('TRITON_INTERPRET'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "None"  # importing the harness leaves the environment alone
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bench.triton_interpreter_without_cuda()
+    assert os.environ["TRITON_INTERPRET"] == "1"

@@ -14,8 +14,8 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
   finishes a figure.
 * :func:`task_model` gives the trained model a benchmark runs on (a folder, or a tiny one trained now).
 
-Importing this module on a machine without CUDA sets ``TRITON_INTERPRET=1`` (unless set): Triton kernels then
-run through the interpreter, as the CPU smoke runs need. Import it before anything imports triton.
+A script's :func:`triton_interpreter_without_cuda`, called before anything imports triton, runs Triton kernels
+through the interpreter on a machine without CUDA, as the CPU smoke runs need.
 
 Example::
 
@@ -42,9 +42,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-
-if not torch.cuda.is_available():  # the CPU smoke runs: Triton through its interpreter, before anything imports it
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 #: the source checkout this module runs from (benchmarks run from one): results go to its ``docs/benchmarks``
 REPO = Path(__file__).resolve().parents[2]

@@ -40,15 +40,16 @@ def test_speedups_pair_runs_of_one_seed_and_report_the_spread():
         for name, t in (("all_off", off), ("all_on", on)):
             recs = records([t] * 3, [t / 2] * 3, [0] * 3)
             for r in recs[1:-1]:
-                r["rollout/tokens_per_s"] = 100.0 / t
+                r["rollout/tokens_per_s"] = (300.0 if name == "all_on" else 100.0) / t  # all_on: 3x the tokens
             st = step_rows(name, seed, recs, warmup=1)
             steps += st
             rows.append(run_summary(name, seed, st))
     rows[1]["fixed_rollout_s"], rows[0]["fixed_rollout_s"] = 1.0, 3.0
     add_speedups(rows)
     assert [r["speedup"] for r in rows] == pytest.approx([1.0, 2.0, 1.0, 3.0])
+    assert [r["rollout_speedup"] for r in rows] == pytest.approx([1.0, 2.0, 1.0, 3.0])
     assert rows[1]["fixed_rollout_speedup"] == pytest.approx(3.0) and "fixed_rollout_speedup" not in rows[3]
-    assert rows[1]["per_token_rollout_speedup"] == pytest.approx(2.0)
+    assert rows[1]["per_token_rollout_speedup"] == pytest.approx(6.0)  # 2x the rollout speed, 3x the tokens
     summary = {s["config"]: s for s in compare(rows, steps)}
     assert summary["all_on"]["speedup"] == pytest.approx(5.0 / 2.0)  # pooled medians: 5 s (4 and 6) vs 2 s
     assert (summary["all_on"]["speedup_min"], summary["all_on"]["speedup_max"]) == pytest.approx((2.0, 3.0))

@@ -39,6 +39,14 @@ from sparrow.kernels.topp.reference import topp_mask_reference
 from sparrow.models.attention import attention_modules
 
 
+def mean_over(heads: Sequence, name: str, *, skip_nan: bool = False) -> float:
+    """The mean of attribute ``name`` over ``heads`` (each head weighs the same; ``skip_nan``: NaN entries, heads
+    without data, left out); NaN when nothing is left."""
+    vals = [getattr(h, name) for h in heads]
+    vals = [v for v in vals if not (skip_nan and math.isnan(v))]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
 @dataclass
 class HeadReport:
     """One retrieval head on held-out queries (block granularity, no forced blocks)."""
@@ -64,8 +72,7 @@ class IndexerReport:
     block: int = 64
 
     def mean(self, name: str) -> float:
-        vals = [getattr(h, name) for h in self.heads]
-        return sum(vals) / len(vals) if vals else float("nan")
+        return mean_over(self.heads, name)
 
     def summary(self) -> dict:
         return {"steps": self.steps, "top_p": self.top_p, "block": self.block, "num_heads": len(self.heads),

@@ -30,7 +30,7 @@ from torch import nn
 
 from sparrow.attention.rtpurbo import HeadProfile, IndexerWeights
 from sparrow.calibrate.capture import capture_attention
-from sparrow.calibrate.profile import CalibrationSequence
+from sparrow.calibrate.indexer import _tokens, mean_over
 from sparrow.kernels.topp.reference import topp_mask_reference
 
 STATS = ("dense_token", "indexer_token", "recall_token", "dense_block", "indexer_block", "recall_block",
@@ -70,8 +70,7 @@ class SelectionReport:
     last: int | None = None
 
     def mean(self, name: str) -> float:
-        vals = [getattr(h, name) for h in self.heads if not math.isnan(getattr(h, name))]
-        return sum(vals) / len(vals) if vals else float("nan")
+        return mean_over(self.heads, name, skip_nan=True)
 
     def summary(self) -> dict:
         return {"top_p": self.top_p, "block": self.block, "prefill_block": self.prefill_block, "last": self.last,
@@ -188,6 +187,8 @@ def measure_selection(model: nn.Module, profile: HeadProfile, indexer: IndexerWe
         if l not in indexer.q or l not in indexer.k:
             raise ValueError(f"the indexer has no weights for layer {l}, which has retrieval heads")
     acc = {key: _Sums() for key in heads}
+    temps = {(l, h): 1.0 if indexer.temperature.get(l) is None else float(indexer.temperature[l][slot])
+             for l in {l for l, _ in heads} for slot, h in enumerate(profile.retrieval_heads(l))}
 
     def cb(layer: int, t: dict[str, torch.Tensor]) -> None:
         q, k = t["q"][0].float(), t["k"][0].float()  # [Hq, S, D], [Hkv, S, D]
@@ -198,8 +199,7 @@ def measure_selection(model: nn.Module, profile: HeadProfile, indexer: IndexerWe
         queries = torch.arange(max(1, S - last) if last else 1, S, device=q.device)
         for slot, h in enumerate(profile.retrieval_heads(layer)):
             wq, wk = indexer.q[layer][slot].to(q), indexer.k[layer][slot].to(q)
-            temp = indexer.temperature.get(layer)
-            temp = 1.0 if temp is None else float(temp[slot])
+            temp = temps[(layer, h)]
             grp = slice(h * qpk, (h + 1) * qpk)
             qg = q_pre[grp].permute(1, 0, 2).reshape(S, qpk * D)
             ik = k_pre[h] @ wk  # [S, r]
@@ -217,13 +217,10 @@ def measure_selection(model: nn.Module, profile: HeadProfile, indexer: IndexerWe
     device = next(model.parameters()).device
     with capture_attention(model, cb, layers={l for l, _ in heads}):
         for s in sequences:
-            tok = s.tokens if isinstance(s, CalibrationSequence) else torch.as_tensor(s, dtype=torch.int64).flatten()
-            model(tok[None].to(device))
+            model(_tokens(s)[None].to(device))
     report = SelectionReport(top_p=top_p, block=block, prefill_block=prefill_block, last=last)
     for (l, h), a in acc.items():
-        temp = indexer.temperature.get(l)
-        slot = profile.retrieval_heads(l).index(h)
-        hs = HeadSelection(l, h, 1.0 if temp is None else float(temp[slot]), queries=a.n, query_blocks=a.nb)
+        hs = HeadSelection(l, h, temps[(l, h)], queries=a.n, query_blocks=a.nb)
         for f in fields(HeadSelection):
             if f.name in STATS:
                 n = a.nb if f.name.endswith("prefill") else a.n

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from sparrow.bench import batch_buckets
+
 _REPO = Path(__file__).resolve().parents[3]
 
 TOGGLES = ("always_on", "threshold", "cost_model")
@@ -254,8 +256,6 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
     precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``.
     ``output_dir`` and the metric logger's ``log_dir`` are left ``None``. ``ValueError`` for an unknown task or
     reward."""
-    from sparrow.bench import batch_buckets  # (imported here: the harness sets up the CPU interpreter on import)
-
     if task not in TASKS or reward not in REWARDS:
         raise ValueError(f"task {task!r} (one of {list(TASKS)}), reward {reward!r} (one of {list(REWARDS)})")
     cuda = str(device).startswith("cuda")
@@ -301,8 +301,6 @@ def technique_config(base: dict[str, Any], output_dir: Path | str, *, seed: int 
     ``speculative``: the recipe's section (:func:`speculative_section`); ``sparse_sync``: the ``auto`` codec;
     ``overprovision`` (not None): partial rollout with that many groups in flight beyond a step's, spanning at most
     ``max_staleness`` policy versions, the engine grown to hold their rows (buckets: powers of ``bucket_growth``)."""
-    from sparrow.bench import batch_buckets
-
     cfg = copy.deepcopy(base)
     cfg["seed"] = seed
     cfg["output_dir"] = cfg["metric_logger"]["log_dir"] = str(output_dir)
