@@ -118,6 +118,36 @@ def test_a_tensor_whose_storage_moved_is_written_where_it_is_now(verify):
     assert not _same(stale, _bf16(model))
 
 
+def test_moved_storage_with_other_bits_is_hashed_again():
+    """``verify="incremental"``: a tensor given new storage holding other bits (here in an element the next
+    sync does not touch) is hashed in full at the next sync, so the divergence is caught before anything is
+    written; a running hash kept from the old storage would let the delta apply on top of the wrong base."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(4096, generator=g) * 0.02).to(torch.bfloat16)
+    sender = SyncSender({"w": w}, codec="compact", bucket_bytes=1 << 20)
+    rx = SyncReceiver({"w": torch.nn.Parameter(w.clone(), requires_grad=False)}, verify="incremental")
+    tr = InProcessTransport()
+
+    def moved(t):  # the second half of the bit patterns moved by one
+        b = bits(t).clone()
+        b[2048:] += 1
+        return b.view(torch.bfloat16)
+
+    v1 = moved(w)
+    sender.send({"w": v1}, tr)
+    rx.receive(tr)
+    assert _same(rx, {"w": v1}) and rx._hashes  # running hashes known from here on
+    p = rx.tensors["w"]
+    other = p.data.clone()
+    bits(other)[0] ^= 1  # an element the next sync leaves alone
+    p.data = other
+    snap = _snapshot(rx)
+    sender.send({"w": moved(v1)}, tr)
+    with pytest.raises(HashMismatchError, match="base"):
+        rx.receive(tr)
+    assert _unchanged(rx, snap)
+
+
 def test_corrupt_truncated_reordered_replayed(setup):
     model, opt, sender, rx = setup
     good = _sync_buckets(model, opt, sender)

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..kernels.sync.common import MAX_SPAN_LOG2, MIN_SPAN_LOG2, fold_lanes, split_lanes
+from ..kernels.sync.common import MAX_SPAN_LOG2, MIN_SPAN_LOG2, fold_lanes, lanes_i32, split_lanes
 from ._util import align, dtype_from_name, dtype_name, hash_bytes, hash_bytes_lanes
 from .base import CODEC_NAMES, check_body_length
 from .errors import CorruptPayloadError, TruncatedPayloadError
@@ -170,7 +170,7 @@ def finish_bucket(buf: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
     buf[tail_at:tail_at + len(mpad)] = tail[:len(mpad)]
     buf[-8:] = tail[len(mpad):]
     lanes = hash_bytes_lanes(buf[HEADER_BYTES:tail_at])
-    buf[-TRAILER_BYTES:-8].view(torch.int32).copy_(((lanes - ((lanes >> 31) << 32))).to(torch.int32))
+    buf[-TRAILER_BYTES:-8].view(torch.int32).copy_(lanes_i32(lanes))
     return buf
 
 
@@ -191,8 +191,7 @@ def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tens
     layout = plan_bucket(info, metas, hashes=table is not None)
     buf = torch.zeros(layout.total, dtype=torch.uint8, device=device)
     if table is not None:
-        t = table.to(torch.int64).to(device) & 0xFFFFFFFF
-        table_view(buf, layout).copy_((t - ((t >> 31) << 32)).to(torch.int32))
+        table_view(buf, layout).copy_(lanes_i32(table.to(device)))
     for m, body in entries:
         at = layout.body_start + m.offset
         buf[at:at + m.nbytes] = body.reshape(-1).to(device)

@@ -62,7 +62,7 @@ class _Bucket:
     body_bad: torch.Tensor  # 0-d bool: body checksum mismatch
     views: list[torch.Tensor]  # bit views of the entries' ranges of the receiver's tensors
     mode: str | None  # verification of this bucket: "full", "incremental" or None
-    checked: list[int]  # entries whose target hash is verified
+    checked: set[int]  # entries whose target hash is verified
     gate: torch.Tensor  # int32 [_NGATE] pre-write flags
     err: torch.Tensor  # int32 [1]: compact blocks that failed validation
     dacc: torch.Tensor  # int32 [entries, 2]: hash change of the sparse built-in entries
@@ -310,7 +310,7 @@ class SyncReceiver:
         flags = torch.zeros(_NGATE + 1 + 2 * len(ents), dtype=torch.int32, device=dev)
         b = _Bucket(info=pb.info, ents=ents, body=body, body_bad=pb.body_bad.to(dev),
                     views=[self._bits[e.name][e.start:e.start + e.length] for e in ents], mode=mode,
-                    checked=[k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None],
+                    checked={k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None},
                     gate=flags[:_NGATE], err=flags[_NGATE:_NGATE + 1], dacc=flags[_NGATE + 1:].view(len(ents), 2))
         for k, e in enumerate(ents):
             if e.codec == "compact":
@@ -321,15 +321,14 @@ class SyncReceiver:
                 b.dense.append(k)
             else:
                 b.user[k] = payload_of(e, body[e.offset:e.offset + e.nbytes], pb.info)
-        checked = set(b.checked)
-        b.want = {k for k in checked if ents[k].codec in ("coo", "compact")}
+        b.want = {k for k in b.checked if ents[k].codec in ("coo", "compact")}
         return b
 
     def _needs_base(self, b: _Bucket, k: int) -> bool:
         """Entry ``k``'s base hash is checked: not in an anchor, hashes sent, verification on (a dense entry is
         checked too: the receiver's bits must still be the sender's base)."""
         e = b.ents[k]
-        return k in set(b.checked) and not b.info.anchor and e.base_hash is not None
+        return k in b.checked and not b.info.anchor and e.base_hash is not None
 
     def _check_known_bases(self, b: _Bucket) -> None:
         """Incremental verification, before anything is launched: the running hash of a range the receiver
@@ -368,7 +367,7 @@ class SyncReceiver:
             b.base_lanes = lanes
             want = self._lanes_of([b.ents[k].base_hash for k in b.hash_now])
             b.gate[_G_BASE:_G_BASE + 1].copy_((lanes != want).any().view(1))
-        dense = [k for k in b.dense if k in set(b.checked)]
+        dense = [k for k in b.dense if k in b.checked]
         if dense:
             lanes = hash_views([self._dense_bits(b, k) for k in dense], [b.ents[k].start for k in dense],
                                impl=self.impl)
@@ -441,13 +440,12 @@ class SyncReceiver:
         if b.user:
             if any(b.gate.tolist()):  # host sync: a user codec's apply_ runs on the host, only past the gate
                 return
-            checked = set(b.checked)
             for k, p in b.user.items():
                 e = b.ents[k]
                 b.undo[k] = apply_user_slice(self.codecs[e.codec], b.views[k], e.dtype, p, b.label(k),
                                              impl=self.impl)
                 b.applied.append(("user", k))
-                if k in checked:
+                if k in b.checked:
                     b.user_lanes[k] = K.hash_bits(b.views[k], e.start, impl=self.impl)
 
     def _verdict(self, b: _Bucket) -> None:
@@ -560,15 +558,7 @@ class SyncReceiver:
         info = b.info
         stats.run_id, stats.base_version, stats.target_version = info.run_id, info.base_version, info.target_version
         stats.anchor = info.anchor
-        stats.buckets += 1
-        stats.wire_bytes += int(bucket.numel()) if isinstance(bucket, torch.Tensor) else len(bucket)
-        for e in b.ents:
-            stats.entries += 1
-            stats.numel += e.length
-            stats.changed += e.nchanged
-            stats.dense_bytes += e.length * e.dtype.itemsize
-            stats.payload_bytes += e.nbytes
-            stats.count(e.codec, e.nbytes)
+        stats.add_bucket(b.ents, bucket.numel() if isinstance(bucket, torch.Tensor) else len(bucket))
         dev = b.body.device
         if dev.type == "cuda" and b.dense:
             torch.cuda.synchronize(dev)  # the dense copies were queued after the verdict

@@ -10,7 +10,7 @@ import torch
 
 from ..kernels.common.impl import Impl
 from ..kernels.sync.common import (DEFAULT_SPAN_LOG2, MAX_SLICE_ELEMS, bits_view, check_span_log2, element_bits,
-                                   fold_lanes)
+                                   fold_lanes, lanes_i32)
 from ._util import align, hash_views, public_impl
 from .base import WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, build_bucket, finish_bucket, plan_bucket, table_view
@@ -19,11 +19,6 @@ from .errors import ShapeMismatchError
 from .stats import SyncStats
 from .transport import Transport
 from .user_codecs import encode_user_slice, encoded_slice
-
-
-def _lanes32(lanes: torch.Tensor) -> torch.Tensor:
-    """int64 lanes in [0, 2^32) -> the int32 with the same bits."""
-    return (lanes - ((lanes >> 31) << 32)).to(torch.int32)
 
 
 class SyncSender:
@@ -135,7 +130,7 @@ class SyncSender:
             return
         with torch.no_grad():
             views = [bits_view(self.snapshot[name])[s:s + n] for name, s, n in self._slices]
-            self._lanes = _lanes32(hash_views(views, [s for _, s, _ in self._slices], impl=self.impl))
+            self._lanes = lanes_i32(hash_views(views, [s for _, s, _ in self._slices], impl=self.impl))
 
     def slice_hashes(self) -> list[int | None]:
         """The running 64-bit hash of every slice of the snapshot (``None`` without ``with_hash``); one host
@@ -237,17 +232,6 @@ class SyncSender:
         return EntryMeta(name, snap.dtype, tuple(snap.shape), s, n, codec, 0, nbytes, nchanged, payload=payload,
                          span_log2=span)
 
-    def _count(self, stats: SyncStats, metas: Sequence[EntryMeta], bucket: torch.Tensor) -> None:
-        for m in metas:
-            stats.entries += 1
-            stats.numel += m.length
-            stats.changed += m.nchanged
-            stats.dense_bytes += m.length * m.dtype.itemsize
-            stats.payload_bytes += m.nbytes
-            stats.count(m.codec, m.nbytes)
-        stats.buckets += 1
-        stats.wire_bytes += bucket.numel()
-
     def _encode_builtin(self, codec: str, new_bits: dict[str, torch.Tensor], base: int, target: int,
                         stats: SyncStats, anchor: bool = False) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
         """The fused path: one scan of every slice, the sync's one host read (sizes), then per bucket one
@@ -261,7 +245,7 @@ class SyncSender:
             plan = scan_jobs(jobs, span_log2=self.span_log2, impl=self.impl)
             full = None
             if anchor and self.with_hash and jobs:
-                full = _lanes32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
+                full = lanes_i32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
             self._mark("scan")
             read_plan(plan)  # the host sync of this sync: every slice's change count and body size
             self._mark("sync_sizes")
@@ -290,7 +274,7 @@ class SyncSender:
                 self._lanes[a:b] = tab[:, 2:]
             finish_bucket(buf, layout)
             self._mark("bucket")
-            self._count(stats, metas, buf)
+            stats.add_bucket(metas, buf.numel())
             stats.encode_s += time.perf_counter() - t0
             yield buf, info
 
@@ -316,7 +300,7 @@ class SyncSender:
             self._mark("user_encode")
             lanes = None
             if self.with_hash and jobs:
-                lanes = _lanes32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
+                lanes = lanes_i32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
             self._reserve(target)
             for j in jobs:
                 j.old.copy_(j.new)
@@ -335,7 +319,7 @@ class SyncSender:
             if lanes is not None and b > a:
                 self._lanes[a:b] = lanes[a:b]
             self._mark("bucket")
-            self._count(stats, metas, bucket)
+            stats.add_bucket(metas, bucket.numel())
             stats.encode_s += time.perf_counter() - t0
             yield bucket, info
 

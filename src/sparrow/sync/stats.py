@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -50,6 +50,18 @@ class SyncStats:
     def count(self, codec: str, nbytes: int) -> None:
         self.codec_entries[codec] = self.codec_entries.get(codec, 0) + 1
         self.codec_bytes[codec] = self.codec_bytes.get(codec, 0) + nbytes
+
+    def add_bucket(self, entries: Iterable[Any], wire_bytes: int) -> None:
+        """Count one bucket of ``wire_bytes`` bytes and its entries (``EntryMeta`` of its manifest)."""
+        for e in entries:
+            self.entries += 1
+            self.numel += e.length
+            self.changed += e.nchanged
+            self.dense_bytes += e.length * e.dtype.itemsize
+            self.payload_bytes += e.nbytes
+            self.count(e.codec, e.nbytes)
+        self.buckets += 1
+        self.wire_bytes += wire_bytes
 
 
 class StageTimer:

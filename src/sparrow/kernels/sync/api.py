@@ -37,6 +37,7 @@ from .common import (
     MAX_SLICE_ELEMS,
     SyncFormatError,
     check_span_log2,
+    lanes_i32,
     num_blocks,
 )
 
@@ -170,8 +171,7 @@ def _lanes64(lanes32: torch.Tensor) -> torch.Tensor:
 
 def _add_lanes(out: torch.Tensor, row: int, lanes: torch.Tensor) -> None:
     """out[row] += lanes (mod 2^32) for an int32 accumulator and int64 lanes."""
-    v = (out[row].to(torch.int64) + lanes) & 0xFFFFFFFF
-    out[row] = (v - ((v >> 31) << 32)).to(torch.int32)
+    out[row] = lanes_i32(out[row].to(torch.int64) + lanes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ def scan_blocks(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], *,
         counts, words = [], []
         for o, x in zip(olds, news):
             cnt, kbits = ref.compact_block_stats(o, x, span_log2)
-            counts.append(int(cnt.sum()))
+            counts.append(int(cnt.sum()))  # host sync (reference path: one per slice)
             words.append(ref.compact_words(o.numel(), span_log2, cnt, kbits))
         return BlockScan(torch.tensor(counts, dtype=torch.int64, device=dev),
                          torch.tensor(words, dtype=torch.int64, device=dev), which, span_log2)
@@ -569,14 +569,13 @@ def apply_compact(targets: Sequence[torch.Tensor], words: torch.Tensor, entries:
                                num_warps=8)
     if hash_out is not None and not every:
         idx = _dev_i64(live, dev)
-        v = (hash_out[idx].to(torch.int64) + hacc.to(torch.int64)) & 0xFFFFFFFF
-        hash_out[idx] = (v - ((v >> 31) << 32)).to(torch.int32)
+        hash_out[idx] = lanes_i32(hash_out[idx].to(torch.int64) + hacc.to(torch.int64))
 
 
 def _apply_compact_reference(targets, words, entries, live, span_log2, ebits, gate, err, negate, hash_starts,
                              hash_out) -> None:
     ref = _ref()
-    if bool(gate.any()):
+    if bool(gate.any()):  # host sync (reference path): the gate
         return
     for s in live:
         off, nw, n, m = entries[s]
@@ -674,7 +673,7 @@ def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val:
     rec_off = _cum(counts)
     dev = targets[0].device
     if resolve_impl(impl, targets[0]) == "reference":
-        if gate is not None and bool(gate.any()):
+        if gate is not None and bool(gate.any()):  # host sync (reference path): the gate
             return
         ref = _ref()
         for s, t in enumerate(targets):

@@ -99,6 +99,12 @@ def split_lanes(h: int) -> tuple[int, int]:
     return int(h) & M32, (int(h) >> 32) & M32
 
 
+def lanes_i32(lanes: torch.Tensor) -> torch.Tensor:
+    """Integer hash lanes (taken mod 2^32) -> the int32 tensor with the same low 32 bits (device-side, no sync)."""
+    v = lanes.to(torch.int64) & M32
+    return (v - ((v >> 31) << 32)).to(torch.int32)
+
+
 def combine_hash(lanes: torch.Tensor) -> int:
     """Fold the two 32-bit hash lanes (an int64 tensor of shape [2]) into one Python int."""
     return fold_lanes(*lanes.tolist())

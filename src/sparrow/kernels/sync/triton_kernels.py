@@ -77,6 +77,23 @@ def _lanes(xu, pos):
 
 
 @triton.jit
+def _signed_bits(v, EBITS: tl.constexpr):
+    """int64 values in [0, 2^EBITS) -> the int16/int32 bit patterns to store (inverse of ``_unsigned32``)."""
+    if EBITS == 16:
+        return (v - ((v >> 15) << 16)).to(tl.int16)
+    else:
+        return (v - ((v >> 31) << 32)).to(tl.int32)
+
+
+@triton.jit
+def _lanes_change(new_u, old_u, pos, valid):
+    """Per element the hash change ``lanes(new) - lanes(old)`` (uint32, mod 2^32; 0 where not ``valid``)."""
+    na, nb = _lanes(new_u, pos)
+    oa, ob = _lanes(old_u, pos)
+    return tl.where(valid, na - oa, 0), tl.where(valid, nb - ob, 0)
+
+
+@triton.jit
 def _bits_ptr(addr, EBITS: tl.constexpr):
     if EBITS == 16:
         return addr.to(tl.pointer_type(tl.int16))
@@ -409,11 +426,9 @@ def _encode_kernel(old_addr_ptr, new_addr_ptr, n_ptr, start_ptr, block_cum_ptr, 
         o = tl.load(old_p + u, mask=valid, other=0)
         x = tl.load(new_p + u, mask=valid, other=0)
         if HASH:
-            hp = (hstart + u).to(tl.uint32)
-            na, nb_ = _lanes(_unsigned32(x, EBITS), hp)
-            oa, ob = _lanes(_unsigned32(o, EBITS), hp)
-            acc_a += tl.where(valid, na - oa, 0)
-            acc_b += tl.where(valid, nb_ - ob, 0)
+            da, db = _lanes_change(_unsigned32(x, EBITS), _unsigned32(o, EBITS), (hstart + u).to(tl.uint32), valid)
+            acc_a += da
+            acc_b += db
         if UPDATE_OLD:
             tl.store(old_p + u, x, mask=valid)
         if mode == MODE_COMPACT:
@@ -601,17 +616,11 @@ def _apply_kernel(words_ptr, woff_ptr, n_ptr, m_ptr, block_cum_ptr, rank_base_pt
         if NEGATE:
             d = (0 - d) & MASK
         new = (old + d) & MASK
-        if EBITS == 16:
-            out = (new - ((new >> 15) << 16)).to(tl.int16)
-        else:
-            out = (new - ((new >> 31) << 32)).to(tl.int32)
-        tl.store(bits + pos, out, mask=valid)
+        tl.store(bits + pos, _signed_bits(new, EBITS), mask=valid)
         if HASH:
-            hp = (hstart + pos).to(tl.uint32)
-            na, nb_ = _lanes(new.to(tl.uint32), hp)
-            oa, ob = _lanes(old.to(tl.uint32), hp)
-            acc_a += tl.where(valid, na - oa, 0)
-            acc_b += tl.where(valid, nb_ - ob, 0)
+            da, db = _lanes_change(new.to(tl.uint32), old.to(tl.uint32), (hstart + pos).to(tl.uint32), valid)
+            acc_a += da
+            acc_b += db
     if HASH:
         tl.atomic_add(hash_ptr + 2 * e, tl.sum(acc_a, axis=0).to(tl.int32, bitcast=True))
         tl.atomic_add(hash_ptr + 2 * e + 1, tl.sum(acc_b, axis=0).to(tl.int32, bitcast=True))
@@ -645,14 +654,8 @@ def _apply_records_kernel(addr_ptr, rec_off_ptr, m_ptr, tile_cum_ptr, nslices, p
         if NEGATE:
             d = (0 - d) & MASK
         v = (old + d) & MASK
-    if EBITS == 16:
-        out = (v - ((v >> 15) << 16)).to(tl.int16)
-    else:
-        out = (v - ((v >> 31) << 32)).to(tl.int32)
-    tl.store(bits + p, out, mask=valid)
+    tl.store(bits + p, _signed_bits(v, EBITS), mask=valid)
     if HASH:
-        hp = (p + tl.load(start_ptr + s)).to(tl.uint32)
-        na, nb = _lanes(v.to(tl.uint32), hp)
-        oa, ob = _lanes(old.to(tl.uint32), hp)
-        tl.atomic_add(hash_ptr + 2 * s, tl.sum(tl.where(valid, na - oa, 0), axis=0).to(tl.int32, bitcast=True))
-        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(tl.where(valid, nb - ob, 0), axis=0).to(tl.int32, bitcast=True))
+        da, db = _lanes_change(v.to(tl.uint32), old.to(tl.uint32), (p + tl.load(start_ptr + s)).to(tl.uint32), valid)
+        tl.atomic_add(hash_ptr + 2 * s, tl.sum(da, axis=0).to(tl.int32, bitcast=True))
+        tl.atomic_add(hash_ptr + 2 * s + 1, tl.sum(db, axis=0).to(tl.int32, bitcast=True))
