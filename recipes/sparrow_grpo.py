@@ -121,6 +121,7 @@ class GRPORecipe:
         if self.partial_cfg.enabled:
             self.partial_cfg.check(self.prompts_per_step, n_roll)
         self.partial: PartialRollout | None = None  # this rollout rank's, with partial rollout on
+        self._setup_metrics: dict[str, float] = {}  # setup/* phases, logged with the first step
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, cfg: DictConfig) -> None:
@@ -264,11 +265,12 @@ class GRPORecipe:
             self._add_setup_metrics({"setup/calibrate_s": max(0.0, spent)})
         self._setup_rtpurbo_schedule()
         if compiled:
-            self.engine.prepare(params)  # whatever else the toggle can ask for
+            if spec is not None:
+                self.engine.prepare(params)  # whatever else the toggle can ask for
             if cfg.eval.every:  # the greedy evaluation is a sampling mode of its own
                 self.engine.prepare(self._eval_params())
         # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
-        self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not cfg.engine.get("compile", True))
+        self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not compiled)
         self.receiver = ssync.SyncReceiver(policy_parameters(self.rollout_model), verify=cfg.sync.verify)
         self._add_setup_metrics(self.engine.setup_seconds)
         self._add_setup_metrics({f"setup/graphs_{k}": float(n) for k, n in self.engine.compiled_graphs.items()})
@@ -278,11 +280,12 @@ class GRPORecipe:
     # ------------------------------------------------------------------------------- setup phases
     def _add_setup_metrics(self, values: dict[str, float]) -> None:
         """Setup phase seconds (and counts), logged once, with the first step's metrics (``setup/*``)."""
-        self.__dict__.setdefault("setup_metrics", {}).update(values)
+        self._setup_metrics.update(values)
 
     def _take_setup_metrics(self) -> dict[str, float]:
         """The setup metrics not logged yet (then none: they go out with the first step)."""
-        return self.__dict__.pop("setup_metrics", {})
+        out, self._setup_metrics = self._setup_metrics, {}
+        return out
 
     def _eval_params(self) -> SamplingParams:
         """Greedy decoding for the held-out evaluation."""

@@ -1,7 +1,6 @@
 """The real CLI (`tune run sparrow_sft`) on tiny models: outputs, determinism, the task-mix path, the checkpoint the
 GRPO recipe loads, several seeds, config errors."""
 
-import json
 import os
 import subprocess
 import sys

@@ -145,10 +145,6 @@ class FusedLinear(nn.Module):
                 part.bias.data = self.bias[start:start + n]
             start += n
 
-    def live(self) -> bool:
-        """Whether every part's weight (and bias) is still a view of its rows of the fused storage."""
-        return _live(self, self._parts)
-
     def _needs_grad(self) -> bool:
         for part in self._parts:
             if part.weight.requires_grad or (part.bias is not None and part.bias.requires_grad):

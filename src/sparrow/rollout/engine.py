@@ -806,7 +806,7 @@ class RolloutEngine:
             self.rows.policy_version.fill_(version)
 
     def _elapsed(self, t0: float) -> float:
-        self._synchronize()
+        self._synchronize()  # deliberate host sync: the phase's wall time (after a block, its read has synced already)
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------------------------- prefill
@@ -901,26 +901,25 @@ class RolloutEngine:
                 if proposed > 0:
                     self._alpha_seen = 0.5 * self._alpha_seen + 0.5 * accepted / proposed
                 self._toggle.observe(proposed=proposed, accepted=accepted, rows=row_cycles, seconds=seconds)
-        finished = []
-        for r, d, m in zip(active, done, n_gen):
-            if d:
-                finished.append(r)
-                self._ngen.pop(r, None)
-            else:
-                self._ngen[r] = m
-        return finished
+        self._ngen.update(zip(active, n_gen))  # a finished row's final length stays until its slot is released
+        return [r for r, d in zip(active, done) if d]
 
     def _collect(self, rows: list[int], owners: list[tuple[int, int]], params: SamplingParams) -> list[Sample]:
         """The samples of finished ``rows`` (``owners``: each row's (group, sample index)), read back to the host."""
+        lengths = [self._ngen[r] for r in rows]  # known since the block's sync
+        width = max(lengths)
         idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        n_gen = self.rows.n_gen[idx].cpu()
-        toks = self.rows.tokens[idx].cpu()
-        lps = self.rows.logprobs[idx].cpu()
-        vers = self.rows.versions[idx].cpu()
+        r = self.rows
+        # tokens (int64), log-probs (float32) and versions (int32) as one int32 block: one copy, bits kept
+        parts = (r.tokens[idx, :width].view(torch.int32), r.logprobs[idx, :width].view(torch.int32),
+                 r.versions[idx, :width])
+        host = torch.cat(parts, dim=1).cpu()  # deliberate host sync: the finished rows' samples, at a block boundary
+        toks = host[:, :2 * width].view(torch.int64)
+        lps = host[:, 2 * width:3 * width].view(torch.float32)
+        vers = host[:, 3 * width:]
         stop_set = set(params.stop_token_ids)
         out = []
-        for k, (g, j) in enumerate(owners):
-            L = int(n_gen[k])
+        for k, ((g, j), L) in enumerate(zip(owners, lengths)):
             t = toks[k, :L].clone()
             reason: FinishReason = "stop" if stop_set and int(t[-1]) in stop_set else "length"
             out.append(Sample(g, j, t, lps[k, :L].clone(), reason, vers[k, :L].clone()))
