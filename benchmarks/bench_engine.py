@@ -9,7 +9,8 @@ of L tokens, N new tokens per row, sampling at temperature 1 with no stop token 
 Prefill time = time of ``generate`` with one new token; decode tokens/s = B x (N - 1) / (time with N new
 tokens - prefill time). Sparrow's engine prefills each prompt once for its G rows (its prefix sharing);
 ``transformers`` prefills all B rows. Prefix sharing is also measured on its own (Sparrow with and
-without it). Correctness in the same run: greedy tokens and first-step logits of both on one prompt.
+without it). Correctness in the same run: greedy tokens and first-step logits of both on one prompt, and, teacher-forced on the
+engine's greedy tokens, the gap from each pick to ``transformers``' top logit (a near-tie in bf16 can flip a pick).
 
 Shared-prefix decode (``--shared-prefix both``): the same points through a second engine whose attention reads
 every row's prompt itself (``DenseAttention(shared_prefix=False)``, the kernel before shared-prefix decode), keys
@@ -43,7 +44,7 @@ from sparrow.rl.runs import median
 
 import sparrow.models as sm
 from sparrow.attention import DenseAttention
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
 from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline
 from sparrow.training import init_weights
 
@@ -132,8 +133,15 @@ def main() -> None:
                              eos_token_id=None, pad_token_id=0)[0, 200:].cpu()
         ours_logits = model(prompt.to(device))[0, -1].float()
         hf_logits = hf(prompt.to(device)).logits[0, -1].float()
+        # teacher-forced on the engine's tokens: how far each pick is from transformers' top logit (0: the argmax)
+        forced = hf(torch.cat([prompt[0], g[0].tokens]).to(device)[None]).logits[0, 199:-1].float()
+        own = generate_reference(model, [prompt[0].tolist()], 1, SamplingParams(temperature=0.0, max_new_tokens=16))
+    top2 = forced.topk(2).values
+    gap = top2[:, 0] - forced.gather(-1, g[0].tokens.to(device)[:, None])[:, 0]
     agree = int((g[0].tokens == hf_out).long().cumprod(0).sum())
     check = {"greedy_prefix_agreement": agree, "greedy_tokens": 16,
+             "greedy_prefix_agreement_eager_sparrow": int((g[0].tokens == own[0].tokens).long().cumprod(0).sum()),
+             "greedy_max_gap_to_hf_top": float(gap.max()), "hf_top2_margin_min": float((top2[:, 0] - top2[:, 1]).min()),
              "first_logits_max_abs_diff": float((ours_logits - hf_logits).abs().max()),
              "first_logits_scale": float(hf_logits.abs().max())}
     print("correctness:", check)

@@ -9,6 +9,7 @@ import torch
 
 from sparrow.attention.rtpurbo_synthetic import (SyntheticDecodeLayer, decode_speedups, hot_indexer_keys,
                                                 triton_vs_reference)
+from tests.helpers import DEVICE
 
 
 def test_hot_indexer_keys_plant_the_density():
@@ -59,5 +60,5 @@ def test_decode_speedups():
 
 
 def test_triton_pipelines_agree_with_the_reference():
-    err = triton_vs_reference("cpu", torch.float32, 4, 2, 16, 64, L=256, B=1, block=16)
+    err = triton_vs_reference(DEVICE, torch.float32, 4, 2, 16, 64, L=256, B=1, block=16)
     assert 0.0 <= err < 1e-3

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
-from sparrow.rollout.engine import STOP_SLOTS, stop_slots
+from sparrow.rollout.engine import STOP_SLOTS, is_stop, stop_slots
 from tests.helpers import DEVICE, random_tiny
 
 PROMPT_LENS = [5, 17, 3, 30, 9]
@@ -214,3 +214,15 @@ def test_prepare_compiles_ahead_and_changes_no_result():
     _assert_same(got, _engine(model, max_rows=8).generate(_prompts(), 2, params).samples)
     with pytest.raises(TypeError, match="SamplingParams"):
         eng.prepare({"temperature": 1.0})
+
+
+@pytest.mark.parametrize("shape,n_stop", [((7,), 1), ((3, 5), 11), ((1, 1), 16)], ids=["A", "AxT", "pad-free"])
+def test_is_stop_is_membership_and_the_padding_matches_nothing(shape, n_stop):
+    """The stop check (a broadcast compare a CUDA graph can capture in eager mode) is ``torch.isin``; the -1 padding
+    of the stop buffer never matches a token."""
+    g = torch.Generator().manual_seed(n_stop)
+    tokens = torch.randint(0, 20, shape, generator=g)
+    stop = torch.randperm(20, generator=g)[:n_stop]
+    padded = torch.cat([stop, torch.full((stop_slots(n_stop) - n_stop,), -1)])
+    assert torch.equal(is_stop(tokens, padded), torch.isin(tokens, stop))
+    assert not is_stop(tokens, torch.full((4,), -1)).any()

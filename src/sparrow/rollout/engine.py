@@ -73,6 +73,12 @@ class _Mode:
     graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
+def is_stop(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``tokens`` (any shape, int64) is one of ``stop_ids`` [S] (padded with -1): one broadcast
+    compare, since ``torch.isin`` on CUDA may sort, which a CUDA graph cannot capture in eager mode."""
+    return (tokens[..., None] == stop_ids).any(-1)
+
+
 def stop_slots(n: int) -> int:
     """Entries of the stop-id buffer for ``n`` stop ids: :data:`STOP_SLOTS`, or the next power of two above."""
     slots = STOP_SLOTS
@@ -853,7 +859,7 @@ class RolloutEngine:
         r.versions[rows, 0] = r.policy_version
         r.n_gen[rows] = 1
         r.last_token[rows] = tok
-        r.done[rows] = torch.isin(tok, self._mode.stop_ids) | (r.max_new <= 1)
+        r.done[rows] = is_stop(tok, self._mode.stop_ids) | (r.max_new <= 1)
 
     # ----------------------------------------------------------------------------------- blocks
     def _decode_block(self, active: list[int], prompt_lens: list[int], stats: GenerationStats) -> list[int]:
@@ -994,7 +1000,7 @@ class RolloutEngine:
         live = ~r.done[row_slot]
         pos = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
         emit = accepted + 1
-        stop = torch.isin(tokens, self._mode.stop_ids) & (pos < emit[:, None])
+        stop = is_stop(tokens, self._mode.stop_ids) & (pos < emit[:, None])
         first_stop = torch.where(stop, pos, tokens.shape[1]).min(dim=1).values
         emit = torch.minimum(torch.minimum(emit, first_stop + 1), r.max_new - n_gen)
         hit_stop = first_stop < emit
