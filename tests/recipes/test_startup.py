@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from torch._dynamo.utils import counters
 
+from sparrow.rollout.engine import _bounded_unbacked
 from tests.recipes.test_grpo_recipe import in_process
 
 STARTUP = ["engine.compile=true", "engine.compile_backend=eager", "engine.max_rows=4", "total_steps=2",
@@ -34,7 +35,8 @@ def test_setup_phases_are_logged_once_and_steps_compile_nothing(tmp_path, monkey
     for key in ("setup/compile_decode_s", "setup/compile_draft_s", "setup/compile_verify_s", "setup/calibrate_s",
                 "setup/rollout_s"):
         assert first[key] > 0, key
-    assert (first["setup/graphs_decode"], first["setup/graphs_draft"], first["setup/graphs_verify"]) == (1, 1, 1)
+    one = 1 if _bounded_unbacked() else 2  # backed sizes (torch without bounded unbacked ones): bucket 1 apart
+    assert (first["setup/graphs_decode"], first["setup/graphs_draft"], first["setup/graphs_verify"]) == (one,) * 3
     assert not any(k.startswith("setup/") for k in second)  # logged once
     assert first["compile/graphs"] == second["compile/graphs"] == after_setup  # the steps compiled nothing
     assert list((tmp_path / "compile_cache" / "costs").glob("*.json"))  # the calibration, for the next run
