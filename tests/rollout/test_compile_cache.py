@@ -288,3 +288,32 @@ def test_prepare_records_its_phases_without_compiling(tmp_path):
         eng.prepare(PARAMS)
     assert set(eng.setup_seconds) == {"setup/warmup_s"} and eng.compiled_graphs == {}
     assert eng.compile_cache.costs_dir == tmp_path / "costs" and not any(tmp_path.iterdir())
+
+
+def test_engines_of_other_shapes_in_one_process_compile_past_dynamos_default_limit(monkeypatch):
+    """Dynamo counts its recompile limit per code object, and every engine's decode step is one: engines of other
+    shapes (a benchmark's three engines and their breakdown engines passed the default 8) share that count. The
+    engine's limit covers them: here two engines of 2 decode graphs each (backed sizes) under a default of 2, each
+    sampling what its eager twin does. Negative control: with the engine's limit at 2 the second engine fails."""
+    model = random_tiny("qwen2", num_layers=1)
+    monkeypatch.setattr(engine_module, "_bounded_unbacked", lambda: False)  # 2 graphs: bucket 1, buckets 2 and 4
+    monkeypatch.setattr(engine_module, "RECOMPILE_LIMIT", engine_module.RECOMPILE_LIMIT)  # restored after
+
+    def engine(prompt_len: int, compile: bool = True) -> RolloutEngine:
+        return RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=prompt_len, max_new_tokens=8,
+                                                 compile=compile, compile_backend="eager"))
+
+    with torch._dynamo.config.patch(recompile_limit=2):  # (a monkeypatch's undo deletes a config entry)
+        for prompt_len in (16, 24):  # other cache shapes: graphs of their own
+            eng = engine(prompt_len)
+            eng.prepare(PARAMS)
+            assert eng.compiled_graphs == {"decode": 2}
+            ref = engine(prompt_len, compile=False).generate(PROMPTS, 2, PARAMS)
+            assert [s.tokens.tolist() for s in eng.generate(PROMPTS, 2, PARAMS)] == [s.tokens.tolist() for s in ref]
+
+        torch._dynamo.reset()
+        engine_module.RECOMPILE_LIMIT = 2
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            for prompt_len in (16, 24):
+                engine(prompt_len).prepare(PARAMS)
+    torch._dynamo.reset()

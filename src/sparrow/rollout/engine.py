@@ -73,6 +73,9 @@ class _Mode:
     graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
+RECOMPILE_LIMIT = 64  # compiled graphs of one step kind, over every engine in the process (see compile_step)
+
+
 def is_stop(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
     """Whether each of ``tokens`` (any shape, int64) is one of ``stop_ids`` [S] (padded with -1): one broadcast
     compare, since ``torch.isin`` on CUDA may sort, which a CUDA graph cannot capture in eager mode."""
@@ -1056,8 +1059,9 @@ class RolloutEngine:
         """``fn`` compiled when the config says so (``fullgraph=True``; with ``dynamic_batch`` its marked sizes are
         symbolic, else every new size compiles a static step), run under ``no_grad`` (inference only, whatever the
         caller's grad mode), its compilations counted under ``kind`` (:attr:`compiled_graphs`) and timed
-        (:attr:`setup_seconds`). ``fn`` itself is compiled, not a wrapper around it, so each step keeps its own
-        compile cache (wrappers share one code object, and with it one recompile limit). With Inductor, compiling
+        (:attr:`setup_seconds`). ``fn`` itself is compiled, not a wrapper around it, so each kind of step keeps its
+        own compile cache (wrappers share one code object, and with it one recompile limit, :data:`RECOMPILE_LIMIT`
+        graphs over every engine in the process). With Inductor, compiling
         points the process at the engine's compile cache (:meth:`CompileCache.activate`). Inductor's
         coalescing-tiling analysis is switched off: it asserts on the verify step in some torch releases."""
         if not self.config.compile:
@@ -1069,17 +1073,17 @@ class RolloutEngine:
         compiled = torch.compile(fn, fullgraph=True, backend=backend, options=options,
                                  dynamic=None if self.config.dynamic_batch else False)
         name = kind or getattr(fn, "__name__", "step")
-        # static steps: one specialisation per bucket, draft length and mode, more than Dynamo's default limit
-        limit = None if self.config.dynamic_batch else 8 * len(self.config.buckets) * (self.config.max_draft + 2)
+        # Dynamo counts its recompile limit per code object, and the engines of a process share one per step kind
+        # (engines of the same shapes share graphs too): several engines of other shapes (a benchmark's, a
+        # drafter's) soon pass the default of 8. Static steps add one specialisation per bucket, length and mode.
+        limit = max(RECOMPILE_LIMIT, 0 if self.config.dynamic_batch else
+                    8 * len(self.config.buckets) * (self.config.max_draft + 2))
 
         def step(*args: torch.Tensor) -> None:
             graphs, t0 = dynamo_counters["stats"]["unique_graphs"], time.perf_counter()
-            with torch.no_grad():
-                if limit is None:
-                    compiled(*args)
-                else:
-                    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
-                        compiled(*args)
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit,
+                                                             accumulated_recompile_limit=max(limit, 256)):
+                compiled(*args)
             new = dynamo_counters["stats"]["unique_graphs"] - graphs
             if new > 0:  # this call compiled (or loaded from the compile cache): setup work, counted and timed
                 self._compiled[name] = self._compiled.get(name, 0) + new
