@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, graphed, measure, plot_series, print_table,
-                           rel_err, save_figure, triton_interpreter_without_cuda, write_json)
+                           rel_err, save_figure, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -132,11 +132,9 @@ def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
 
 
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    fig, axes = subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for i, T in enumerate(sorted({r["T"] for r in rows})):
             rs = [r for r in rows if r["model"] == model and r["T"] == T]

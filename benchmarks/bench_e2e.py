@@ -4,12 +4,13 @@ Question: how much faster does a GRPO step run with RTPurbo sparse rollout atten
 and sparse weight sync switched on, what does each technique contribute on its own, and does the training signal
 (reward, held-out accuracy, the rollout/trainer mismatch) stay the same? The model: ``--model DIR``, a task model
 (``tune run sparrow_sft --config recipes/configs/task_model_8k_sft.yaml``; its ``model.safetensors`` is the
-recipe's ``checkpoint``). The GRPO recipe (setup, train, cleanup) runs once per configuration (:data:`CONFIGS`)
-and seed, all in this process, from the same checkpoint, data order and sampling seeds; compiled code is dropped
-between runs and the first ``--warmup-steps`` steps (which compile) are left out of the timed figures. RTPurbo is
-calibrated once, before the runs, on task sequences at ``--context`` (heads by ablation). The JSON is rewritten
-after every finished run; ``--merge`` joins runs of other seeds; ``--deadline-minutes`` skips what would not finish. The summaries and the figure
-come from :mod:`sparrow.rl.runs`. See docs/benchmarks.md for the workload, the reported figures and the commands.
+recipe's ``checkpoint``). The GRPO recipe (setup, train, cleanup) runs once per configuration
+(``sparrow.rl.launch.CONFIGS``) and seed, all in this process, from the same checkpoint, data order and sampling
+seeds; compiled code is dropped between runs and the first ``--warmup-steps`` steps (which compile) are left out of
+the timed figures. RTPurbo is calibrated once, before the runs, on task sequences at ``--context`` (heads by
+ablation). The JSON is rewritten after every finished run; ``--merge`` joins runs of other seeds;
+``--deadline-minutes`` skips what would not finish. The summaries and the figure come from :mod:`sparrow.rl.runs`.
+See docs/benchmarks.md for the workload, the reported figures and the commands.
 ``--partial`` adds each configuration's partial-rollout twin (``all_off_partial``: the same recipe with
 ``partial_rollout`` on, ``--overprovision`` groups in flight beyond a step's, ``--max-staleness``) and writes
 ``partial_rollout.json``: step and rollout time against the synchronous run of the same seed, reward per step
@@ -21,11 +22,9 @@ CPU smoke run (a tiny model trained for seconds; figures mean nothing): ``python
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
+import functools
 import json
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -33,34 +32,24 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from sparrow.bench import REPO, base_parser, log, print_table, task_model, triton_interpreter_without_cuda, write_json
+from sparrow.bench import (REPO, base_parser, device_arg, fill_defaults, int_or_auto, keyword_args, log, out_or_temp,
+                           print_table, task_model, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.attention.rtpurbo import RTPurboConfig
-from sparrow.calibrate.variants import calibrate_and_save
+from sparrow.calibrate.variants import CALIBRATION_DEFAULTS, calibrate_and_save, calibration_options
 from sparrow.rl import KVListRetrieval
 from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
-from sparrow.rl.launch import (REWARDS, TASKS, grpo_base_config, run_in_process, speculative_section,
-                               technique_config)
+from sparrow.rl.launch import (CONFIGS, GRPO_DEFAULTS, configuration, configuration_names, fixed_rollout,
+                               grpo_base_config, grpo_options, run_in_process)
 from sparrow.rl.runs import (
-    SIGNAL_COLUMNS, SUMMARY_COLUMNS, TIME_COLUMNS, add_speedups, compare, merge_results, partial_costs, plot_runs,
+    SIGNAL_COLUMNS, SUMMARY_COLUMNS, TIME_COLUMNS, add_speedups, compare, merge_files, partial_costs, plot_runs,
     run_line, run_summary, step_rows,
 )
 from sparrow.training import MODEL_FILE, handled_context, load_trained_model, read_report
 
 NAME = "e2e"
-# configuration -> which techniques are on
-CONFIGS: dict[str, dict[str, bool]] = {
-    "all_off": {"rtpurbo": False, "spec": False, "sparse_sync": False},
-    "all_on": {"rtpurbo": True, "spec": True, "sparse_sync": True},
-    "rtpurbo_only": {"rtpurbo": True, "spec": False, "sparse_sync": False},
-    "spec_only": {"rtpurbo": False, "spec": True, "sparse_sync": False},
-    "sparse_sync_only": {"rtpurbo": False, "spec": False, "sparse_sync": True},
-    # partial rollout (--partial adds the twin of each configuration named): the same, unfinished groups carried over
-    "all_off_partial": {"rtpurbo": False, "spec": False, "sparse_sync": False, "partial": True},
-    "all_on_partial": {"rtpurbo": True, "spec": True, "sparse_sync": True, "partial": True},
-}
 
 
 def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> dict:
@@ -76,19 +65,9 @@ def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> 
 
 def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
     """``base`` with configuration ``name``'s techniques switched on, for ``seed`` (``sparrow.rl.launch``)."""
-    on, spec = CONFIGS[name], None
-    if on["spec"]:
-        drafter = {"_component_": "sparrow.speculative.DrafterConfig", "weight": args.draft_weight}
-        if args.draft_window and not on["rtpurbo"]:  # a windowed draft needs dense caches
-            drafter["window"] = args.draft_window
-        lengths = [int(x) for x in args.draft_lengths.split(",") if x]
-        spec = speculative_section(drafter, args.spec_toggle, lengths, args.max_active)
-    over = (args.prompts_per_step if args.overprovision is None else args.overprovision) if on.get("partial") else None
-    return technique_config(base, work / f"{name}_seed{seed}", seed=seed,
-                            rtpurbo=rtpurbo_dir if on["rtpurbo"] else None,
-                            indexer_refresh_every=args.indexer_refresh_every, speculative=spec,
-                            sparse_sync=on["sparse_sync"], overprovision=over, max_staleness=args.max_staleness,
-                            bucket_growth=args.bucket_growth)
+    lengths = [int(x) for x in args.draft_lengths.split(",") if x]
+    return configuration(base, name, work / f"{name}_seed{seed}", seed=seed, rtpurbo=rtpurbo_dir,
+                         **keyword_args(configuration, args, draft_lengths=lengths))
 
 
 def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
@@ -98,40 +77,20 @@ def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
     sys.path.insert(0, str(REPO / "recipes"))  # the recipe file itself when it is not installed
     from sparrow_grpo import GRPORecipe
 
-    return run_in_process(GRPORecipe, cfg_dict, (lambda r: fixed_rollout(r, fixed_length)) if fixed_length else None)
-
-
-def fixed_rollout(recipe, length: int) -> dict:
-    prompts = [b["prompt_ids"] for b in next(recipe.data_iter)]
-    params = dataclasses.replace(recipe._sampling_params(), max_new_tokens=length, stop_token_ids=())
-    for _ in range(2):  # the first call meets the no-stop sampling mode (compiled once); the second is timed
-        t = time.perf_counter()
-        gen = recipe.engine.generate(prompts, recipe.group, params)
-        seconds = time.perf_counter() - t
-    return {"fixed_rollout_s": seconds, "fixed_tokens": gen.stats.generated_tokens,
-            "fixed_prefill_s": gen.stats.prefill_s}
+    return run_in_process(GRPORecipe, cfg_dict, functools.partial(fixed_rollout, length=fixed_length)
+                          if fixed_length else None)
 
 
 def build_parser():
     p = base_parser(__doc__.splitlines()[0], [
         ("--model", str, None, "a trained model's folder (tune run sparrow_sft ... output_dir=DIR)"),
         ("--work-dir", str, None, "calibration, metric logs, the quick model (default: a temp dir)"),
-        ("--device", str, "auto", None), ("--configs", str, ",".join(c for c in CONFIGS if not CONFIGS[c].get("partial")),
-         "comma list of " + ", ".join(CONFIGS)),
-        ("--seeds", str, "0", "comma list, e.g. 0,1"), ("--steps", int, None, "GRPO steps per run (default 8; quick 2)"),
-        ("--warmup-steps", int, 1, "first steps left out of the timed figures"), ("--task", list(TASKS), "kv_retrieval", None),
-        ("--context", _context, None, "prompt characters = tokens (default 8192; quick 256), or 'auto': the longest "
+        ("--device", device_arg, "auto", None),
+        ("--configs", str, ",".join(c for c in CONFIGS if not CONFIGS[c].get("partial")),
+         "comma list of " + ", ".join(CONFIGS)), ("--seeds", str, "0", "comma list, e.g. 0,1"), *grpo_options(),
+        ("--warmup-steps", int, 1, "first steps left out of the timed figures"),
+        ("--context", int_or_auto, None, "prompt characters = tokens (default 8192; quick 256), or 'auto': the longest "
          "context at which the model's held-out accuracy on the task (kv_retrieval for kv_list) reaches 0.5"),
-        ("--group", int, 8, None), ("--prompts-per-step", int, None, "default 8; quick 2"),
-        ("--max-new", int, None, "sampling max_new_tokens (default 8, quick 4; kv_list: its longest answer and <eos>)"),
-        ("--max-asked", int, None, "kv_list: most keys asked at once (default 32; 256: responses up to 1K tokens)"),
-        ("--minibatches", int, 2, "policy updates per step (>1: a separate pi_old pass)"),
-        ("--micro-batch", int, 32, "trainer rows per forward / backward"),
-        ("--reward", list(REWARDS), None, "also the held-out score (default exact_match; quick char_accuracy)"),
-        ("--lr", float, None, "AdamW learning rate (default 1e-5; quick 1e-3)"),
-        ("--eval-prompts", int, None, "held-out prompts (default 64; quick 8; 0: no eval)"),
-        ("--block-steps", int, 16, "engine decode steps between host checks"),
-        ("--bucket-growth", int, 4, "engine batch buckets are powers of this (4: about half the CUDA graphs of 2)"),
         ("--spec-toggle", ["always", "threshold", "cost_model"], None, "default cost_model; quick always"),
         ("--draft-lengths", str, None, "comma list (default 2,4; quick 2)"),
         ("--draft-weight", ["int8", "int4", "fp8", "none"], "int8", None),
@@ -139,12 +98,7 @@ def build_parser():
         ("--max-active", int, 32, "threshold toggle: speculate at or below this many rows"),
         ("--ratio", float, None, "RTPurbo retrieval-head ratio (default 0.25; quick 0.5)"),
         ("--dense-prefill-below", int, 0, "RTPurbo prefills shorter prompts densely (0: always sparse)"),
-        ("--top-p", float, 0.9, None), ("--decode-impl", ["auto", "reference", "triton"], "auto", None),
-        ("--prefill-impl", ["auto", "reference", "flex"], "auto", None),
-        ("--profile-seqs", int, None, "calibration examples per task (default 8; quick 2)"),
-        ("--fit-seqs", int, None, "indexer fit sequences (default 8; quick 2)"),
-        ("--fit-steps", int, None, "indexer fit steps (default 200; quick 20)"), ("--fit-lr", float, 3e-3, None),
-        ("--queries-per-seq", int, None, "default 256; quick 64"),
+        *calibration_options(200),
         ("--indexer-refresh-every", int, 0, "RTPurbo indexer refresh every N steps (0: off)"),
         ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
         ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start"),
@@ -153,21 +107,8 @@ def build_parser():
         ("--partial", dict(action="store_true", help="add each configuration's partial-rollout twin (all_off, all_on); "
                            "the JSON is partial_rollout.json")),
         ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON", help="join finished results of this "
-                         "script (same settings, other seeds) into one, then stop")),
-        ("--shared-prefix", dict(action=argparse.BooleanOptionalAction, default=True,
-                                 help="trainer computes each prompt once per group (in every configuration)")),
-        ("--no-compile", dict(dest="compile", action="store_false", default=None,
-                              help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)"))])
+                         "script (same settings, other seeds) into one, then stop"))])
     return p
-
-
-def _context(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--context takes a number of tokens or 'auto', not {text!r}") from None
 
 
 def main(argv=None) -> dict:
@@ -175,28 +116,18 @@ def main(argv=None) -> dict:
     if args.merge:
         return {"out": merge(args.merge, args.out)}
     q = args.quick
-    defaults = dict(steps=2 if q else 8, context=256 if q else 8192, prompts_per_step=2 if q else 8,
-                    max_new=None if args.task == "kv_list" else (4 if q else 8), eval_prompts=8 if q else 64,
-                    spec_toggle="always" if q else "cost_model",
-                    draft_lengths="2" if q else "2,4", ratio=0.5 if q else 0.25, profile_seqs=2 if q else 8,
-                    fit_seqs=2 if q else 8, fit_steps=20 if q else 200, queries_per_seq=64 if q else 256,
-                    reward="char_accuracy" if q else "exact_match", lr=1e-3 if q else 1e-5)
-    for k, v in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    fill_defaults(args, q, **GRPO_DEFAULTS, **CALIBRATION_DEFAULTS, context=(256, 8192),
+                  max_new=(None, None) if args.task == "kv_list" else (4, 8), spec_toggle=("always", "cost_model"),
+                  draft_lengths=("2", "2,4"), ratio=(0.5, 0.25), fit_steps=(20, 200))
     if args.max_asked is not None and (args.task != "kv_list" or args.max_asked < 1):
         raise SystemExit("--max-asked takes a positive number, with --task kv_list")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(args.device)
     if args.compile is None:
         args.compile = device.type == "cuda" and not q
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    if args.partial:
-        names += [f"{n}_partial" for n in names if f"{n}_partial" in CONFIGS and f"{n}_partial" not in names]
-    unknown = [c for c in names if c not in CONFIGS]
-    if unknown:
-        raise SystemExit(f"unknown configs {unknown} (known: {list(CONFIGS)})")
+    try:
+        names = configuration_names(args.configs, args.partial)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.warmup_steps >= args.steps:
         raise SystemExit(f"--warmup-steps ({args.warmup_steps}) leaves no timed step of --steps {args.steps}")
@@ -205,10 +136,8 @@ def main(argv=None) -> dict:
 
 def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     t_start = time.perf_counter()
-    out_dir = args.out
-    if args.quick and out_dir is None:  # never overwrite the committed results with a smoke run
-        out_dir = Path(tempfile.mkdtemp(prefix="e2e_quick_"))
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="sparrow_e2e_"))
+    out_dir = out_or_temp(args.out, "e2e_quick_", args.quick)  # never overwrite the committed results
+    work = Path(out_or_temp(args.work_dir, "sparrow_e2e_"))
     work.mkdir(parents=True, exist_ok=True)
     deadline = t_start + args.deadline_minutes * 60 if args.deadline_minutes else None
 
@@ -239,12 +168,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         calibration = calibrate_rtpurbo(model_dir, args, device, rtpurbo_dir)
         log(f"RTPurbo calibrated in {calibration['seconds']} s: retrieval kv heads {calibration['retrieval_heads']}, "
             f"indexer recall {calibration['indexer']['recall']:.3f}, density {calibration['indexer']['density']:.3f}")
-    base = grpo_base_config(report["model"], checkpoint, str(device), task=args.task, context=args.context,
-                            max_asked=args.max_asked, reward=args.reward, group=args.group,
-                            prompts_per_step=args.prompts_per_step, max_new=args.max_new, steps=args.steps,
-                            eval_prompts=args.eval_prompts, lr=args.lr, minibatches=args.minibatches,
-                            micro_batch=args.micro_batch, block_steps=args.block_steps,
-                            bucket_growth=args.bucket_growth, compile=args.compile, shared_prefix=args.shared_prefix)
+    base = grpo_base_config(report["model"], checkpoint, str(device), **keyword_args(grpo_base_config, args))
     for seed in seeds:  # every run's config is valid before any run starts
         for name in names:
             check_config(OmegaConf.create(run_config(base, name, seed, args, rtpurbo_dir, work)), RECIPE_KEYS)
@@ -328,16 +252,12 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
     """One result from complete runs of this script with the same settings and other seeds (each seed's speedup
     still compares runs of one process, so each part holds all_off for its seeds)."""
-    docs = [json.loads(Path(p).read_text()) for p in paths]
     try:
-        config, rows, steps = merge_results(docs, NAME, free=("configs", "seeds", "switches", "work_dir", "recipe_base"))
+        config, rows, extra = merge_files(paths, NAME, free=("configs", "seeds", "switches", "work_dir", "recipe_base"),
+                                          keep=("calibration",))
     except ValueError as e:
         raise SystemExit(f"{[str(p) for p in paths]}: {e}") from None
     config["switches"] = {n: CONFIGS[n] for n in config["configs"]}
-    extra = {"summary": compare(rows, steps), "steps": steps, "calibration": docs[0].get("calibration"),
-             "complete": True, "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
-             "sources": [{"file": Path(p).name, "git_revision": d["environment"].get("git_revision")}
-                         for p, d in zip(paths, docs)]}
     return write_json(NAME, config, rows, out_dir=out_dir, extra=extra)
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from sparrow.bench import (base_parser, device_dtype, graphed, measure, plot_series, print_table, rel_err, save_figure,
-                           triton_interpreter_without_cuda, write_json)
+                           subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -92,10 +92,8 @@ def run(args) -> None:
 
 
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     plot_series(axes[0], rows, "M", "speedup_vs_bf16", "model", label="{}: Sparrow int8")
     ao = [r for r in rows if r.get("torchao_int8_ms")]
     plot_series(axes[0], ao, "M", lambda r: r["bf16_ms"] / r["torchao_int8_ms"], "model", label="{}: torchao int8",

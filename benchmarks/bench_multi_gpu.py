@@ -29,7 +29,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from sparrow.bench import (REPO, bar_groups, base_parser, pick, print_table, save_figure,
+from sparrow.bench import (REPO, bar_groups, base_parser, pick, print_table, save_figure, subplots,
                            triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
@@ -140,11 +140,9 @@ def run(args) -> None:
 
 
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r.get("returncode") == 0]
     labels = sorted({(r["processes"], r["trainers"]) for r in rows})
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     for ax, key, title in ((axes[0], "sync_total_s", "weight sync (device, incl. bit check)"),
                            (axes[1], "step_s", "GRPO step")):
         bar_groups(ax, [f"{p} GPUs\n{t} trainer(s)" for p, t in labels], {

@@ -22,71 +22,51 @@ seconds, accuracies mean nothing; it checks the pipeline).
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from sparrow.bench import (base_parser, device_dtype, log, plot_series, print_table, save_figure, task_model,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (base_parser, device_arg, device_dtype, fill_defaults, keyword_args, log, out_or_temp,
+                           plot_series, print_table, save_figure, subplots, task_model, triton_interpreter_without_cuda,
+                           write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.attention.rtpurbo import RTPurboConfig, collect_selection_stats
-from sparrow.calibrate.variants import (VARIANT_KEYS, calibrate_variants, local_prefill_fraction, parse_variants,
-                                       rtpurbo_model)
-from sparrow.models import load_model_state
+from sparrow.calibrate.variants import (CALIBRATION_DEFAULTS, VARIANT_KEYS, calibrate_variants, calibration_options,
+                                       plot_selection, rtpurbo_model, selection_rows, variant_configs,
+                                       variant_densities)
 from sparrow.training import (
-    EVAL_SEED, EVAL_TASKS, accuracy_summary, answers_with_fallback, binomial_se, engine_answers, load_trained_model,
-    paired_accuracy, read_report,
+    EVAL_SEED, EVAL_TASKS, accuracy_summary, answers_with_fallback, binomial_se, engine_answers, load_recipe_model,
+    load_trained_model, paired_accuracy, read_report,
 )
 
 NAME = "rtpurbo_accuracy"
 TASKS = ("kv_retrieval", "variable_tracking")
 
 
-def parse_configs(text: str) -> dict[str, dict]:
-    """``--configs`` (``sparrow.calibrate.variants.parse_variants``); a bad one stops the script."""
-    try:
-        return parse_variants(text)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
 def calibrate(model, rt_configs: dict[str, RTPurboConfig], context: int, args, kv_task=None):
     """:func:`~sparrow.calibrate.variants.calibrate_variants` with this script's options."""
-    return calibrate_variants(model, rt_configs, context, profile_seqs=args.profile_seqs, fit_seqs=args.fit_seqs,
-                              selection_seqs=args.selection_seqs, fit_steps=args.fit_steps,
-                              queries_per_seq=args.queries_per_seq, lr=args.fit_lr, scores=args.head_scores,
-                              decode_queries=args.decode_queries, kv_task=kv_task, log=log)
+    return calibrate_variants(model, rt_configs, context, **keyword_args(
+        calibrate_variants, args, lr=args.fit_lr, scores=args.head_scores, kv_task=kv_task, log=log))
 
 
 def selection_only(args) -> dict:
     """``--model-config``: the model (``model:`` + ``checkpoint:``) and multi-key retrieval task (``task:``) of a
     recipe config, calibrated at the task's context; the selection measurement only, no accuracy."""
-    from safetensors.torch import load_file
-
-    from sparrow.rl.recipe_config import load_config
-    from sparrow.training import build_model
-
-    cfg = load_config(args.model_config)
-    model = build_model(dict(cfg.model))
-    load_model_state(model, load_file(cfg.checkpoint))
-    model.eval().requires_grad_(False)
-    task = build_model(dict(cfg.task))  # any _component_ spec
+    model, task, cfg = load_recipe_model(args.model_config)
     c = RTPurboConfig.for_context(task.context_len, retrieval_ratio=args.ratio, top_p=args.top_p,
                                   decode_block=args.decode_block, prefill_block=args.prefill_block,
                                   ret_window=args.ret_window, **({"window": args.window} if args.window else {}))
     _, record = calibrate(model, {f"ratio={args.ratio}": c}, task.context_len, args, kv_task=task)
-    (name, rec), = record["configs"].items()
-    rows = [dict(config=name, run=k, **h) for k, v in rec["selection"].items() for h in v["heads"]]
+    rows = selection_rows(record)
     config_doc = dict(selection_only=True, model=dict(cfg.model), task=repr(task), context=task.context_len,
                       top_p=c.top_p, decode_block=c.decode_block, prefill_block=c.prefill_block,
                       decode_queries=args.decode_queries, head_scores=args.head_scores, ratio=args.ratio,
                       held_out_sequences=args.selection_seqs)
-    write_json(NAME, config_doc, rows, out_dir=args.out or Path(tempfile.mkdtemp(prefix="rtpurbo_selection_")),
+    write_json(NAME, config_doc, rows, out_dir=out_or_temp(args.out, "rtpurbo_selection_"),
                extra={"calibration": record})
     return {"rows": rows, "calibration": record}
 
@@ -96,9 +76,7 @@ def run(args) -> dict:
         return selection_only(args)
     t_start = time.perf_counter()
     device, dtype = device_dtype() if args.device != "cpu" else (torch.device("cpu"), torch.float32)
-    out_dir = args.out
-    if args.quick and out_dir is None:  # never overwrite the committed results with a smoke run
-        out_dir = Path(tempfile.mkdtemp(prefix="rtpurbo_accuracy_quick_"))
+    out_dir = out_or_temp(args.out, "rtpurbo_accuracy_quick_", args.quick)  # never the committed results
     deadline = t_start + args.deadline_minutes * 60 if args.deadline_minutes else None
     model_dir = task_model(args.model, Path(out_dir or "."), args.quick)
     train_s = time.perf_counter() - t_start
@@ -116,8 +94,7 @@ def run(args) -> dict:
         raise SystemExit(f"context {lengths[-1]} does not fit the model's max_seq_len {model.max_seq_len}")
     log(f"model {model_dir}: {report['params'] / 1e6:.1f}M parameters, trained up to {trained_to} tokens "
         f"({report['train']['steps']} steps, {report['train']['tokens_seen'] / 1e6:.0f}M tokens); contexts {lengths}")
-    jitter = args.jitter if args.jitter is not None else (16 if args.quick else 128)
-    eval_kw = dict(rows=args.rows, prefill_tokens=args.prefill_tokens, jitter=jitter)
+    eval_kw = dict(rows=args.rows, prefill_tokens=args.prefill_tokens, jitter=args.jitter)
 
     # -- dense accuracy everywhere first (cheap); calibrate at the longest context the model handles
     dense = {}
@@ -136,10 +113,11 @@ def run(args) -> dict:
     q = args.quick
     base = dict(top_p=args.top_p, decode_block=16 if q else args.decode_block, prefill_block=16 if q else args.prefill_block,
                 ret_window=16 if q else args.ret_window, **({"window": args.window} if args.window is not None else {}))
-    rt_configs = {name: RTPurboConfig.for_context(calib_len, retrieval_ratio=c.get("ratio", 0.15), impl=args.decode_impl,
-                                                  prefill_impl=args.prefill_impl,
-                                                  **(base | {k: v for k, v in c.items() if k != "ratio"}))
-                  for name, c in parse_configs(args.configs or ("ratio=0.5" if q else "ratio=0.15;ratio=0.25")).items()}
+    try:
+        rt_configs = variant_configs(args.configs or ("ratio=0.5" if q else "ratio=0.15;ratio=0.25"), calib_len,
+                                     impl=args.decode_impl, prefill_impl=args.prefill_impl, **base)
+    except ValueError as e:  # a bad --configs stops the script
+        raise SystemExit(str(e)) from None
     variants, calibration = calibrate(model, rt_configs, calib_len, args)
 
     # -- RTPurbo accuracy and density, longest context first (what matters most is measured before a deadline)
@@ -147,7 +125,7 @@ def run(args) -> dict:
     sparse = {name: rtpurbo_model(model, *v) for name, v in variants.items()}
     config_doc = dict(
         model_dir=Path(model_dir).name, dtype=str(dtype).replace("torch.", ""), device=str(device), lengths=lengths,
-        examples=args.examples, jitter=jitter, tasks={t: repr(EVAL_TASKS[t](lengths[-1])) for t in TASKS},
+        examples=args.examples, jitter=args.jitter, tasks={t: repr(EVAL_TASKS[t](lengths[-1])) for t in TASKS},
         eval_seed=EVAL_SEED, handled_threshold=args.handled, calibration_context=calib_len,
         decode_impl=args.decode_impl, prefill_impl=args.prefill_impl, quick=q, heads=model.layers[0].attn.num_heads,
         kv_heads=model.layers[0].attn.num_kv_heads, layers=len(model.layers),
@@ -189,15 +167,9 @@ def run(args) -> dict:
                 sparse[name], (prof, _, c) = a.model, variants[name]
                 st = collect_selection_stats(sparse[name], reset=True)
                 hits, sacc = a.hits, sum(a.hits) / len(a.hits)
-                n_ret, n_all = int(prof.retrieval.sum()), prof.retrieval.numel()
-                pre_ret = st["prefill_ret_density"] if n_ret else 0.0
-                rows.append(dict(
-                    config=name, task=task, context=L, **paired_accuracy(d_hits, d_first, a.hits, a.first),
-                    decode_density=st["decode_density"], decode_ret_density=st["decode_ret_density"],
-                    prefill_ret_density=st["prefill_ret_density"],
-                    prefill_density=(n_ret * pre_ret + (n_all - n_ret) * local_prefill_fraction(L + 1, c.window, c.num_sinks)) / n_all,
-                    window=c.window, window_frac=c.window / (L + 1), retrieval_heads=n_ret, impl=c.impl,
-                    prefill_impl=c.prefill_impl, sparse_s=round(a.seconds, 2)))
+                rows.append(dict(config=name, task=task, context=L, **paired_accuracy(d_hits, d_first, a.hits, a.first),
+                                 **variant_densities(st, prof, c, L), impl=c.impl, prefill_impl=c.prefill_impl,
+                                 sparse_s=round(a.seconds, 2)))
                 r = rows[-1]
                 log(f"{task:>17} @ {L:5d}  dense {dacc:.3f}  {name} {sacc:.3f}  (n={len(hits)}, delta {r['delta']:+.3f} "
                     f"+- {r['delta_se']:.3f}; first token {r['dense_first_acc']:.3f} -> {r['sparse_first_acc']:.3f})  "
@@ -215,40 +187,14 @@ def run(args) -> dict:
     return {"rows": rows, "summary": summary, "calibration": calibration, "dense": dense_rows, "out": out_dir}
 
 
-def plot_selection(rows: list[dict], png_path: Path, title: str) -> None:
-    """Density of the dense top-p set and of the indexer's (temperature 1, calibrated), per granularity, with the
-    indexer's recall of the dense set's mass over its bars."""
-    import matplotlib.pyplot as plt
-
-    grans = ("token", "block", "prefill")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
-    for ax, queries in zip(axes[0], ("all", "decode")):
-        for i, (label, temp, key) in enumerate((("dense top-p", "t1", "dense"), ("indexer, T=1", "t1", "indexer"),
-                                                ("indexer, calibrated T", "calibrated", "indexer"))):
-            rs = [r for r in rows if r["run"] == f"{temp}_{queries}"]
-            vals = [sum(r[f"{key}_{g}"] for r in rs) / len(rs) for g in grans]
-            bars = ax.bar([j + 0.27 * (i - 1) for j in range(3)], vals, width=0.27, label=label, color=f"C{i}")
-            for b, g in zip(bars, grans) if key == "indexer" else ():
-                rec = sum(r[f"recall_{g}"] for r in rs) / len(rs)
-                ax.annotate(f"{rec:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
-                            fontsize=7)
-        ax.set_xticks(range(3), list(grans))
-        ax.set(ylim=(0, 1.1), ylabel="kept / causal (mean over retrieval heads)",
-               title=f"{queries} queries (labels: recall of the dense set's mass)")
-        ax.legend(fontsize=7, loc="upper left")
-    save_figure(fig, png_path, title)
-
-
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     c = result["config"]
     if c.get("selection_only"):
         return plot_selection(result["rows"], png_path, f"RTPurbo selection vs the dense top-{c['top_p']} set "
                                                         f"({c['context']}-token context)")
     rows = result["rows"]
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    fig, axes = subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         rs = [r for r in rows if r["task"] == task]
         first = {c: next(r for r in rs if r["context"] == c) for c in sorted({r["context"] for r in rs})}
@@ -268,22 +214,18 @@ def plot(result: dict, png_path: Path) -> None:
 def build_parser():
     p = base_parser(__doc__.splitlines()[0], [
         ("--model", str, None, "a trained model's folder (tune run sparrow_sft ... output_dir=DIR)"),
-        ("--device", str, "auto", None), ("--lengths", str, "", "comma-separated contexts (default 512, 1024, ... trained max)"),
+        ("--device", device_arg, "auto", None), ("--lengths", str, "", "comma-separated contexts (default 512, 1024, ... trained max)"),
         ("--examples", int, None, "held-out examples per task and context (default 200; quick 8)"),
         ("--configs", str, "", "';'-separated RTPurbo variants, e.g. 'ratio=0.15;ratio=0.25,top_p=0.95' (keys: "
          + ", ".join(VARIANT_KEYS) + ")"),
-        ("--top-p", float, 0.9, None), ("--decode-block", int, 64, None), ("--prefill-block", int, 128, None),
-        ("--ret-window", int, 128, None), ("--window", int, None, "local window (default 1/16 of the calibration context)"),
-        ("--profile-seqs", int, None, "examples per task for head profiling (default 8; quick 2)"),
-        ("--fit-seqs", int, None, "default 8; quick 2"), ("--fit-steps", int, None, "default 300; quick 20"),
-        ("--fit-lr", float, 3e-3, None), ("--queries-per-seq", int, None, "default 256; quick 64"),
+        *calibration_options(300, prefill_impl="reference"), ("--decode-block", int, 64, None),
+        ("--prefill-block", int, 128, None), ("--ret-window", int, 128, None),
+        ("--window", int, None, "local window (default 1/16 of the calibration context)"),
         ("--jitter", int, None, "example i of context L has L - (37 i mod JITTER) characters (default 128; 0: L)"),
         ("--rows", int, 64, "engine rows (prompts decoded at once)"), ("--prefill-tokens", int, 32768, None),
         ("--handled", float, 0.9, "dense accuracy that counts as handling a context"),
         ("--calibration-context", int, None, "calibrate (and scale the window) here (default: the longest handled)"),
         ("--deadline-minutes", float, None, "past this many minutes the remaining RTPurbo rows are skipped"),
-        ("--decode-impl", ["auto", "reference", "triton"], "auto", None),
-        ("--prefill-impl", ["auto", "reference", "flex"], "reference", "reference: the selection with dense masks"),
         ("--head-scores", ["ablation", "attention"], "ablation", "retrieval heads by the loss when a head is made "
          "local, or by attention mass"),
         ("--selection-seqs", int, None, "held-out sequences of the selection measurement (default 8; quick 2)"),
@@ -296,13 +238,8 @@ def build_parser():
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
-    q = args.quick
-    for k, v in dict(examples=8 if q else 200, profile_seqs=2 if q else 8, fit_seqs=2 if q else 8,
-                     fit_steps=20 if q else 300, queries_per_seq=64 if q else 256, selection_seqs=2 if q else 8).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    fill_defaults(args, args.quick, examples=(8, 200), fit_steps=(20, 300), selection_seqs=(2, 8), jitter=(16, 128),
+                  **CALIBRATION_DEFAULTS)
     if args.selection_only and not args.model_config:
         raise SystemExit("--selection-only needs --model-config (a recipe config with model, checkpoint and task)")
     return run(args)

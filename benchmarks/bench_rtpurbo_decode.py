@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench import (base_parser, density_arg, graphed, measure, plot_series, print_table, save_figure,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (base_parser, free_memory, graphed, measure, planted_and_measured, plot_series, print_table,
+                           save_figure, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -101,8 +101,7 @@ def run(args) -> None:
         lengths, batches, hq, hkv, d, window, planted = [131072, 1048576], [1, 4, 8, 16], 32, 4, 128, 8192, \
             [0.01, 0.02, 0.05, 0.10]
         dtype = torch.bfloat16
-    densities = [(x, "planted") for x in planted] + [(x, "measured") for x in
-                                                      density_arg(args.density, "retrieval_decode_density")]
+    densities = planted_and_measured(planted, args.density, "retrieval_decode_density")
     if args.batches:
         batches = [int(x) for x in args.batches.split(",")]
     block = 64
@@ -118,8 +117,7 @@ def run(args) -> None:
                 del c
             except torch.cuda.OutOfMemoryError as e:
                 rows.append(dict(L=L, B=B, config="error", error=f"out of memory: {str(e)[:200]}"))
-            if cuda:
-                torch.cuda.empty_cache()
+            free_memory()
             print(f"L={L} B={B} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
     ok = [r for r in rows if r["config"] != "error"]
     summary = decode_speedups(ok)
@@ -135,10 +133,8 @@ def run(args) -> None:
 
 
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     summ = result.get("summary", [])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, L in zip(axes, sorted({r["L"] for r in summ})[:2]):
         for p in ("staged", "fused"):
             plot_series(ax, [r for r in summ if r["L"] == L and r.get("pipeline", "staged") == p], "B", "vs_sdpa",

@@ -33,45 +33,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench import (base_parser, density_arg, measure, plot_series, print_table, rel_err, save_figure,
+from sparrow.bench import (base_parser, measure, planted_and_measured, plot_series, print_table, save_figure, subplots,
                            triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.attention.base import LayerShape
 from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboConfig
+from sparrow.attention.rtpurbo_synthetic import prefill_indexer, prefill_vs_reference
 from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
 NAME = "rtpurbo_prefill"
 FLEX = {"dynamic": True}  # one compiled graph for every length and head count
 TOP_P = 0.9
-
-
-def synthetic_indexer(S: int, density: float, block: int, r: int, device, dtype, seed: int = 0):
-    """q_idx, k_idx [1, 1, S, r]: a random ``density / top_p`` fraction of key blocks carries ~all indexer mass."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    u = torch.randn(r, generator=g)
-    u = u / u.norm()
-    hot = torch.rand(-(-S // block), generator=g) < min(1.0, density / TOP_P)
-    hot[0] = False  # the sink block is kept anyway
-    k = torch.randn(S, r, generator=g) * 0.05
-    k[hot.repeat_interleave(block)[:S]] += 12.0 * u
-    q = u.expand(S, r) + torch.randn(S, r, generator=g) * 0.05
-    return (q.to(device, dtype)[None, None].contiguous(), k.to(device, dtype)[None, None].contiguous())
-
-
-def check_against_reference(dev, dtype, hq, hkv, d, cfg) -> float:
-    """Largest relative error of the fast path (both local impls) vs the PyTorch reference at S = 1000."""
-    S = 1000
-    g = torch.Generator(device="cpu").manual_seed(4)
-    q, k, v = (torch.randn(1, h, S, d, generator=g).to(dev, dtype) for h in (hq, hkv, hkv))
-    small = SparsePrefillConfig(cfg.top_p, cfg.block, cfg.num_sinks, min(cfg.window, 300), cfg.ret_window)
-    qi, ki = synthetic_indexer(S, 0.1, cfg.block, 16, dev, dtype, seed=5)
-    args = (q, k, v, qi, ki, torch.tensor([S], device=dev), torch.arange(1, device=dev),
-            torch.arange(1, hkv, device=dev), small)
-    ref = sparse_prefill_attention(*args, impl="reference", score_impl="reference")
-    return max(rel_err(sparse_prefill_attention(*args, impl="flex", score_impl="triton", local_impl=li,
-                                                flex_dynamic=FLEX["dynamic"]), ref) for li in ("chunked", "flex"))
 
 
 @torch.no_grad()
@@ -86,12 +60,11 @@ def run(args) -> None:
             [0.01, 0.02, 0.05, 0.10]
         dtype = torch.bfloat16
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else lengths
-    densities = [(x, "planted") for x in planted] + [(x, "measured") for x in
-                                                      density_arg(args.density, "retrieval_prefill_density")]
+    densities = planted_and_measured(planted, args.density, "retrieval_prefill_density")
     cfg = SparsePrefillConfig(top_p=TOP_P, block=block, num_sinks=4, window=window, ret_window=block)
     rows: list[dict] = []
     t_start = time.perf_counter()
-    check = check_against_reference(dev, dtype, hq, hkv, d, cfg)
+    check = prefill_vs_reference(dev, dtype, hq, hkv, d, cfg, flex_dynamic=FLEX["dynamic"])
     print(f"fast path vs reference, relative error {check:.2e}" + ("" if check < 2e-2 else "  <-- TOO LARGE"))
     for S in lengths:
         try:
@@ -147,7 +120,7 @@ def bench_length(S, rows, dev, dtype, hq, hkv, d, cfg, densities, quick) -> None
         t0[local] = measure(lambda: sparse(0, None, None, local), **reps)["median_ms"]
         add("rtpurbo", t0[local], local=local)
     for dens, source in densities:
-        qi, ki = synthetic_indexer(S, dens, cfg.block, 16, dev, dtype)
+        qi, ki = prefill_indexer(S, dens, cfg.block, 16, dev, dtype, top_p=TOP_P)
         kept = float(sparse(1, qi, ki, "chunked")[1][1].double().sum() / (nb * (nb + 1) / 2))
         t1 = measure(lambda: sparse(1, qi, ki, "chunked"), **reps)["median_ms"] + proj
         add("rtpurbo", t1, n_ret=1, local="chunked", density=dens, source=source, kept=kept)
@@ -157,10 +130,8 @@ def bench_length(S, rows, dev, dtype, hq, hkv, d, cfg, densities, quick) -> None
 
 
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r["config"] == "rtpurbo@15%"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     for src, style in (("planted", "o-"), ("measured", "o--")):
         plot_series(ax, [r for r in rows if r.get("density_source", "planted") == src], "S", "speedup", "density",
                     label=f"{{:.0%}} density ({src})", style=style)

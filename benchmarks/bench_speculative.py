@@ -13,20 +13,19 @@ Run (H200): ``python benchmarks/bench_speculative.py``; CPU smoke run: ``python 
 
 from __future__ import annotations
 
-import gc
 import time
 from pathlib import Path
 
 import torch
 
-from sparrow.bench import (T0, base_parser, batch_buckets, first_working, log, plot_series, print_table, save_figure,
-                           synchronize, triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (T0, base_parser, batch_buckets, first_working, free_memory, log, plot_series, print_table,
+                           save_figure, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 import sparrow.models as sm
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
-from sparrow.rollout.summary import bucket_comparison, generation_summary
+from sparrow.rollout.summary import fixed_batch_runs, phase_tables, policy_runs
 from sparrow.speculative import (
     AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig, QuantizedSelfDrafter,
 )
@@ -40,8 +39,7 @@ def build_model(args, device, dtype):
     max_len = args.max_prompt + args.max_new + args.max_draft + 8
     torch.manual_seed(0)
     if args.quick:
-        model = sm.qwen2(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64,
-                         intermediate_dim=128, max_seq_len=max_len, tie_word_embeddings=True)
+        model = sm.tiny_qwen2(vocab_size=256, max_seq_len=max_len)
     else:
         model = (sm.qwen2_5_1_5b if args.model == "1.5b" else sm.qwen2_5_0_5b)(max_seq_len=max_len)
     init_weights(model, 0.02, zero_bias=True)
@@ -55,63 +53,6 @@ def toggles(args, costs):
             ("SD toggle+adaptive", CostModelToggle(costs, margin=args.margin, hysteresis=args.hysteresis,
                                                    adaptive=adaptive, probe_every=args.probe_every)),
             (f"SD always k={args.always_k}", AlwaysOn(args.always_k))]
-
-
-def run_phase(label, engine, prompts, params, args, costs, save, deadline=None) -> list[dict]:
-    """AR, SD + cost-model toggle, SD always-on (the headline pair first); ``save(rows)`` after each run; a run
-    is skipped once the time AR took would carry it past ``deadline``."""
-    out = []
-    for name, toggle in toggles(args, costs):
-        if out and deadline is not None and time.perf_counter() + out[0]["latency_s"] > deadline:
-            log(f"  {label} / {name}: skipped (deadline)")
-            continue
-        engine.toggle = toggle
-        gc.collect()
-        synchronize()
-        t0 = time.perf_counter()
-        gen = engine.generate(prompts, args.samples, params)
-        synchronize()
-        row = generation_summary(name, gen, time.perf_counter() - t0) | {"phase": label}
-        if isinstance(toggle, CostModelToggle):
-            row["final_alpha_estimate"] = toggle.adaptive.alpha
-        out.append(row)
-        for r in out:
-            r["speedup_vs_ar"] = out[0]["latency_s"] / r["latency_s"]
-            r["latency_reduction"] = 1.0 - r["latency_s"] / out[0]["latency_s"]
-        save(out)
-        log(f"  {label} / {name}: latency {row['latency_s']:.2f}s (prefill {row['prefill_s']:.2f}s), {row['tokens']} "
-            f"tokens, acceptance {row['acceptance']}, tokens/cycle {row['tokens_per_cycle']}, draft lengths "
-            f"{row['draft_len_hist']}, lengths p50/p90/max {row['len_p50']}/{row['len_p90']}/{row['len_max']}")
-    return out
-
-
-def per_batch_phase(engine, buckets, prompts, args, costs, deadline=None) -> list[dict]:
-    """At each bucket ``b``, ``b`` rows decode exactly ``--per-batch-tokens`` tokens (no stop token, so the batch
-    never shrinks) under each policy: the toggle should never be slower than AR at any batch size."""
-    new_tokens = min(args.per_batch_tokens, args.max_new)
-    params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=(), seed=1)
-    out = []
-    for b in buckets:
-        if deadline is not None and time.perf_counter() > deadline:
-            log(f"  per-batch {b}: skipped (deadline)")
-            continue
-        n_s = min(b, args.samples)
-        row = {"batch": b, "prompts": b // n_s, "samples": n_s, "new_tokens": new_tokens}
-        for name, toggle in toggles(args, costs):
-            engine.toggle = toggle
-            graphs = engine.sampling_modes + engine.captured_graphs  # a new mode or graph would compile here
-            synchronize()
-            t0 = time.perf_counter()
-            gen = engine.generate(prompts[:b // n_s], n_s, params)
-            synchronize()
-            row[f"{name} compiled"] = engine.sampling_modes + engine.captured_graphs - graphs
-            row[f"{name} tok/s"] = gen.stats.generated_tokens / (time.perf_counter() - t0 - gen.stats.prefill_s)
-            if name != "AR":
-                row[f"{name} /AR"] = row[f"{name} tok/s"] / row["AR tok/s"]
-                row[f"{name} acceptance"] = gen.stats.acceptance_rate if gen.stats.draft_proposed else None
-        out.append(row)
-        log(f"  per-batch {b}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k.endswith("/AR") and v))
-    return out
 
 
 def build_parser():
@@ -196,24 +137,21 @@ def main(argv: list[str] | None = None) -> None:
     extra["training"] = train_on_episodes(model, task, seq_len=args.train_seq, batch=args.train_batch, lr=args.lr,
                                           warmup_steps=args.warmup_steps, minutes=args.train_seconds / 60,
                                           device=device, log=log)
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    free_memory()
     drafter.refresh()  # a weight sync happened: re-quantize in place (graphs stay valid)
     drafter.refresh()
     extra["refresh_s"] = drafter.last_refresh_s
     log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms; phase 'trained'")
-    results += run_phase("trained", engine, prompts, params, args, costs, save, deadline)
-    for phase in sorted({r["phase"] for r in results}):
-        rs = [r for r in results if r["phase"] == phase]
-        print(f"\nPhase '{phase}':")
-        print_table(rs, ["run", "latency_s", "prefill_s", "decode_s", "tokens", "decode_tok_s", "speedup_vs_ar",
-                         "latency_reduction", "acceptance", "tokens_per_cycle", "len_p50", "len_max"])
-        bt = bucket_comparison(rs)
-        print_table(bt, list(bt[0]) if bt else ["bucket"])
+    results += policy_runs("trained", engine, prompts, args.samples, params, toggles(args, costs), save=save,
+                           deadline=deadline, log=log)
+    print(phase_tables(results, ["run", "latency_s", "prefill_s", "decode_s", "tokens", "decode_tok_s", "speedup_vs_ar",
+                                 "latency_reduction", "acceptance", "tokens_per_cycle", "len_p50", "len_max"]))
     if args.per_batch_tokens:
         log(f"phase 'per_batch' ({args.per_batch_tokens} tokens per row, the batch held fixed)")
-        extra["per_batch"] = per_batch_phase(engine, cfg.buckets, prompts, args, costs, deadline)
+        fixed = SamplingParams(temperature=1.0, max_new_tokens=min(args.per_batch_tokens, args.max_new),
+                               stop_token_ids=(), seed=1)  # no stop token: the batch never shrinks
+        extra["per_batch"] = fixed_batch_runs(engine, cfg.buckets, prompts, args.samples, fixed,
+                                              lambda: toggles(args, costs), deadline=deadline, log=log)
         if results:
             save([r for r in results if r["phase"] == results[-1]["phase"]])  # rewrites the JSON with the table
         if extra["per_batch"]:
@@ -221,11 +159,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = [r for r in result["rows"] if r.get("phase") == "trained"] or result["rows"]
     per_batch = result.get("per_batch") or []
-    fig, ax = plt.subplots(1, 3 if per_batch else 2, figsize=(16 if per_batch else 11, 4))
+    fig, ax = subplots(1, 3 if per_batch else 2, figsize=(16 if per_batch else 11, 4))
     for r in rows:
         pts = [{"bucket": int(b), "tok_s": v} for b, v in r["bucket_tok_s"].items()]
         plot_series(ax[0], pts, "bucket", "tok_s", label=r["run"])

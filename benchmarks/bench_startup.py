@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import (REPO, bar_groups, base_parser, log, pick, print_table, save_figure, stacked_bars,
+from sparrow.bench import (REPO, bar_groups, base_parser, log, pick, print_table, save_figure, stacked_bars, subplots,
                            triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
@@ -65,10 +65,8 @@ def launch(args, name: str, cache: str, work: Path, calibration: Path | None) ->
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = doc["rows"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     layers = {p: [r[f"{p}_s"] for r in rows] for p in PHASES} | {"first step": [r["first_step_time_s"] for r in rows]}
     labels = [f"{r['config']}\n{r['cache']}" for r in rows]
     tops = stacked_bars(a, labels, layers, colors=[f"C{j}" for j in range(len(PHASES))] + ["0.45"])

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, plot_series, print_table, save_figure,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, free_memory, plot_series, print_table,
+                           save_figure, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -44,8 +44,7 @@ def measure_step(width: int, layers: int, lr: float, iters: int) -> dict:
     r = round_trip(prev, new, iters=iters, warmup=1)
     params, wire = r["params"], r["wire_bytes"]
     enc_ms, app_ms = r["encode"]["median_ms"], r["apply"]["incremental"]["median_ms"]
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     return {"part": "measured", "lr": lr, "params": params, "changed": r["changed"], "density": r["changed"] / params,
             "wire_bytes": wire, "ratio_vs_dense": 2 * params / wire, "encode_ms": enc_ms, "apply_ms": app_ms,
             "encode_s_per_param": enc_ms * 1e-3 / params, "apply_s_per_param": app_ms * 1e-3 / params,
@@ -93,15 +92,13 @@ def main() -> None:
 
 
 def plot(result: dict, png_path) -> None:
-    import matplotlib.pyplot as plt
-
     proj = [r for r in result["rows"] if r.get("part") == "projection"]
     if not proj:
         print("sync_links: results of the earlier benchmark (no projection); its plot is left as it is")
         return
     models = list(result["config"]["models"])
     d0 = min({r["density"] for r in proj}, key=lambda d: abs(d - 0.01))
-    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4), squeeze=False)
+    fig, axes = subplots(1, len(models), figsize=(4.2 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         rs = [r for r in proj if r["model"] == model]
         plot_series(ax, rs, "link_gbit", "sparse_s", "density", label=lambda d: f"sparse, {100 * d:.1f}% changed",

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from sparrow.bench import (bar_groups, base_parser, device_dtype, plot_series, print_table, save_figure, synchronize,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (bar_groups, base_parser, device_dtype, free_memory, plot_series, print_table, save_figure,
+                           subplots, synchronize, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -83,8 +83,7 @@ def adamw_updates(width: int, layers: int, lrs: list[float], steps: int, *, entr
                                  "ratio_vs_dense": b["dense"] / max(1e-9, b[c])})
             prev = cur
         del model, opt, grads, prev
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
     return rows
 
 
@@ -114,10 +113,8 @@ def main() -> None:
 
 
 def plot(result: dict, png_path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a1, a2) = subplots(1, 2, figsize=(12, 4.5))
     styles = {"dense": "k-", "coo": "C1-o", "compact": "C0-o", "auto": "C2--", "bound_positions": "C3:",
               "bound_positions_values": "C3-."}
     labels = {"bound_positions": "entropy bound (positions)",

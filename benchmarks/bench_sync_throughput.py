@@ -22,11 +22,12 @@ import time
 
 import torch
 
-from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, plot_series, print_table, save_figure,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, free_memory, plot_series, print_table,
+                           save_figure, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
+from sparrow.sync.projection import memory_floor_ms
 from sparrow.sync.roundtrip import round_trip
 from sparrow.sync.synthetic import perturb_bits
 
@@ -50,18 +51,14 @@ def run_density(base: dict, density: float, gen, *, iters: int, bucket_bytes: in
             row[name.format("stages")] = stages
         if not with_hash:
             row.update(changed=r["changed"], wire_bytes=r["wire_bytes"], buckets=r["buckets"], bitexact=True)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()
     return row
 
 
 def add_floor(r: dict, copy_gbs: float) -> None:
-    """The floor (see the module docstring) and the ratios to it."""
-    n, m, pay = r["params"], r["changed"], r["wire_bytes"]
-    enc, app = 4 * n + 2 * m + pay, pay + 4 * m
-    ms = lambda b: b / (copy_gbs * 1e9) * 1e3  # noqa: E731
-    r.update(copy_gbs=copy_gbs, encode_floor_ms=ms(enc), apply_floor_ms=ms(app), floor_ms=ms(enc + app),
-             floor_full_ms=ms(enc + app + 2 * n), ratio_vs_dense=2 * n / pay)
+    """The floor (see the module docstring; ``sparrow.sync.projection.memory_floor_ms``) and the ratios to it."""
+    r.update(copy_gbs=copy_gbs, **memory_floor_ms(r["params"], r["changed"], r["wire_bytes"], copy_gbs),
+             ratio_vs_dense=2 * r["params"] / r["wire_bytes"])
     r["x_floor"] = (r["encode_ms"] + r["apply_ms"]) / r["floor_ms"]
     r["x_floor_hash"] = (r["encode_ms_hash"] + r["apply_ms_inc"]) / r["floor_ms"]
     r["x_floor_full"] = (r["encode_ms_hash"] + r["apply_ms_full"]) / r["floor_full_ms"]
@@ -103,13 +100,11 @@ def main() -> None:
 
 
 def plot(result: dict, png_path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = [{**r, "pct": 100 * r["density"]} for r in result["rows"]]
     if not rows or "apply_ms_full" not in rows[0]:
         print("sync_throughput: results of the earlier pipeline (bucket format 2); its plot is left as it is")
         return
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a1, a2) = subplots(1, 2, figsize=(12, 4.5))
     for y, style, label in (("encode_ms", "C0-o", "encode"), ("apply_ms", "C1-o", "apply"),
                             (lambda r: r["encode_ms"] + r["apply_ms"], "C2-o", "encode + apply"),
                             (lambda r: r["encode_ms_hash"] + r["apply_ms_inc"], "C2--",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from sparrow.bench import (base_parser, device_dtype, graphed, measure, plot_series, print_table, save_figure,
+from sparrow.bench import (base_parser, device_dtype, graphed, measure, plot_series, print_table, save_figure, subplots,
                            triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
@@ -59,10 +59,8 @@ def run(args) -> None:
 
 
 def plot(result: dict, png_path: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     plot_series(ax, rows, "tokens", "speedup", "N", label="{} rows")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.set_xscale("log", base=2)

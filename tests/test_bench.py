@@ -160,3 +160,72 @@ def test_triton_interpreter_only_when_asked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bench.triton_interpreter_without_cuda()
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def test_fill_defaults_keeps_given_options():
+    p = bench.base_parser("q", [("--n", int, None, None), ("--lr", float, None, None), ("--name", str, "x", None)])
+    args = bench.fill_defaults(p.parse_args(["--n", "7"]), False, n=(1, 2), lr=(1e-3, 1e-5), name=("q", "f"))
+    assert (args.n, args.lr, args.name) == (7, 1e-5, "x")  # given / filled with the full value / not None: kept
+    quick = bench.fill_defaults(p.parse_args(["--quick"]), True, n=(1, 2), lr=(1e-3, 1e-5))
+    assert (quick.n, quick.lr) == (1, 1e-3)
+    with pytest.raises(AttributeError):
+        bench.fill_defaults(p.parse_args([]), False, steps=(1, 2))
+
+
+def test_keyword_args_passes_a_function_its_options():
+    def configure(model, *, steps: int = 1, lr: float = 0.1, name: str = "a"):
+        return steps, lr, name
+
+    args = bench.base_parser("q", [("--steps", int, 5, None), ("--lr", float, 0.5, None), ("--model", str, "m", None)]
+                             ).parse_args([])
+    kw = bench.keyword_args(configure, args, name="b")
+    assert kw == {"steps": 5, "lr": 0.5, "name": "b"}  # --model is positional there: not passed; over added
+    assert bench.keyword_args(configure, args, lr=0.01)["lr"] == 0.01  # over wins
+    assert configure(args.model, **kw) == (5, 0.5, "b")
+
+
+def test_option_types(monkeypatch):
+    import argparse
+
+    assert bench.int_or_auto("auto") == "auto" and bench.int_or_auto("4096") == 4096
+    with pytest.raises(argparse.ArgumentTypeError, match="'4k'"):
+        bench.int_or_auto("4k")
+    p = bench.base_parser("q", [("--context", bench.int_or_auto, None, None), ("--device", bench.device_arg, "auto",
+                                                                              None)])
+    with pytest.raises(SystemExit):
+        p.parse_args(["--context", "many"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert p.parse_args([]).device == "cpu" and p.parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert p.parse_args([]).device == "cuda"  # the string default goes through the type too
+
+
+def test_out_or_temp(tmp_path):
+    assert bench.out_or_temp(tmp_path, "x_") == tmp_path and bench.out_or_temp(None, "x_", temporary=False) is None
+    made = bench.out_or_temp(None, "benchtest_")
+    try:
+        assert made.is_dir() and made.name.startswith("benchtest_") and not any(made.iterdir())
+        assert bench.out_or_temp(None, "benchtest_") != made  # a new one each time
+    finally:
+        for d in Path(made).parent.glob("benchtest_*"):
+            d.rmdir()
+
+
+def test_subplots_and_free_memory(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig, axes = bench.subplots(1, 2, figsize=(4, 2), squeeze=False)
+    assert axes.shape == (1, 2) and fig.get_size_inches().tolist() == [4.0, 2.0]
+    bench.save_figure(fig, tmp_path / "f.png", "t")
+    assert (tmp_path / "f.png").stat().st_size > 0
+    bench.free_memory()  # nothing to free: returns
+
+
+def test_planted_and_measured(tmp_path):
+    assert bench.planted_and_measured([0.1, 0.2], None, "k") == [(0.1, "planted"), (0.2, "planted")]
+    assert bench.planted_and_measured([0.1], "0.5,0.6", "k") == [(0.1, "planted"), (0.5, "measured"),
+                                                                 (0.6, "measured")]
+    f = tmp_path / "acc.json"
+    f.write_text(json.dumps({"k": 0.7}))
+    assert bench.planted_and_measured([], str(f), "k") == [(0.7, "measured")]

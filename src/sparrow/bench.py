@@ -8,10 +8,13 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
 * :func:`environment` records device, library versions, git revision and time; :func:`write_json` writes
   ``{"benchmark", "environment", "config", "rows", ...}`` with no path of the machine in it
   (:func:`scrub_paths`), :func:`load_json` reads it back.
-* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`print_table`, :func:`log`;
-  :func:`first_working` tries variants of a setup in order.
-* :func:`plot_series`, :func:`bar_groups` and :func:`stacked_bars` draw rows of results; :func:`save_figure`
-  finishes a figure.
+* :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`fill_defaults` (an option's
+  ``--quick`` and full values), :func:`keyword_args` (options passed to the library function they configure),
+  :func:`int_or_auto` and :func:`device_arg` (option types), :func:`out_or_temp` (a smoke run's JSON folder);
+  :func:`density_arg` and :func:`planted_and_measured` (a ``--density`` option); :func:`print_table`, :func:`log`;
+  :func:`first_working` tries variants of a setup in order, :func:`free_memory` cleans up after one.
+* :func:`subplots` starts a figure, :func:`plot_series`, :func:`bar_groups` and :func:`stacked_bars` draw rows of
+  results; :func:`save_figure` finishes it.
 * :func:`task_model` gives the trained model a benchmark runs on (a folder, or a tiny one trained now).
 
 A script's :func:`triton_interpreter_without_cuda`, called before anything imports triton, runs Triton kernels
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import inspect
 import json
 import os
 import platform
@@ -37,6 +41,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -89,11 +94,19 @@ def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
     return str(out)
 
 
+def free_memory() -> None:
+    """Collect garbage and return cached CUDA memory (what an earlier, perhaps failed, run left behind)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def first_working(variants: Iterable[Any], build: Callable[[Any], Any], what: str = "variant") -> tuple[Any, Any]:
     """``(variant, build(variant))`` for the first of ``variants`` whose ``build`` returns (e.g. a drafter that
     compiles and captures, simpler ones after it); a failing one's traceback is printed and logged, and its
-    memory freed (garbage collected, the CUDA cache emptied) before the next. ``RuntimeError`` when none works."""
-    import gc
+    memory freed (:func:`free_memory`) before the next. ``RuntimeError`` when none works."""
     import traceback
 
     for v in variants:
@@ -102,9 +115,7 @@ def first_working(variants: Iterable[Any], build: Callable[[Any], Any], what: st
         except Exception:  # noqa: BLE001 - report, free, try the next
             traceback.print_exc()
             log(f"{what} {v} failed; trying the next")
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()
     raise RuntimeError(f"no {what} worked")
 
 
@@ -325,6 +336,13 @@ def density_arg(value: str | None, key: str) -> list[float]:
     return [max(float(r[key]) for r in rows if r.get("context", 0) == longest)]
 
 
+def planted_and_measured(planted: Iterable[float], value: str | None, key: str) -> list[tuple[float, str]]:
+    """The densities a synthetic RTPurbo benchmark sweeps, as ``(density, source)``: each of ``planted`` as
+    ``"planted"``, then each of ``--density`` ``value`` (:func:`density_arg`, by ``key``) as ``"measured"``;
+    ``SystemExit`` from :func:`density_arg` for a JSON without ``key``."""
+    return [(x, "planted") for x in planted] + [(x, "measured") for x in density_arg(value, key)]
+
+
 def base_parser(description: str, options: Iterable[tuple] = ()) -> argparse.ArgumentParser:
     """``--out``, ``--quick`` and ``options``: rows ``(flag, type, default, help)`` (a list as ``type`` is the
     choices, strings), or ``(flag, kwargs)`` for :meth:`argparse.ArgumentParser.add_argument`."""
@@ -339,6 +357,52 @@ def base_parser(description: str, options: Iterable[tuple] = ()) -> argparse.Arg
         kw = {"choices": kind} if isinstance(kind, list) else {"type": kind}
         p.add_argument(flag, default=default, help=text, **kw)
     return p
+
+
+def fill_defaults(args: argparse.Namespace, quick: bool, **defaults: tuple[Any, Any]) -> argparse.Namespace:
+    """Set each option ``name=(quick_value, full_value)`` of ``defaults`` that ``args`` holds as None (not given on
+    the command line) to its value for a ``--quick`` run when ``quick``, else to its full value; options given are
+    kept. Returns ``args``. ``AttributeError`` for a name ``args`` has no option of."""
+    for name, (quick_value, full_value) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick_value if quick else full_value)
+    return args
+
+
+def keyword_args(fn: Callable[..., Any], args: argparse.Namespace, **over: Any) -> dict[str, Any]:
+    """The keyword-only parameters of ``fn`` that ``args`` has an option of (same name), with the options' values,
+    then ``over`` (which wins: also for an option whose name means something else to ``fn``):
+    ``fn(..., **keyword_args(fn, args))`` passes a script's options on to the library function they configure."""
+    names = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    return {n: getattr(args, n) for n in names if hasattr(args, n)} | over
+
+
+def int_or_auto(text: str) -> int | str:
+    """An option type (``argparse`` ``type=``): a whole number, or the word ``auto`` (the script picks the value).
+    ``argparse.ArgumentTypeError`` for anything else."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number or 'auto', not {text!r}") from None
+
+
+def device_arg(text: str) -> str:
+    """An option type for ``--device``: ``auto`` becomes ``cuda`` when CUDA is available, else ``cpu``; any other
+    name is kept (argparse converts a string default too, so ``default="auto"`` arrives resolved)."""
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return text
+
+
+def out_or_temp(out: Path | str | None, prefix: str, temporary: bool = True) -> Path | str | None:
+    """Where a run writes its JSON: ``out`` when given; else, when ``temporary`` (e.g. a ``--quick`` smoke run, which
+    must never overwrite the committed results), a new temporary folder whose name starts with ``prefix``; else
+    None (:func:`write_json` then writes to :data:`RESULTS_DIR`). ``OSError`` when the folder cannot be made."""
+    if out is not None or not temporary:
+        return out
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def format_table(rows: list[dict[str, Any]], cols: Sequence[str]) -> str:
@@ -357,6 +421,14 @@ def print_table(rows: list[dict[str, Any]], cols: Sequence[str]) -> None:
 
 def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def subplots(*args: Any, **kw: Any) -> tuple[Any, Any]:
+    """``matplotlib.pyplot.subplots(*args, **kw)``: ``(figure, axes)``, with pyplot imported only once a figure is
+    drawn (a benchmark imports without matplotlib until its ``plot`` runs); :func:`save_figure` finishes it."""
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kw)
 
 
 def plot_series(ax, rows: Iterable[dict[str, Any]], x: str, y: str | Callable[[dict], Any],

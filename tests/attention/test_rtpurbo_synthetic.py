@@ -62,3 +62,28 @@ def test_decode_speedups():
 def test_triton_pipelines_agree_with_the_reference():
     err = triton_vs_reference(DEVICE, torch.float32, 4, 2, 16, 64, L=256, B=1, block=16)
     assert 0.0 <= err < 1e-3
+
+
+def test_prefill_indexer_plants_the_density():
+    from sparrow.attention.rtpurbo_synthetic import prefill_indexer
+
+    q, k = prefill_indexer(64 * 200 - 10, 0.45, 64, 16, "cpu", torch.float32, seed=3, top_p=0.9)
+    assert q.shape == k.shape == (1, 1, 64 * 200 - 10, 16) and q.dtype == torch.float32 and q.is_contiguous()
+    u = q[0, 0].mean(0)
+    u = u / u.norm()
+    hot = torch.nn.functional.pad(k[0, 0] @ u > 6, (0, 10)).view(200, 64)
+    assert bool((hot.all(-1) | ~hot.any(-1))[:-1].all())  # whole blocks (the last one cut short)
+    assert not hot[0].any() and 0.4 < hot.any(-1).float().mean() < 0.6  # ~density / top_p, never the sink block
+    again = prefill_indexer(64 * 200 - 10, 0.45, 64, 16, "cpu", torch.bfloat16, seed=3, top_p=0.9)
+    assert again[1].dtype == torch.bfloat16 and torch.equal(again[1], k.to(torch.bfloat16))  # the seed fixes it
+    assert not torch.equal(prefill_indexer(640, 0.45, 64, 16, "cpu", torch.float32, seed=4)[1], k[..., :640, :])
+
+
+@pytest.mark.slow  # FlexAttention compiles on the CPU: about 20 s
+def test_fast_prefill_agrees_with_the_reference():
+    from sparrow.attention.rtpurbo_synthetic import prefill_vs_reference
+    from sparrow.kernels.sparse_prefill import SparsePrefillConfig
+
+    cfg = SparsePrefillConfig(top_p=0.9, block=32, num_sinks=4, window=64, ret_window=32)
+    err = prefill_vs_reference("cpu", torch.float32, 4, 2, 16, cfg, S=200, flex_dynamic=None)
+    assert 0.0 <= err < 1e-3

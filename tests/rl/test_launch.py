@@ -177,3 +177,105 @@ def test_grpo_base_config_and_technique_config_are_valid_recipe_configs(tmp_path
     assert set(TASKS) >= {"kv_retrieval", "kv_list"} and "exact_match" in REWARDS
     with pytest.raises(ValueError, match="task"):
         grpo_base_config(model, "m", "cpu", task="sudoku")
+
+
+def test_configuration_names():
+    from sparrow.rl.launch import CONFIGS, configuration_names
+
+    assert configuration_names(" all_off, spec_only,,") == ["all_off", "spec_only"]
+    assert configuration_names("all_off,all_on,spec_only", partial=True) == [
+        "all_off", "all_on", "spec_only", "all_off_partial", "all_on_partial"]  # twins where there are
+    assert configuration_names("all_off,all_off_partial", partial=True) == ["all_off", "all_off_partial"]
+    with pytest.raises(ValueError, match="'nope'"):
+        configuration_names("all_off,nope")
+    assert all(set(s) >= {"rtpurbo", "spec", "sparse_sync"} for s in CONFIGS.values())
+
+
+def test_configuration_switches_what_the_name_says(tmp_path):
+    from omegaconf import OmegaConf
+
+    from sparrow.rl.launch import CONFIGS, configuration, grpo_base_config
+    from sparrow.rl.recipe_config import check_config, check_values
+
+    model = {"_component_": "sparrow.models.tiny_qwen2", "vocab_size": 64}
+    base = grpo_base_config(model, tmp_path / "model.safetensors", "cpu", context=64, group=4, prompts_per_step=2,
+                            max_new=4, steps=3, eval_prompts=0, compile=False, bucket_growth=2)
+    for name, on in CONFIGS.items():
+        cfg = configuration(base, name, tmp_path / name, seed=3, rtpurbo=tmp_path / "cal", draft_window=64,
+                            spec_toggle="threshold", draft_lengths=[2, 4], max_active=8)
+        check_config(OmegaConf.create(cfg))
+        check_values(OmegaConf.create(cfg))
+        assert cfg["seed"] == 3 and cfg["output_dir"] == str(tmp_path / name)
+        assert (cfg["attention"]["_component_"] == "sparrow.attention.rtpurbo") == on["rtpurbo"]
+        assert (cfg["sync"]["codec"] == "auto") == on["sparse_sync"]
+        assert ("partial_rollout" in cfg) == bool(on.get("partial"))
+        assert (cfg.get("speculative") is not None) == on["spec"]
+    spec = configuration(base, "spec_only", tmp_path, draft_window=64, spec_toggle="threshold", draft_lengths=[2, 4],
+                         max_active=8)["speculative"]
+    assert spec["drafter"] == {"_component_": "sparrow.speculative.DrafterConfig", "weight": "int8", "window": 64}
+    assert spec["toggle"] == {"_component_": "sparrow.speculative.threshold", "num_draft": 4, "draft_lengths": [2, 4],
+                              "max_active": 8}
+    on = configuration(base, "all_on", tmp_path, rtpurbo=tmp_path / "cal", draft_window=64)  # RTPurbo: no window
+    assert "window" not in on["speculative"]["drafter"] and on["attention"]["path"] == str(tmp_path / "cal")
+    partial = configuration(base, "all_off_partial", tmp_path)
+    assert partial["partial_rollout"]["overprovision"] == 2  # default: a step's prompts
+    assert configuration(base, "all_off_partial", tmp_path, overprovision=5)["partial_rollout"]["overprovision"] == 5
+    with pytest.raises(KeyError):
+        configuration(base, "nope", tmp_path)
+
+
+def test_grpo_options_pass_on_to_grpo_base_config(tmp_path):
+    from sparrow.bench import base_parser, fill_defaults, keyword_args
+    from sparrow.rl.launch import GRPO_DEFAULTS, grpo_base_config, grpo_options
+
+    p = base_parser("q", [*grpo_options(), ("--context", int, 64, None)])
+    args = fill_defaults(p.parse_args(["--quick", "--group", "4", "--no-shared-prefix", "--no-compile",
+                                       "--max-new", "4"]), True, **GRPO_DEFAULTS)
+    kw = keyword_args(grpo_base_config, args)
+    assert kw["steps"] == 2 and kw["reward"] == "char_accuracy" and kw["lr"] == 1e-3 and kw["group"] == 4
+    assert kw["shared_prefix"] is False and kw["compile"] is False and kw["context"] == 64
+    cfg = grpo_base_config({"_component_": "sparrow.models.tiny_qwen2"}, tmp_path / "m", "cpu", **kw)
+    assert cfg["group_size"] == 4 and cfg["total_steps"] == 2 and cfg["reward"]["_component_"].endswith("CharAccuracy")
+    full = fill_defaults(p.parse_args([]), False, **GRPO_DEFAULTS)
+    assert (full.steps, full.prompts_per_step, full.eval_prompts, full.lr, full.compile) == (8, 8, 64, 1e-5, None)
+
+
+class _Engine:
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, group, params):
+        from sparrow.rollout import Generation, GenerationStats
+
+        self.calls.append((prompts, group, params))
+        return Generation([], GenerationStats(generated_tokens=len(prompts) * group * params.max_new_tokens,
+                                              prefill_s=0.25))
+
+
+class _TrainedRecipe:
+    group = 3
+
+    def __init__(self):
+        from sparrow.sampling import SamplingParams
+
+        self.engine = _Engine()
+        self.data_iter = iter([[{"prompt_ids": [1, 2]}, {"prompt_ids": [3]}], [{"prompt_ids": [9]}]])
+        self.params = SamplingParams(temperature=1.0, max_new_tokens=8, stop_token_ids=(2,))
+
+    def _sampling_params(self):
+        return self.params
+
+
+def test_fixed_rollout_decodes_the_next_prompts_to_a_fixed_length():
+    from sparrow.rl.launch import fixed_rollout
+
+    recipe = _TrainedRecipe()
+    out = fixed_rollout(recipe, 5)
+    assert set(out) == {"fixed_rollout_s", "fixed_tokens", "fixed_prefill_s"} and out["fixed_rollout_s"] >= 0
+    assert out["fixed_tokens"] == 2 * 3 * 5 and out["fixed_prefill_s"] == 0.25
+    assert len(recipe.engine.calls) == 2  # once to compile the no-stop mode, once timed, the same prompts
+    for prompts, group, params in recipe.engine.calls:
+        assert prompts == [[1, 2], [3]] and group == 3
+        assert params.max_new_tokens == 5 and params.stop_token_ids == () and params.temperature == 1.0
+    assert recipe.params.stop_token_ids == (2,)  # the recipe's own parameters are left alone
+    assert next(recipe.data_iter) == [{"prompt_ids": [9]}]  # one batch taken

@@ -101,3 +101,33 @@ def test_run_line():
                            "0.500, eval 0.25 -> 0.75, run 12.3 s (setup 2.0)")
     with pytest.raises(KeyError):
         run_line({k: v for k, v in r.items() if k != "sync_s"})
+
+
+def test_merge_files_reads_joins_and_keeps(tmp_path):
+    import json
+
+    from sparrow.rl.runs import merge_files
+
+    def write(seed, **extra):
+        rows = [{"config": c, "seed": seed, "median_step_s": s, "rollout_s": s, "rollout_ms_per_token": s}
+                for c, s in (("all_off", 4.0), ("all_on", 2.0))]
+        steps = [{"config": c, "seed": seed, "timed": True, "time/step_s": s, "time/rollout_s": s / 2}
+                 for c, s in (("all_off", 4.0), ("all_on", 2.0))]
+        doc = {"benchmark": "e2e", "complete": True, "environment": {"device": "x", "git_revision": f"r{seed}"},
+               "rows": rows, "steps": steps, "seconds": 10.0 + seed, "calibration": {"seed": seed},
+               "config": {"configs": ["all_off", "all_on"], "seeds": [seed], "work_dir": f"w{seed}"}, **extra}
+        path = tmp_path / f"s{seed}.json"
+        path.write_text(json.dumps(doc))
+        return path
+
+    paths = [write(0), write(1)]
+    config, rows, extra = merge_files(paths, "e2e", free=("configs", "seeds", "work_dir"), keep=("calibration", "x"))
+    assert config["seeds"] == [0, 1] and len(rows) == 4 and len(extra["steps"]) == 4
+    assert list(extra) == ["summary", "steps", "calibration", "x", "complete", "seconds", "sources"]
+    assert extra["calibration"] == {"seed": 0} and extra["x"] is None and extra["complete"] is True
+    assert extra["seconds"] == 21.0
+    assert extra["sources"] == [{"file": "s0.json", "git_revision": "r0"}, {"file": "s1.json", "git_revision": "r1"}]
+    (on,) = [s for s in extra["summary"] if s["config"] == "all_on"]
+    assert on["seeds"] == 2 and on["speedup"] == pytest.approx(2.0)
+    with pytest.raises(ValueError):  # work_dir differs and is not free
+        merge_files(paths, "e2e")

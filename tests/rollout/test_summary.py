@@ -7,6 +7,7 @@ import torch
 
 from sparrow.rollout import Generation, GenerationStats, Sample
 from sparrow.rollout.summary import bucket_comparison, generation_summary
+from sparrow.speculative import AlwaysOff, AlwaysOn
 
 
 def _gen(lengths, stops, **stats) -> Generation:
@@ -44,3 +45,107 @@ def test_bucket_comparison_against_the_first_run():
     assert t[1]["SD toggle+adaptive"] is None and t[1]["SD toggle+adaptive /AR"] is None
     assert t[1]["SD always k=4 /AR"] == 2.0 and t[1]["toggle SD frac"] == 0.0
     assert "AR /AR" not in t[0]
+
+
+class _Engine:
+    """generate() returns a fixed generation per toggle; the counters grow when a toggle is named "new"."""
+
+    def __init__(self):
+        self.toggle, self.calls, self.sampling_modes, self.captured_graphs = None, [], 1, 2
+
+    def generate(self, prompts, samples, params):
+        self.calls.append((type(self.toggle).__name__, len(prompts), samples, params.max_new_tokens))
+        if isinstance(self.toggle, AlwaysOn):
+            self.captured_graphs += 1  # a graph captured inside the clock
+        n = len(prompts) * samples
+        spec = not isinstance(self.toggle, AlwaysOff)
+        return _gen([4] * n, [True] * n, prefill_s=0.5, generated_tokens=4 * n, draft_proposed=8 * spec,
+                    draft_accepted=6 * spec, spec_row_cycles=4 * spec, block_tokens={n: 4 * n}, block_time_s={n: 1.0})
+
+
+def _costs():
+    from sparrow.speculative import CostModel
+
+    buckets = (1, 2, 4, 8)
+    return CostModel(key="t", target={b: (1.0, 0.0) for b in buckets}, draft={b: (0.3, 0.0) for b in buckets},
+                     verify={b: {k: (1.2, 0.0) for k in (1, 8)} for b in buckets})
+
+
+def _policies():
+    from sparrow.speculative import CostModelToggle
+
+    return [("AR", AlwaysOff()), ("SD toggle", CostModelToggle(_costs())), ("SD always", AlwaysOn(2))]
+
+
+def test_timed_generate_times_the_call():
+    from sparrow.rollout.summary import timed_generate
+    from sparrow.sampling import SamplingParams
+
+    eng = _Engine()
+    eng.toggle = AlwaysOff()
+    gen, seconds = timed_generate(eng, [[1], [2]], 3, SamplingParams(max_new_tokens=4))
+    assert len(gen) == 6 and seconds >= 0 and eng.calls == [("AlwaysOff", 2, 3, 4)]
+
+
+def test_policy_runs_against_the_first(monkeypatch):
+    from sparrow.rollout import summary
+    from sparrow.sampling import SamplingParams
+
+    latency = {"AlwaysOff": 4.0, "CostModelToggle": 2.0, "AlwaysOn": 5.0}
+    real = summary.timed_generate
+    monkeypatch.setattr(summary, "timed_generate",
+                        lambda e, *a: (real(e, *a)[0], latency[type(e.toggle).__name__]))
+    saved, logged = [], []
+    rows = summary.policy_runs("trained", _Engine(), [[1], [2]], 2, SamplingParams(max_new_tokens=4), _policies(),
+                               save=lambda rs: saved.append([r["run"] for r in rs]), log=logged.append)
+    assert [r["run"] for r in rows] == ["AR", "SD toggle", "SD always"] and {r["phase"] for r in rows} == {"trained"}
+    assert [r["speedup_vs_ar"] for r in rows] == [1.0, 2.0, 0.8]
+    assert [r["latency_reduction"] for r in rows] == [0.0, 0.5, pytest.approx(-0.25)]
+    assert "final_alpha_estimate" in rows[1] and "final_alpha_estimate" not in rows[2]
+    assert rows[1]["acceptance"] == 0.75 and rows[0]["acceptance"] is None
+    assert saved == [["AR"], ["AR", "SD toggle"], ["AR", "SD toggle", "SD always"]] and len(logged) == 3
+    import time
+
+    late = summary.policy_runs("x", _Engine(), [[1]], 1, SamplingParams(max_new_tokens=4), _policies(),
+                               deadline=time.perf_counter() + 3.0, log=logged.append)
+    assert [r["run"] for r in late] == ["AR"] and "skipped (deadline)" in logged[-1]  # the first always runs
+
+
+def test_fixed_batch_runs_hold_the_batch(monkeypatch):
+    import time
+
+    from sparrow.rollout import summary
+    from sparrow.sampling import SamplingParams
+
+    latency = {"AlwaysOff": 2.5, "CostModelToggle": 2.5, "AlwaysOn": 1.5}  # decode 2 s, 2 s, 1 s (prefill 0.5)
+    real = summary.timed_generate
+    monkeypatch.setattr(summary, "timed_generate",
+                        lambda e, *a: (real(e, *a)[0], latency[type(e.toggle).__name__]))
+    eng = _Engine()
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=())
+    rows = summary.fixed_batch_runs(eng, [1, 4], [[1], [2], [3], [4]], 2, params, _policies, log=lambda m: None)
+    assert [(r["batch"], r["prompts"], r["samples"], r["new_tokens"]) for r in rows] == [(1, 1, 1, 4), (4, 2, 2, 4)]
+    assert [c[1:3] for c in eng.calls] == [(1, 1)] * 3 + [(2, 2)] * 3
+    r = rows[1]
+    assert (r["AR tok/s"], r["SD toggle tok/s"], r["SD always tok/s"]) == (8.0, 8.0, 16.0)  # 16 tokens each
+    assert (r["SD toggle /AR"], r["SD always /AR"]) == (1.0, 2.0)
+    assert "AR /AR" not in r and "AR acceptance" not in r and r["SD toggle acceptance"] == 0.75
+    assert (r["AR compiled"], r["SD always compiled"]) == (0, 1)
+    assert summary.fixed_batch_runs(eng, [1], [[1]], 1, params, _policies, deadline=time.perf_counter() - 1,
+                                    log=lambda m: None) == []
+
+
+def test_phase_tables_per_phase():
+    from sparrow.bench import format_table
+    from sparrow.rollout.summary import phase_tables
+
+    rows = [{"run": "AR", "phase": "b", "latency_s": 2.0, "bucket_tok_s": {1: 10.0}, "bucket_steps": {},
+             "bucket_spec_steps": {}},
+            {"run": "AR", "phase": "a", "latency_s": 1.0, "bucket_tok_s": {}, "bucket_steps": {},
+             "bucket_spec_steps": {}}]
+    text = phase_tables(rows, ["run", "latency_s"])
+    assert text.split("\n")[:2] == ["", "Phase 'a':"] and text.index("Phase 'a'") < text.index("Phase 'b'")
+    assert format_table([rows[1]], ["run", "latency_s"]) + "\n" + "bucket" in text  # no bucket times: a header
+    assert text.endswith(format_table(bucket_comparison([rows[0]]), ["bucket", "AR", "toggle SD frac"]))
+    with pytest.raises(KeyError):
+        phase_tables([{"run": "AR"}], ["run"])

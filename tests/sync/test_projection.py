@@ -86,3 +86,16 @@ def test_perturb_bits_density_and_mix():
     assert mag.max().item() <= 3 and abs((mag == 1).float().mean().item() - 0.9) < 0.03
     with pytest.raises(TypeError):
         perturb_bits(torch.zeros(4), 0.1, g)
+
+
+def test_memory_floor_counts_the_traffic():
+    from sparrow.sync.projection import memory_floor_ms
+
+    f = memory_floor_ms(1000, 10, 100, copy_gbs=1e-3)  # 1 MB/s: a byte is a microsecond
+    assert f["encode_floor_ms"] == pytest.approx((4000 + 20 + 100) * 1e-3)  # old + new bits, snapshot, payload
+    assert f["apply_floor_ms"] == pytest.approx((100 + 40) * 1e-3)  # payload, changed elements read + written
+    assert f["floor_ms"] == pytest.approx(f["encode_floor_ms"] + f["apply_floor_ms"])
+    assert f["floor_full_ms"] == pytest.approx(f["floor_ms"] + 2000 * 1e-3)  # the receiver's weights read
+    assert memory_floor_ms(1000, 10, 100, copy_gbs=2e-3)["floor_ms"] == pytest.approx(f["floor_ms"] / 2)
+    with pytest.raises(ValueError):
+        memory_floor_ms(1000, 10, 100, copy_gbs=0.0)

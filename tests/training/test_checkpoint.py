@@ -61,3 +61,24 @@ def test_reports_are_checked(tmp_path):
     with pytest.raises(ValueError, match="_component_"):
         save_trained_model(tmp_path, _model(), {"model": {"num_layers": 1}})
     assert not (tmp_path / MODEL_FILE).exists()
+
+
+def test_load_recipe_model_reads_model_checkpoint_and_task(tmp_path):
+    from sparrow.rl import KVRetrieval
+    from sparrow.training import load_recipe_model
+
+    model = _model()
+    save_trained_model(tmp_path / "ckpt", model, {"model": SPEC})
+    spec = "\n".join(f"  {k}: {v}" for k, v in SPEC.items())
+    (tmp_path / "run.yaml").write_text(f"model:\n{spec}\ncheckpoint: ckpt/{MODEL_FILE}\n"  # relative to the file
+                                       "task:\n  _component_: sparrow.rl.KVRetrieval\n  context_len: 32\n")
+    loaded, task, cfg = load_recipe_model(tmp_path / "run.yaml")
+    assert isinstance(task, KVRetrieval) and task.context_len == 32 and cfg.checkpoint == str(tmp_path / "ckpt" /
+                                                                                            MODEL_FILE)
+    assert not loaded.training and not any(p.requires_grad for p in loaded.parameters())
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    (tmp_path / "bad.yaml").write_text((tmp_path / "run.yaml").read_text().replace("num_heads: 2", "num_heads: 4"))
+    with pytest.raises(ValueError, match="does not fit"):
+        load_recipe_model(tmp_path / "bad.yaml")
+    with pytest.raises(FileNotFoundError):
+        load_recipe_model(tmp_path / "none.yaml")

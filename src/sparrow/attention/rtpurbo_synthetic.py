@@ -1,11 +1,13 @@
 """A synthetic RTPurbo decode layer: caches and inputs of one attention layer with a chosen retrieval density,
-and the speedups of a 15%-retrieval-head model derived from per-layer times.
+and the speedups of a 15%-retrieval-head model derived from per-layer times; the prefill's indexer likewise.
 
 What ``benchmarks/bench_rtpurbo_decode.py`` times, for a user timing their own shapes: :func:`hot_indexer_keys`
 plants the blocks that carry the indexer's mass, :class:`SyntheticDecodeLayer` holds a dense two-level cache and
 RTPurbo caches for zero and one retrieval kv head with a backend whose indexer maps the layer's query onto the
 planted direction, :func:`decode_speedups` reads the times back and :func:`triton_vs_reference` checks the Triton
-pipelines timed against the PyTorch reference.
+pipelines timed against the PyTorch reference. For ``benchmarks/bench_rtpurbo_prefill.py``:
+:func:`prefill_indexer` plants the density in a prompt's indexer queries and keys, :func:`prefill_vs_reference`
+checks the fast prefill path against the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from sparrow.attention.base import LayerShape
 from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig
+from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
 INDEXER_DIM = 16  #: the indexer key width of the synthetic layer
 
@@ -31,6 +34,47 @@ def hot_indexer_keys(B: int, L: int, density: float, block: int, u: torch.Tensor
     hot[:, 0] = False
     tok = hot.repeat_interleave(block, dim=1)[:, :L].to(u.device)
     return torch.randn(B, 1, L, u.numel(), device=u.device) * 0.05 + tok[:, None, :, None] * (12.0 * u)
+
+
+def prefill_indexer(S: int, density: float, block: int, r: int, device: torch.device | str, dtype: torch.dtype,
+                    seed: int = 0, top_p: float = 0.9) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indexer queries and keys ``q_idx, k_idx`` ``[1, 1, S, r]`` of one ``S``-token prompt (one retrieval kv head;
+    on ``device`` in ``dtype``): the keys of a random ``density / top_p`` fraction of the ``block``-token key blocks
+    (never the first, kept anyway as the sink) point along a random unit vector that every query follows, so they
+    carry ~all the indexer mass and a top-p selection keeps about ``density`` of the causal blocks; small noise
+    elsewhere. Deterministic in ``seed`` (its own generator)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    u = torch.randn(r, generator=g)
+    u = u / u.norm()
+    hot = torch.rand(-(-S // block), generator=g) < min(1.0, density / top_p)
+    hot[0] = False  # the sink block is kept anyway
+    k = torch.randn(S, r, generator=g) * 0.05
+    k[hot.repeat_interleave(block)[:S]] += 12.0 * u
+    q = u.expand(S, r) + torch.randn(S, r, generator=g) * 0.05
+    return q.to(device, dtype)[None, None].contiguous(), k.to(device, dtype)[None, None].contiguous()
+
+
+def prefill_vs_reference(dev: torch.device | str, dtype: torch.dtype, hq: int, hkv: int, d: int,
+                         config: SparsePrefillConfig, *,
+                         S: int = 1000, flex_dynamic: bool | None = True) -> float:
+    """The largest relative error (Frobenius, fp32) of the fast sparse prefill (FlexAttention for the retrieval
+    head, Triton scores; the local heads both ``chunked`` and ``flex``) against the PyTorch reference, on random
+    q / k / v of one ``S``-token prompt (``hq`` query heads, ``hkv`` kv heads, the first retrieval, head_dim ``d``)
+    with a :func:`prefill_indexer` at 10% density. ``config``: the
+    selection measured (its window cut to 300 tokens);
+    ``flex_dynamic`` as :func:`~sparrow.kernels.sparse_prefill.sparse_prefill_attention` takes it. Needs CUDA or
+    Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    g = torch.Generator(device="cpu").manual_seed(4)
+    q, k, v = (torch.randn(1, h, S, d, generator=g).to(dev, dtype) for h in (hq, hkv, hkv))
+    small = SparsePrefillConfig(config.top_p, config.block, config.num_sinks, min(config.window, 300),
+                                config.ret_window)
+    qi, ki = prefill_indexer(S, 0.1, config.block, INDEXER_DIM, dev, dtype, seed=5, top_p=config.top_p)
+    args = (q, k, v, qi, ki, torch.tensor([S], device=dev), torch.arange(1, device=dev),
+            torch.arange(1, hkv, device=dev), small)
+    ref = sparse_prefill_attention(*args, impl="reference", score_impl="reference").float()
+    outs = [sparse_prefill_attention(*args, impl="flex", score_impl="triton", local_impl=li, flex_dynamic=flex_dynamic)
+            for li in ("chunked", "flex")]
+    return max(float((o.float() - ref).norm() / ref.norm()) for o in outs)
 
 
 class SyntheticDecodeLayer:

@@ -3,7 +3,12 @@
 The retrieval heads are scored once (by ablation or attention mass) and one indexer is fitted per
 ``(decode_block, top_p)`` for the largest head set; a configuration with fewer heads takes its heads' part of that
 indexer (:func:`~sparrow.calibrate.data.subset_indexer`). Each configuration's selection is then measured against
-the dense top-p set on held-out sequences (:func:`selection_record`).
+the dense top-p set on held-out sequences (:func:`selection_record`; :func:`selection_rows` flattens it,
+:func:`plot_selection` draws it).
+
+:func:`variant_configs` builds the configurations of a variant spec (:func:`parse_variants`),
+:func:`variant_densities` reads what one read while answering; :func:`calibration_options` are a script's
+options of a calibration.
 
 Example::
 
@@ -27,6 +32,7 @@ from sparrow.attention.rtpurbo import (
     HeadProfile, IndexerWeights, RTPurboConfig, rtpurbo_attention, rtpurbo_backends,
 )
 from sparrow.attention.rtpurbo_io import save_rtpurbo
+from sparrow.bench import save_figure, subplots
 from sparrow.calibrate.data import (
     CALIBRATION_SEED, calibration_sequences, fit_sequences, kv_calibration_sequence, subset_indexer,
 )
@@ -63,6 +69,38 @@ def selection_record(model: nn.Module, profile: HeadProfile, indexer: IndexerWei
             log(f"selection, temperature {temp}, {queries} queries:\n{r.table()}")
             out[f"{temp}_{queries}"] = {**r.summary(), "heads": [vars(h) for h in r.heads]}
     return out
+
+
+def selection_rows(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """:func:`calibrate_variants`' record as rows: one per configuration, measurement of :func:`selection_record`
+    and retrieval head, ``{"config", "run", **the head's statistics}`` (``run``: ``"<calibrated|t1>_<all|decode>"``).
+    ``KeyError`` for a record without ``configs`` or their ``selection``."""
+    return [dict(config=name, run=run, **h) for name, rec in record["configs"].items()
+            for run, sel in rec["selection"].items() for h in sel["heads"]]
+
+
+def plot_selection(rows: Sequence[Mapping[str, Any]], png_path: Path | str, title: str) -> None:
+    """Density of the dense top-p set and of the indexer's (temperature 1, calibrated), per granularity (token,
+    decode block, prefill block; the mean over ``rows``' heads, :func:`selection_rows`), over all queries and the
+    decode ones, with the indexer's recall of the dense set's mass over its bars; written to ``png_path``.
+    ``ZeroDivisionError`` when a measurement has no row."""
+    grans = ("token", "block", "prefill")
+    fig, axes = subplots(1, 2, figsize=(11, 4), squeeze=False)
+    for ax, queries in zip(axes[0], ("all", "decode")):
+        for i, (label, temp, key) in enumerate((("dense top-p", "t1", "dense"), ("indexer, T=1", "t1", "indexer"),
+                                                ("indexer, calibrated T", "calibrated", "indexer"))):
+            rs = [r for r in rows if r["run"] == f"{temp}_{queries}"]
+            vals = [sum(r[f"{key}_{g}"] for r in rs) / len(rs) for g in grans]
+            bars = ax.bar([j + 0.27 * (i - 1) for j in range(3)], vals, width=0.27, label=label, color=f"C{i}")
+            for b, g in zip(bars, grans) if key == "indexer" else ():
+                rec = sum(r[f"recall_{g}"] for r in rs) / len(rs)
+                ax.annotate(f"{rec:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                            fontsize=7)
+        ax.set_xticks(range(3), list(grans))
+        ax.set(ylim=(0, 1.1), ylabel="kept / causal (mean over retrieval heads)",
+               title=f"{queries} queries (labels: recall of the dense set's mass)")
+        ax.legend(fontsize=7, loc="upper left")
+    save_figure(fig, png_path, title)
 
 
 def calibrate_variants(model: nn.Module, configs: Mapping[str, RTPurboConfig], context: int, *,
@@ -137,6 +175,23 @@ def local_prefill_fraction(S: int, window: int, sinks: int) -> float:
     return float(kept.sum() / ((i + 1).sum()))
 
 
+def variant_densities(stats: Mapping[str, float], profile: HeadProfile, config: RTPurboConfig,
+                      context: int) -> dict[str, Any]:
+    """What a variant read while answering prompts of ``context`` tokens (``context + 1`` with ``<bos>``), from its
+    backends' selection statistics ``stats`` (:func:`~sparrow.attention.rtpurbo.collect_selection_stats`):
+    ``decode_density``, ``decode_ret_density`` and ``prefill_ret_density`` as measured; ``prefill_density`` over all
+    heads (the retrieval heads' measured density, the local heads' sinks + window exactly:
+    :func:`local_prefill_fraction`); the ``window``, its share ``window_frac`` of the prompt, and the number of
+    ``retrieval_heads`` of ``profile``. ``KeyError`` when ``stats`` lacks one of the densities."""
+    n_ret, n_all = int(profile.retrieval.sum()), profile.retrieval.numel()
+    pre_ret = stats["prefill_ret_density"] if n_ret else 0.0
+    local = local_prefill_fraction(context + 1, config.window, config.num_sinks)
+    return dict(decode_density=stats["decode_density"], decode_ret_density=stats["decode_ret_density"],
+                prefill_ret_density=stats["prefill_ret_density"],
+                prefill_density=(n_ret * pre_ret + (n_all - n_ret) * local) / n_all,
+                window=config.window, window_frac=config.window / (context + 1), retrieval_heads=n_ret)
+
+
 def calibrate_and_save(model: nn.Module, config: RTPurboConfig, context: int, out: str | Path, *, profile_seqs: int,
                        fit_seqs: int, fit_steps: int, queries_per_seq: int, lr: float) -> dict[str, Any]:
     """One RTPurbo calibration of ``model`` on task sequences at ``context``, written to ``out`` (what the
@@ -181,3 +236,33 @@ def parse_variants(text: str) -> dict[str, dict[str, float | int]]:
         out[",".join(f"{k}={c[k]}" for k in sorted(c))] = {k: VARIANT_KEYS[k](v) for k, v in c.items()}
     return out
 
+
+def variant_configs(text: str, context: int, *, default_ratio: float = 0.15, **base: Any) -> dict[str, RTPurboConfig]:
+    """The RTPurbo configuration of every variant of the spec ``text`` (:func:`parse_variants`), under its name
+    there: :meth:`~sparrow.attention.rtpurbo.RTPurboConfig.for_context` at ``context`` with the settings ``base``
+    (e.g. ``top_p``, ``impl``) overridden by the variant's own, its ``ratio`` the retrieval ratio (``default_ratio``
+    without one). ``ValueError`` from :func:`parse_variants` and from the configuration's checks."""
+    return {name: RTPurboConfig.for_context(context, retrieval_ratio=v.get("ratio", default_ratio),
+                                            **(base | {k: x for k, x in v.items() if k != "ratio"}))
+            for name, v in parse_variants(text).items()}
+
+
+def calibration_options(fit_steps: int = 300, prefill_impl: str = "auto") -> list[tuple]:
+    """Command-line options of an RTPurbo calibration, as :func:`~sparrow.bench.base_parser` rows: ``--top-p``, the
+    kernels (``--decode-impl``, ``--prefill-impl`` defaulting to ``prefill_impl``), the data (``--profile-seqs``
+    examples per task for the head scores, ``--fit-seqs`` sequences and ``--queries-per-seq`` queries for the
+    indexer fit) and the fit (``--fit-steps``, its help naming the full default ``fit_steps``, and ``--fit-lr``).
+    The counts default to None: :data:`CALIBRATION_DEFAULTS` and ``fit_steps=(20, fit_steps)`` are their
+    ``--quick`` and full values (:func:`~sparrow.bench.fill_defaults`)."""
+    return [("--top-p", float, 0.9, None), ("--decode-impl", ["auto", "reference", "triton"], "auto", None),
+            ("--prefill-impl", ["auto", "reference", "flex"], prefill_impl,
+             "reference: the selection with dense masks"),
+            ("--profile-seqs", int, None, "examples per task for the head scores (default 8; quick 2)"),
+            ("--fit-seqs", int, None, "indexer fit sequences (default 8; quick 2)"),
+            ("--fit-steps", int, None, f"indexer fit steps (default {fit_steps}; quick 20)"),
+            ("--fit-lr", float, 3e-3, None), ("--queries-per-seq", int, None, "default 256; quick 64")]
+
+
+#: the ``(--quick, full)`` values of :func:`calibration_options`' counts (``fit_steps`` is the caller's)
+CALIBRATION_DEFAULTS: dict[str, tuple[int, int]] = {"profile_seqs": (2, 8), "fit_seqs": (2, 8),
+                                                    "queries_per_seq": (64, 256)}

@@ -7,11 +7,12 @@ log read back, and the command-line overrides that switch Sparrow's techniques o
 * :func:`log_overrides` are the overrides every measured launch takes (a JSONL metric log, no evaluation, no
   checkpoints, no plot); :func:`technique_overrides` switch RTPurbo, speculative decoding and the sparse sync codec
   on (``all_on``) or off (``all_off``); :func:`speculative_section` is the recipe's ``speculative`` section.
-* :func:`grpo_base_config` is a whole GRPO recipe config with every technique off (the end-to-end benchmark's),
-  :func:`technique_config` one run of it with techniques switched on (RTPurbo, speculation, sparse sync, partial
-  rollout).
+* :func:`grpo_base_config` is a whole GRPO recipe config with every technique off (the end-to-end benchmark's;
+  :func:`grpo_options` its command-line options), :func:`technique_config` one run of it with techniques switched
+  on (RTPurbo, speculation, sparse sync, partial rollout), :func:`configuration` the run of a named configuration
+  of :data:`CONFIGS` (:func:`configuration_names` reads a list of them).
 * :func:`calibrate` runs ``sparrow calibrate`` on a model in its own process; :func:`run_in_process` runs a
-  recipe's setup, training and cleanup in this one.
+  recipe's setup, training and cleanup in this one, :func:`fixed_rollout` times an equal-work rollout after it.
 
 Example::
 
@@ -25,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import os
@@ -32,11 +34,11 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sparrow.bench import batch_buckets
+from sparrow.bench import batch_buckets, free_memory
 
 _REPO = Path(__file__).resolve().parents[3]
 
@@ -178,17 +180,6 @@ def launch_recipe(config: Path | str, overrides: Sequence[str], *, out: Path | s
     return Launch(argv, proc.returncode, wall, first, records, output)
 
 
-def free_memory() -> None:
-    """Collect garbage and return cached CUDA memory (what an earlier, perhaps failed, run left behind)."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run_in_process(recipe_cls: type, config: dict[str, Any], after: Callable[[Any], dict] | None = None
                    ) -> dict[str, Any]:
     """``setup -> train -> cleanup`` of one recipe (``recipe_cls(cfg)``, e.g. ``sparrow_grpo.GRPORecipe``) on the
@@ -217,6 +208,23 @@ def run_in_process(recipe_cls: type, config: dict[str, Any], after: Callable[[An
         del recipe
         free_memory()
     return {"records": records, "setup_s": setup_s, "run_s": time.perf_counter() - t0, **extra}
+
+
+def fixed_rollout(recipe: Any, length: int) -> dict[str, Any]:
+    """An equal-work rollout of a trained ``sparrow_grpo`` recipe (a ``GRPORecipe`` after ``train()``, e.g. as
+    :func:`run_in_process`'s ``after``): the next step's prompts (from ``recipe.data_iter``) decoded
+    ``recipe.group`` times each to exactly ``length`` new tokens (the recipe's sampling parameters without stop
+    tokens), twice: the first call meets the no-stop sampling mode (compiled once), the second is timed. Returns
+    ``{"fixed_rollout_s", "fixed_tokens", "fixed_prefill_s"}`` of the second call: the same work whatever lengths
+    a configuration samples. ``StopIteration`` when the recipe's data is exhausted."""
+    prompts = [b["prompt_ids"] for b in next(recipe.data_iter)]
+    params = replace(recipe._sampling_params(), max_new_tokens=length, stop_token_ids=())
+    for _ in range(2):
+        t = time.perf_counter()
+        gen = recipe.engine.generate(prompts, recipe.group, params)
+        seconds = time.perf_counter() - t
+    return {"fixed_rollout_s": seconds, "fixed_tokens": gen.stats.generated_tokens,
+            "fixed_prefill_s": gen.stats.prefill_s}
 
 
 def calibrate(model: Path | str, out: Path | str, *, seq_len: int, steps: int, env: dict[str, str] | None = None,
@@ -291,6 +299,36 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
     }
 
 
+def grpo_options() -> list[tuple]:
+    """Command-line options of :func:`grpo_base_config`'s keywords but ``context``, as
+    :func:`~sparrow.bench.base_parser` rows whose ``dest`` is the keyword (:func:`~sparrow.bench.keyword_args`
+    passes them on). Those defaulting to None take their values from :data:`GRPO_DEFAULTS`
+    (:func:`~sparrow.bench.fill_defaults`), except ``--max-new`` and ``--max-asked``, which the caller sets from its
+    task (``--no-compile``: None unless given, the caller's choice)."""
+    return [
+        ("--steps", int, None, "GRPO steps per run (default 8; quick 2)"),
+        ("--task", list(TASKS), "kv_retrieval", None), ("--group", int, 8, None),
+        ("--prompts-per-step", int, None, "default 8; quick 2"),
+        ("--max-new", int, None, "sampling max_new_tokens (default 8, quick 4; kv_list: its longest answer and <eos>)"),
+        ("--max-asked", int, None, "kv_list: most keys asked at once (default 32; 256: responses up to 1K tokens)"),
+        ("--minibatches", int, 2, "policy updates per step (>1: a separate pi_old pass)"),
+        ("--micro-batch", int, 32, "trainer rows per forward / backward"),
+        ("--reward", list(REWARDS), None, "also the held-out score (default exact_match; quick char_accuracy)"),
+        ("--lr", float, None, "AdamW learning rate (default 1e-5; quick 1e-3)"),
+        ("--eval-prompts", int, None, "held-out prompts (default 64; quick 8; 0: no eval)"),
+        ("--block-steps", int, 16, "engine decode steps between host checks"),
+        ("--bucket-growth", int, 4, "engine batch buckets are powers of this (4: about half the CUDA graphs of 2)"),
+        ("--shared-prefix", dict(action=argparse.BooleanOptionalAction, default=True,
+                                 help="trainer computes each prompt once per group (in every configuration)")),
+        ("--no-compile", dict(dest="compile", action="store_false", default=None,
+                              help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)"))]
+
+
+#: the ``(--quick, full)`` values of the :func:`grpo_options` that default to None (the caller's own excepted)
+GRPO_DEFAULTS: dict[str, tuple[Any, Any]] = {"steps": (2, 8), "prompts_per_step": (2, 8), "eval_prompts": (8, 64),
+                                             "reward": ("char_accuracy", "exact_match"), "lr": (1e-3, 1e-5)}
+
+
 def technique_config(base: dict[str, Any], output_dir: Path | str, *, seed: int = 0, rtpurbo: Path | str | None = None,
                      indexer_refresh_every: int = 0, speculative: dict[str, Any] | None = None,
                      sparse_sync: bool = False, overprovision: int | None = None, max_staleness: int = 1,
@@ -319,3 +357,56 @@ def technique_config(base: dict[str, Any], output_dir: Path | str, *, seed: int 
         cfg["engine"].update(max_rows=rows, max_prompts=max(cfg["engine"]["max_prompts"], per_step),
                              batch_buckets=batch_buckets(rows, bucket_growth))
     return cfg
+
+
+#: the end-to-end comparison's configurations: name -> which techniques are on (``partial``: partial rollout, the
+#: twin of the configuration with the same switches)
+CONFIGS: dict[str, dict[str, bool]] = {
+    "all_off": {"rtpurbo": False, "spec": False, "sparse_sync": False},
+    "all_on": {"rtpurbo": True, "spec": True, "sparse_sync": True},
+    "rtpurbo_only": {"rtpurbo": True, "spec": False, "sparse_sync": False},
+    "spec_only": {"rtpurbo": False, "spec": True, "sparse_sync": False},
+    "sparse_sync_only": {"rtpurbo": False, "spec": False, "sparse_sync": True},
+    "all_off_partial": {"rtpurbo": False, "spec": False, "sparse_sync": False, "partial": True},
+    "all_on_partial": {"rtpurbo": True, "spec": True, "sparse_sync": True, "partial": True},
+}
+
+
+def configuration_names(text: str, partial: bool = False) -> list[str]:
+    """The configurations named in the comma list ``text`` (keys of :data:`CONFIGS`, blanks skipped) and, with
+    ``partial``, after them each one's partial-rollout twin (``<name>_partial``) where there is one.
+    ``ValueError`` naming the unknown ones."""
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    if partial:
+        names += [f"{n}_partial" for n in names if f"{n}_partial" in CONFIGS and f"{n}_partial" not in names]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configs {unknown} (known: {list(CONFIGS)})")
+    return names
+
+
+def configuration(base: dict[str, Any], name: str, output_dir: Path | str, *, seed: int = 0,
+                  rtpurbo: Path | str | None = None, draft_weight: str = "int8", draft_window: int = 0,
+                  spec_toggle: str = "cost_model", draft_lengths: Sequence[int] = (2, 4), max_active: int = 32,
+                  overprovision: int | None = None, max_staleness: int = 1, indexer_refresh_every: int = 0,
+                  bucket_growth: int = 4) -> dict[str, Any]:
+    """:func:`technique_config` of ``base`` (:func:`grpo_base_config`) for the configuration ``name`` of
+    :data:`CONFIGS`, its run ``seed`` writing into ``output_dir``, with the techniques the configuration switches
+    on: RTPurbo attention from the calibration ``rtpurbo`` (refreshed every ``indexer_refresh_every`` steps, 0:
+    never); speculation with a ``draft_weight`` self-drafter (windowed to ``draft_window`` tokens when that is
+    above 0 and RTPurbo is off: a windowed draft needs dense caches) under the :func:`speculative_section` of
+    ``spec_toggle``, ``draft_lengths`` and ``max_active``; the sparse sync codec; and for a partial-rollout
+    configuration ``overprovision`` groups in flight beyond a step's (None: as many as a step's prompts), spanning
+    at most ``max_staleness`` policy versions. ``KeyError`` for a name not in :data:`CONFIGS`; ``ValueError`` from
+    :func:`speculative_section`."""
+    on, spec = CONFIGS[name], None
+    if on["spec"]:
+        drafter = {"_component_": "sparrow.speculative.DrafterConfig", "weight": draft_weight}
+        if draft_window and not on["rtpurbo"]:  # a windowed draft needs dense caches
+            drafter["window"] = draft_window
+        spec = speculative_section(drafter, spec_toggle, draft_lengths, max_active)
+    over = (base["prompts_per_step"] if overprovision is None else overprovision) if on.get("partial") else None
+    return technique_config(base, output_dir, seed=seed, rtpurbo=rtpurbo if on["rtpurbo"] else None,
+                            indexer_refresh_every=indexer_refresh_every, speculative=spec,
+                            sparse_sync=on["sparse_sync"], overprovision=over, max_staleness=max_staleness,
+                            bucket_growth=bucket_growth)

@@ -5,7 +5,8 @@ time goes).
 A *record* is one ``metric_logger.log_dict`` call of ``sparrow_grpo`` (``time/step_s``, ``time/rollout_s``,
 ``reward/mean``, ...); :func:`step_rows` keeps the training steps, :func:`run_summary` reduces one run,
 :func:`add_speedups` and :func:`compare` relate runs to the baseline, :func:`plot_runs` draws them;
-:func:`partial_costs` reduces partial rollout's records, :func:`merge_results` joins results of several seeds;
+:func:`partial_costs` reduces partial rollout's records, :func:`merge_results` joins results of several seeds
+(:func:`merge_files` the files of them);
 :func:`run_line` and the ``*_COLUMNS`` tuples report them.
 
 Example::
@@ -19,10 +20,11 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 # seconds the recipe logs per step as time/<phase>_s
 PHASES = ("prefill", "decode", "logprob", "train", "sync", "sync_apply", "drafter_refresh", "rollout", "step")
@@ -204,6 +206,23 @@ def merge_results(docs: list[dict[str, Any]], benchmark: str, free: Iterable[str
     config = dict(docs[0]["config"], configs=list(dict.fromkeys(r["config"] for r in rows)),
                   seeds=sorted({r["seed"] for r in rows}))
     return config, rows, steps
+
+
+def merge_files(paths: Sequence[Path | str], benchmark: str, free: Iterable[str] = ("configs", "seeds"),
+                keep: Iterable[str] = ()) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]:
+    """The JSON results at ``paths`` (complete runs of the comparison benchmark ``benchmark`` with other seeds)
+    joined by :func:`merge_results` (``free``: its config keys that may differ): ``(config, rows, extra)``, where
+    ``extra`` is the rest of the merged result: the :func:`compare` ``summary``, the ``steps``, the first
+    document's value of each key in ``keep`` (None where it has none), ``complete``, the summed ``seconds`` and
+    the ``sources`` (each file's name and git revision). ``ValueError`` from :func:`merge_results`; ``OSError`` and
+    ``json.JSONDecodeError`` for a file that cannot be read."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    config, rows, steps = merge_results(docs, benchmark, free=free)
+    extra = {"summary": compare(rows, steps), "steps": steps, **{k: docs[0].get(k) for k in keep}, "complete": True,
+             "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
+             "sources": [{"file": Path(p).name, "git_revision": d["environment"].get("git_revision")}
+                         for p, d in zip(paths, docs)]}
+    return config, rows, extra
 
 
 def plot_runs(steps: list[dict[str, Any]], png: Path | str, title: str = "", warmup: int = 1) -> None:

@@ -3,13 +3,23 @@
 :func:`generation_summary` turns a :class:`~sparrow.rollout.Generation` and its wall time into the figures a
 rollout benchmark reports (latency, throughput, speculative acceptance, response lengths, per-bucket tokens/s);
 :func:`bucket_comparison` puts several such summaries side by side per batch bucket, against the first.
+:func:`timed_generate` times one call; :func:`policy_runs` compares decoding policies (toggles) on one rollout
+(:func:`phase_tables` reports them), :func:`fixed_batch_runs` at batch sizes held fixed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import gc
+import time
+from typing import Any, Callable, Sequence
 
-from sparrow.rollout.engine import Generation
+from sparrow.bench import format_table, synchronize
+from sparrow.rollout.engine import Generation, RolloutEngine
+from sparrow.sampling import SamplingParams
+from sparrow.speculative.base import ToggleController
+from sparrow.speculative.toggle import CostModelToggle
+
+Policies = Sequence[tuple[str, ToggleController]]
 
 
 def generation_summary(name: str, gen: Generation, total_s: float) -> dict[str, Any]:
@@ -59,4 +69,98 @@ def bucket_comparison(rows: list[dict[str, Any]], toggled: str = "SD toggle") ->
     return table
 
 
-__all__ = ["bucket_comparison", "generation_summary"]
+def phase_tables(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """The report of :func:`policy_runs` rows per ``phase`` (sorted), as printed: a heading ``Phase '<phase>':``
+    after a blank line, the phase's rows in ``columns`` (:func:`~sparrow.bench.format_table`) and its
+    :func:`bucket_comparison` table (a lone ``bucket`` header when no run has bucket times). ``KeyError`` for a
+    row without ``phase``, ``run`` or ``bucket_tok_s``."""
+    out = []
+    for phase in sorted({r["phase"] for r in rows}):
+        rs = [r for r in rows if r["phase"] == phase]
+        bt = bucket_comparison(rs)
+        out += [f"\nPhase '{phase}':", format_table(rs, columns), format_table(bt, list(bt[0]) if bt else ["bucket"])]
+    return "\n".join(out)
+
+
+def timed_generate(engine: RolloutEngine, prompts: Sequence, samples: int,
+                   params: SamplingParams) -> tuple[Generation, float]:
+    """``engine.generate(prompts, samples, params)`` and its wall seconds, the device synchronized before and after
+    (work queued earlier does not count, the call's own does). Raises what ``engine.generate`` raises."""
+    synchronize()
+    t0 = time.perf_counter()
+    gen = engine.generate(prompts, samples, params)
+    synchronize()
+    return gen, time.perf_counter() - t0
+
+
+def policy_runs(label: str, engine: RolloutEngine, prompts: Sequence, samples: int, params: SamplingParams,
+                policies: Policies, *, save: Callable[[list[dict[str, Any]]], None] | None = None,
+                deadline: float | None = None, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """One rollout (``prompts`` x ``samples`` under ``params``) through ``engine`` per decoding policy of
+    ``policies`` (``(name, toggle)`` pairs, each toggle fresh), in order, the first the baseline (plain decoding):
+    a :func:`generation_summary` row each, with ``phase=label``, ``speedup_vs_ar`` and ``latency_reduction``
+    against the first run (every row updated as runs finish) and, for a
+    :class:`~sparrow.speculative.CostModelToggle`, the acceptance it ended on (``final_alpha_estimate``). Garbage
+    is collected before each run, ``save(rows)`` called after it; a run is skipped (logged) once the time the
+    first took would carry it past ``deadline`` (a ``time.perf_counter()`` value; None: no limit). ``ValueError``
+    from :func:`generation_summary` for a rollout without samples."""
+    out: list[dict[str, Any]] = []
+    for name, toggle in policies:
+        if out and deadline is not None and time.perf_counter() + out[0]["latency_s"] > deadline:
+            log(f"  {label} / {name}: skipped (deadline)")
+            continue
+        engine.toggle = toggle
+        gc.collect()
+        gen, seconds = timed_generate(engine, prompts, samples, params)
+        row = generation_summary(name, gen, seconds) | {"phase": label}
+        if isinstance(toggle, CostModelToggle):
+            row["final_alpha_estimate"] = toggle.adaptive.alpha
+        out.append(row)
+        for r in out:
+            r["speedup_vs_ar"] = out[0]["latency_s"] / r["latency_s"]
+            r["latency_reduction"] = 1.0 - r["latency_s"] / out[0]["latency_s"]
+        if save is not None:
+            save(out)
+        log(f"  {label} / {name}: latency {row['latency_s']:.2f}s (prefill {row['prefill_s']:.2f}s), {row['tokens']} "
+            f"tokens, acceptance {row['acceptance']}, tokens/cycle {row['tokens_per_cycle']}, draft lengths "
+            f"{row['draft_len_hist']}, lengths p50/p90/max {row['len_p50']}/{row['len_p90']}/{row['len_max']}")
+    return out
+
+
+def fixed_batch_runs(engine: RolloutEngine, buckets: Sequence[int], prompts: Sequence, samples: int,
+                     params: SamplingParams, policies: Callable[[], Policies], *, deadline: float | None = None,
+                     log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Decode speed at batch sizes held fixed: at each ``b`` of ``buckets``, ``b`` rows (the first ``b // n`` of
+    ``prompts``, ``n = min(b, samples)`` samples each) decode under ``params`` (give no stop token, so the batch
+    never shrinks) once per policy of ``policies()`` (called per bucket, for fresh toggles; the first is the
+    baseline ``AR``). A row per bucket: ``batch``, ``prompts``, ``samples``, ``new_tokens``, and per policy
+    ``"<name> tok/s"`` (generated tokens per second of decoding, the prefill left out) and ``"<name> compiled"``
+    (sampling modes and CUDA graphs the run added: it compiled inside the clock), for the later ones also
+    ``"<name> /AR"`` (their speed over the first's) and ``"<name> acceptance"`` (None without drafts). Buckets
+    reached past ``deadline`` (a ``time.perf_counter()`` value) are skipped (logged). ``IndexError`` when
+    ``policies()`` gives none."""
+    out = []
+    for b in buckets:
+        if deadline is not None and time.perf_counter() > deadline:
+            log(f"  per-batch {b}: skipped (deadline)")
+            continue
+        n_s = min(b, samples)
+        row: dict[str, Any] = {"batch": b, "prompts": b // n_s, "samples": n_s, "new_tokens": params.max_new_tokens}
+        runs = policies()
+        base = runs[0][0]
+        for name, toggle in runs:
+            engine.toggle = toggle
+            graphs = engine.sampling_modes + engine.captured_graphs  # a new mode or graph would compile here
+            gen, seconds = timed_generate(engine, prompts[:b // n_s], n_s, params)
+            row[f"{name} compiled"] = engine.sampling_modes + engine.captured_graphs - graphs
+            row[f"{name} tok/s"] = gen.stats.generated_tokens / (seconds - gen.stats.prefill_s)
+            if name != base:
+                row[f"{name} /AR"] = row[f"{name} tok/s"] / row[f"{base} tok/s"]
+                row[f"{name} acceptance"] = gen.stats.acceptance_rate if gen.stats.draft_proposed else None
+        out.append(row)
+        log(f"  per-batch {b}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k.endswith("/AR") and v))
+    return out
+
+
+__all__ = ["bucket_comparison", "fixed_batch_runs", "generation_summary", "phase_tables", "policy_runs",
+           "timed_generate"]

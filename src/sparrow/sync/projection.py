@@ -13,6 +13,8 @@ It is compared with sending every bf16 weight:
 * pipelined dense (checkpoint-engine style: the copy overlaps the transfer): ``max(2 P * 8 / B, 4 P / copy)``;
 * the rate reported for Kimi's checkpoint-engine (1T parameters in about 20 s on its own cluster), scaled to
   ``P``: a reference point, not a measurement here.
+
+:func:`memory_floor_ms` is the other bound, on one device: the memory traffic a sync must do at the copy bandwidth.
 """
 
 from __future__ import annotations
@@ -114,4 +116,20 @@ def project_sync(params: int, rates: SyncRates, link_gbit: float, *, copy_gbs: f
                       params * CHECKPOINT_ENGINE_S_PER_PARAM)
 
 
-__all__ = ["CHECKPOINT_ENGINE_S_PER_PARAM", "Projection", "SyncRates", "project_sync", "rates_at"]
+def memory_floor_ms(params: int, changed: int, payload_bytes: int, copy_gbs: float) -> dict[str, float]:
+    """The least time a sync of ``params`` bf16 parameters, ``changed`` of them changed, with a ``payload_bytes``
+    payload takes on one device: the memory traffic it must do over the copy bandwidth ``copy_gbs`` (bytes read +
+    written per second, GB/s). Encode reads the old and the new bits once (4 B / parameter) and writes the changed
+    snapshot elements (2 B / change) and the payload; apply reads the payload and reads + writes the changed
+    elements (4 B / change); a full verification also reads the receiver's weights (2 B / parameter). Returns
+    milliseconds: ``encode_floor_ms``, ``apply_floor_ms``, ``floor_ms`` (the two) and ``floor_full_ms`` (the two
+    and the full verification). ``ValueError`` for a non-positive bandwidth."""
+    if copy_gbs <= 0:
+        raise ValueError(f"memory_floor_ms: copy_gbs must be > 0, got {copy_gbs}")
+    enc, app = 4 * params + 2 * changed + payload_bytes, payload_bytes + 4 * changed
+    ms = lambda b: b / (copy_gbs * 1e9) * 1e3  # noqa: E731
+    return {"encode_floor_ms": ms(enc), "apply_floor_ms": ms(app), "floor_ms": ms(enc + app),
+            "floor_full_ms": ms(enc + app + 2 * params)}
+
+
+__all__ = ["CHECKPOINT_ENGINE_S_PER_PARAM", "Projection", "SyncRates", "memory_floor_ms", "project_sync", "rates_at"]

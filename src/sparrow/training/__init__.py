@@ -16,6 +16,7 @@ from sparrow.training.checkpoint import (
     MODEL_FILE,
     REPORT_FILE,
     build_model,
+    load_recipe_model,
     load_trained_model,
     read_report,
     save_trained_model,
@@ -78,4 +79,5 @@ __all__ = [
     "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
     "longest_sequence", "model_score", "paired", "paired_accuracy", "paired_delta_se", "accuracy_summary", "pick", "read_report", "sampled_accuracy", "save_trained_model",
     "seed_devices", "sequence_ids", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
+    "load_recipe_model",
 ]

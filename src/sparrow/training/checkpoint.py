@@ -9,7 +9,8 @@
 * ``train``: the training config (``config``) and what the run did (steps, tokens, curriculum events, ...);
 * ``accuracy``: rows ``{task, context, n, accuracy, se[, sampled_accuracy]}`` measured on the saved weights.
 
-Both files are written atomically (a temporary file renamed into place).
+Both files are written atomically (a temporary file renamed into place). :func:`load_recipe_model` reads the
+other way round: the model, its ``checkpoint:`` and the task of a GRPO recipe config.
 """
 
 from __future__ import annotations
@@ -93,3 +94,20 @@ def load_trained_model(directory: str | Path, device: str | torch.device = "cpu"
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model.eval()
+
+
+def load_recipe_model(config: str | Path) -> tuple[torch.nn.Module, Any, Any]:
+    """The model and the task of a GRPO recipe config file (e.g. ``recipes/configs/tiny_kv_retrieval.yaml``):
+    ``(model, task, cfg)``, the model its ``model:`` section built (:func:`build_model`, as built: float32 on the
+    CPU) with the Sparrow state dict of ``checkpoint:`` loaded, in eval mode without gradients; the task its
+    ``task:`` component (any ``_component_`` spec) built; ``cfg`` the loaded config. Raises what
+    :func:`~sparrow.rl.recipe_config.load_config` raises, ``ValueError`` for a state dict that does not fit the
+    model (:func:`~sparrow.models.load_model_state`)."""
+    from sparrow.models import load_model_state
+    from sparrow.rl.recipe_config import load_config
+
+    cfg = load_config(config)
+    model = build_model(dict(cfg.model))
+    load_model_state(model, load_file(cfg.checkpoint))
+    model.eval().requires_grad_(False)
+    return model, build_model(dict(cfg.task)), cfg
