@@ -9,8 +9,9 @@ of L tokens, N new tokens per row, sampling at temperature 1 with no stop token 
 Prefill time = time of ``generate`` with one new token; decode tokens/s = B x (N - 1) / (time with N new
 tokens - prefill time). Sparrow's engine prefills each prompt once for its G rows (its prefix sharing);
 ``transformers`` prefills all B rows. Prefix sharing is also measured on its own (Sparrow with and
-without it). Correctness in the same run: greedy tokens and first-step logits of both on one prompt, and, teacher-forced on the
-engine's greedy tokens, the gap from each pick to ``transformers``' top logit (a near-tie in bf16 can flip a pick).
+without it). Correctness in the same run: greedy tokens and first-step logits of both on one prompt, and,
+teacher-forced on the engine's greedy tokens, the gap from each pick to ``transformers``' top logit (a near-tie in
+bf16 can flip a pick).
 
 Shared-prefix decode (``--shared-prefix both``): the same points through a second engine whose attention reads
 every row's prompt itself (``DenseAttention(shared_prefix=False)``, the kernel before shared-prefix decode), keys
@@ -223,7 +224,8 @@ def main() -> None:
                               for mode, m in models.items()}
         for mode, b in extra["breakdown"].items():
             for n, r in b.items():
-                print(f"{mode} {n} rows: step {r['step_ms']:.3f} ms, kernels {r['kernel_us_per_step']:.0f} us/step")
+                print(f"{mode} {n} rows: step {r['step_ms']:.3f} ms, kernels {r['kernel_us_per_step']:.0f} us/step, "
+                      f"{r['calls_per_step']:.0f} launches/step")
                 print_table(r["kernels"][:8], ["us", "calls", "name"])
         write_json(NAME, vars(args) | {"model": "qwen2_5_0_5b shape, random weights, bf16"}, rows, args.out, extra)
 
@@ -239,9 +241,10 @@ def plot(result: dict, png: Path) -> None:
         plot_series(axes[0], rs, "batch", "hf_decode_tok_s", style="x--", color=c, label=f"transformers {L // 1024}K")
         plot_series(axes[1], rs, "batch", "sparrow_prefill_s", color=c, label=f"Sparrow {L // 1024}K")
         plot_series(axes[1], rs, "batch", "hf_prefill_s", style="x--", color=c, label=f"transformers {L // 1024}K")
-        for key, style in (("sparrow", "o-"), ("off", "s:")):
+        for key, style, name in (("sparrow", "o-", "default"), ("off", "s:", "per-row kernel"),
+                                 ("unfused", "^-.", "unfused projections")):
             plot_series(axes[2], rs, "batch", f"{key}_roofline_fraction", style=style, color=c,
-                        label=f"{L // 1024}K shared prefix {'auto' if key == 'sparrow' else key}")
+                        label=f"{L // 1024}K {name}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",
                 title="Decode throughput")
     axes[1].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="prefill time (s)",

@@ -241,8 +241,8 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 
 def kernel_times(fn: Callable[[], Any], runs: int, top: int = 15) -> dict[str, Any]:
     """``fn()`` under ``torch.profiler``, its time per run grouped by name, largest first: CUDA kernels' device time
-    with CUDA, CPU operators' self time without. Returns ``{"kernel_us_per_step", "kernels": [{"name", "us",
-    "calls"}]}`` (the ``top`` largest names, cut to 120 characters); ``runs``: the calls ``fn`` makes."""
+    with CUDA, CPU operators' self time without. Returns ``{"kernel_us_per_step", "calls_per_step" (kernel launches, or
+    operator calls, per run: with the step time, how launch-bound it is), "kernels": [{"name", "us", "calls"}]}`` (the ``top`` largest names, cut to 120 characters); ``runs``: the calls ``fn`` makes."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -258,7 +258,7 @@ def kernel_times(fn: Callable[[], Any], runs: int, top: int = 15) -> dict[str, A
         t = per_name.setdefault(name[:120], [0.0, 0.0])
         t[0], t[1] = t[0] + us / runs, t[1] + n / runs
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])
-    return {"kernel_us_per_step": sum(v[0] for _, v in ranked),
+    return {"kernel_us_per_step": sum(v[0] for _, v in ranked), "calls_per_step": sum(v[1] for _, v in ranked),
             "kernels": [{"name": k, "us": v[0], "calls": v[1]} for k, v in ranked[:top]]}
 
 
