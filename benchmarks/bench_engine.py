@@ -20,13 +20,16 @@ group's prompt KV once, each row's generated KV, 2 x parameters FLOPs per row, a
 ``--tflops``): ``*_roofline_fraction``. ``breakdown``: one decode step at 1 and 64 rows (8 groups of 8, prompts of
 ``--breakdown-len``) under ``torch.profiler``, kernel time per step grouped by kernel name (CPU operators on CPU).
 Fused projections (``--fused-projections both``): a third engine with ``EngineConfig(fuse_projections=False)``
-(q / k / v and gate / up as separate matmuls, as before the fusion), keys ``unfused_*``, ``fused_speedup``.
+(q / k / v and gate / up as separate matmuls, as before the fusion), keys ``unfused_*``, ``fused_speedup``. Inductor
+settings (``--tuned triton.enable_pdl=True ...``): a fourth engine with ``EngineConfig(inductor_options=...)``, keys
+``tuned_*``, ``tuned_speedup`` (its tokens/s over the default engine's).
 
 Run (H200): ``python benchmarks/bench_engine.py``; smoke run on CPU: ``python benchmarks/bench_engine.py --quick``.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import gc
@@ -76,12 +79,12 @@ def hf_generate(hf, input_ids, new_tokens):
 
 
 def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5,
-                     fuse: bool = True) -> dict:
+                     **settings) -> dict:
     """One plain decode step at 1 and 64 rows (``64 // group`` prompts of ``L`` tokens, ``new_tokens // 2``
     generated) under ``torch.profiler``: per step, the wall time and the time of each kernel name (CUDA kernels;
     CPU operators' self time without CUDA), largest first (:func:`sparrow.bench.kernel_times`)."""
     cfg = EngineConfig(max_rows=64, max_prompts=64 // group, batch_buckets=(1, 64), max_prompt_len=L,
-                       max_new_tokens=new_tokens, compile=device == "cuda", fuse_projections=fuse)
+                       max_new_tokens=new_tokens, compile=device == "cuda", **settings)
     engine, out = RolloutEngine(model, cfg), {}
     for rows in (1, 64):
         ctx = L + new_tokens // 2
@@ -99,6 +102,7 @@ def main() -> None:
         ("--hf-max-tokens", int, 2_200_000, "skip transformers above B*(L+N)"),
         ("--shared-prefix", ["both", "auto"], "both", "also measure an engine without shared-prefix decode"),
         ("--fused-projections", ["both", "on"], "both", "also measure an engine with separate projections"),
+        ("--tuned", dict(nargs="*", default=[], metavar="KEY=VALUE", help="a fourth engine's Inductor options")),
         ("--bandwidth-tbs", float, 4.2, "roofline copy bandwidth"), ("--tflops", float, 778.0, "roofline bf16 FLOP/s"),
         ("--breakdown-len", int, 8192, "prompt length of the per-kernel breakdown (0: skip it)"),
         ("--prompt-lens", dict(type=int, nargs="+", default=[1024, 8192, 32768])),
@@ -115,10 +119,14 @@ def main() -> None:
         models["off"] = sm.use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False))
     if args.fused_projections == "both":
         models["unfused"] = copy.deepcopy(model)
+    tuned = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in args.tuned)}
+    if tuned:
+        models["tuned"] = copy.deepcopy(model)
+    settings = {"auto": {}, "off": {}, "unfused": {"fuse_projections": False}, "tuned": {"inductor_options": tuned}}
     max_b = max(args.batches)
     cfg = EngineConfig(max_rows=max_b, max_prompts=max(1, max_b // args.group) * 2, max_prompt_len=max(args.prompt_lens),
                        max_new_tokens=args.new_tokens, block_steps=16, compile=device == "cuda", prefill_tokens=65536)
-    engines = {mode: RolloutEngine(m, dataclasses.replace(cfg, fuse_projections=mode != "unfused"))
+    engines = {mode: RolloutEngine(m, dataclasses.replace(cfg, **settings[mode]))
                for mode, m in models.items()}
     engine = engines["auto"]
     footprint = DecodeFootprint.of(model, torch.bfloat16 if device == "cuda" else None)
@@ -177,6 +185,8 @@ def main() -> None:
                 row[f"{key}_roofline_fraction"] = floor.fraction(median(step))
             if "unfused" in engines:
                 row["fused_speedup"] = row["sparrow_decode_tok_s"] / row["unfused_decode_tok_s"]
+            if "tuned" in engines:
+                row["tuned_speedup"] = row["tuned_decode_tok_s"] / row["sparrow_decode_tok_s"]
             if "off" in engines:
                 row["shared_prefix_speedup"] = row["sparrow_decode_tok_s"] / row["off_decode_tok_s"]
                 # bf16 sums in another order: a near-tie may flip a token (and the rest of that sample)
@@ -220,7 +230,7 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
         extra["breakdown"] = {mode: kernel_breakdown(m, args.breakdown_len, args.group, args.new_tokens, device,
-                                                     fuse=mode != "unfused")
+                                                     **settings[mode])
                               for mode, m in models.items()}
         for mode, b in extra["breakdown"].items():
             for n, r in b.items():
@@ -242,7 +252,7 @@ def plot(result: dict, png: Path) -> None:
         plot_series(axes[1], rs, "batch", "sparrow_prefill_s", color=c, label=f"Sparrow {L // 1024}K")
         plot_series(axes[1], rs, "batch", "hf_prefill_s", style="x--", color=c, label=f"transformers {L // 1024}K")
         for key, style, name in (("sparrow", "o-", "default"), ("off", "s:", "per-row kernel"),
-                                 ("unfused", "^-.", "unfused projections")):
+                                 ("unfused", "^-.", "unfused projections"), ("tuned", "d--", "tuned")):
             plot_series(axes[2], rs, "batch", f"{key}_roofline_fraction", style=style, color=c,
                         label=f"{L // 1024}K {name}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",

@@ -45,6 +45,8 @@ def _cfg(*overrides: str):
                  id="model-arg"),
     pytest.param(["sync.codec=zip"], "sync.codec must be one of auto, compact, coo, dense", id="codec"),
     pytest.param(["group_size=0"], "group_size must be an integer >= 1", id="group"),
+    pytest.param(["engine.inductor_options.triton.enable_pdll=true"], "triton.enable_pdll.* not torch._inductor",
+                 id="inductor-option"),
     pytest.param(["minibatches=3"], "minibatches \\(3\\) must divide", id="minibatches"),
     pytest.param(["sampling.top_p=0"], "top_p must be in", id="top-p"),
     pytest.param(["sampling.max_new_tokens=7"], "exceeds engine.max_new_tokens", id="max-new"),
@@ -65,6 +67,7 @@ def test_bad_values_are_refused_naming_the_key(overrides, match):
 
 def test_the_shipped_values_pass():
     check_values(_cfg())
+    check_values(_cfg("engine.inductor_options.triton.enable_pdl=true"))  # a section of Inductor settings
 
 
 def test_relative_input_paths_resolve_against_the_config_file(tmp_path, monkeypatch):

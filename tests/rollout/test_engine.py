@@ -226,3 +226,35 @@ def test_is_stop_is_membership_and_the_padding_matches_nothing(shape, n_stop):
     padded = torch.cat([stop, torch.full((stop_slots(n_stop) - n_stop,), -1)])
     assert torch.equal(is_stop(tokens, padded), torch.isin(tokens, stop))
     assert not is_stop(tokens, torch.full((4,), -1)).any()
+
+
+def test_inductor_options_are_checked_and_reach_the_compiled_steps_and_the_compile_key(monkeypatch):
+    """``EngineConfig.inductor_options``: a name Inductor does not have, a non-mapping, or options without Inductor
+    fail at construction naming the problem; the options reach ``torch.compile`` beside the engine's own, and
+    they are part of the compile key (another option, another cache directory)."""
+    with pytest.raises(ValueError, match=r"\['triton.no_such_option'\] are not torch._inductor.config names"):
+        EngineConfig(inductor_options={"triton.no_such_option": True})
+    nested = EngineConfig(inductor_options={"triton": {"enable_pdl": True}, "max_autotune": False})  # a YAML section
+    assert nested.inductor_options == {"triton.enable_pdl": True, "max_autotune": False}
+    with pytest.raises(ValueError, match="must be a mapping"):
+        EngineConfig(inductor_options=["triton.enable_pdl"])
+    with pytest.raises(ValueError, match="need compile_backend='inductor'"):
+        EngineConfig(inductor_options={"triton.enable_pdl": True}, compile_backend="eager")
+
+    seen = []
+    real = torch.compile
+
+    def spy(fn, **kw):  # record the options, compile with the eager backend (no C++ compiler needed)
+        seen.append(kw.get("options"))
+        return real(fn, **{**kw, "backend": "eager", "options": None})
+
+    monkeypatch.setattr(torch, "compile", spy)
+    model = random_tiny("qwen2", num_layers=1)
+    tuned = _engine(model, compile=True, inductor_options={"triton.enable_pdl": True})
+    out = tuned.generate(_prompts(), 2, SamplingParams(temperature=1.0, max_new_tokens=4, seed=5))
+    ref = _engine(model).generate(_prompts(), 2, SamplingParams(temperature=1.0, max_new_tokens=4, seed=5))
+    _assert_same(out.samples, ref.samples)
+    assert seen and all(o == {"triton.coalesce_tiling_analysis": False, "triton.enable_pdl": True} for o in seen)
+    plain = _engine(model, compile=True)
+    assert tuned.compile_key()["engine"] != plain.compile_key()["engine"]
+    assert '"triton.enable_pdl": true' in tuned.compile_key()["engine"]

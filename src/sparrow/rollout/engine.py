@@ -39,7 +39,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Literal, Sequence
+from typing import Any, Callable, Collection, Literal, Mapping, Sequence
 
 import torch
 from torch._dynamo.utils import counters as dynamo_counters
@@ -71,6 +71,15 @@ class _Mode:
     stop_ids: torch.Tensor
     steps: dict[str, Callable] = field(default_factory=dict)
     graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
+
+
+def _flat_options(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"triton": {"enable_pdl": True}}`` -> ``{"triton.enable_pdl": True}`` (flat names pass unchanged)."""
+    flat: dict[str, Any] = {}
+    for key, value in options.items():
+        name = f"{prefix}{key}"
+        flat.update(_flat_options(value, name + ".") if isinstance(value, Mapping) else {name: value})
+    return flat
 
 
 RECOMPILE_LIMIT = 64  # compiled graphs of one step kind, over every engine in the process (see compile_step)
@@ -123,6 +132,10 @@ class EngineConfig:
             drafter's refresh and ``load_state_dict`` work unchanged). ``False`` runs the separate projections
             (a fused model is unfused, :func:`sparrow.models.unfuse_projections_`: structurally only, its storage
             kept), for comparison.
+        inductor_options: Inductor settings for the compiled steps, by their ``torch._inductor.config`` names
+            (e.g. ``{"triton.enable_pdl": True}``: programmatic dependent launch on Hopper, where a kernel's launch
+            overlaps the previous one's tail; nested mappings, as a YAML section gives them, are flattened to
+            such names); part of the compile key. Needs ``compile_backend="inductor"``.
     """
 
     max_rows: int = 64
@@ -141,8 +154,23 @@ class EngineConfig:
     compile_cache: str | None = None
     progress: bool = False
     fuse_projections: bool = True
+    inductor_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.inductor_options is not None:
+            if not isinstance(self.inductor_options, Mapping):
+                raise ValueError(f"EngineConfig.inductor_options must be a mapping of Inductor config names to "
+                                 f"values, got {self.inductor_options!r}")
+            from torch._inductor import config as inductor_config
+
+            options = _flat_options(self.inductor_options)
+            unknown = sorted(set(options) - set(inductor_config.get_config_copy()))
+            if unknown:
+                raise ValueError(f"EngineConfig.inductor_options: {unknown} are not torch._inductor.config names")
+            if self.compile_backend != "inductor":
+                raise ValueError(f"EngineConfig.inductor_options need compile_backend='inductor', got "
+                                 f"{self.compile_backend!r}")
+            object.__setattr__(self, "inductor_options", options)
         if not isinstance(self.fuse_projections, bool):
             raise ValueError(f"EngineConfig.fuse_projections must be a bool, got {self.fuse_projections!r}")
         if self.compile_cache is not None:
@@ -1069,7 +1097,8 @@ class RolloutEngine:
         backend = self.config.compile_backend
         if self.compile_cache is not None and backend == "inductor":  # what Inductor compiles goes to the cache
             self.compile_cache.activate()
-        options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+        options = ({"triton.coalesce_tiling_analysis": False, **(self.config.inductor_options or {})}
+                   if backend == "inductor" else None)
         compiled = torch.compile(fn, fullgraph=True, backend=backend, options=options,
                                  dynamic=None if self.config.dynamic_batch else False)
         name = kind or getattr(fn, "__name__", "step")
