@@ -85,5 +85,5 @@ def test_fast_prefill_agrees_with_the_reference():
     from sparrow.kernels.sparse_prefill import SparsePrefillConfig
 
     cfg = SparsePrefillConfig(top_p=0.9, block=32, num_sinks=4, window=64, ret_window=32)
-    err = prefill_vs_reference("cpu", torch.float32, 4, 2, 16, cfg, S=200, flex_dynamic=None)
+    err = prefill_vs_reference(DEVICE, torch.float32, 4, 2, 16, cfg, S=200, flex_dynamic=None)
     assert 0.0 <= err < 1e-3
