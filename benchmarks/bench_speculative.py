@@ -6,14 +6,19 @@ and does the cost-model toggle keep it from ever being slower than plain decodin
 A Qwen2.5-0.5B-shaped model (``--model 1.5b``), bf16, trained *in this run* for ``--train-seconds`` on
 :class:`~sparrow.training.MarkovEpisodes` (so that acceptance comes from peaked, structured distributions). One engine for all runs (compiled steps and
 CUDA graphs shared): AR, SD with the cost-model toggle, SD always-on; then the three at each batch bucket held
-fixed (``per_batch``). The JSON is rewritten after every run. See docs/benchmarks.md.
+fixed (``per_batch``); then plain decoding through the engine as it was before fused projections and shared-prefix
+decode (``--engine-before``: phase ``engine_before``, ``per_batch_before``, ratios in ``engine_before``), compiled
+and captured before its clock as the first. The JSON is rewritten after every run. See docs/benchmarks.md.
 
 Run (H200): ``python benchmarks/bench_speculative.py``; CPU smoke run: ``python benchmarks/bench_speculative.py --quick``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,8 +29,9 @@ from sparrow.bench import (T0, base_parser, batch_buckets, first_working, free_m
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 import sparrow.models as sm
+from sparrow.attention import DenseAttention
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
-from sparrow.rollout.summary import fixed_batch_runs, phase_tables, policy_runs
+from sparrow.rollout.summary import engine_speedups, fixed_batch_runs, phase_tables, policy_runs
 from sparrow.speculative import (
     AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig, QuantizedSelfDrafter,
 )
@@ -73,6 +79,8 @@ def build_parser():
         ("--calib-steps", int, 6, None), ("--model", ["0.5b", "1.5b"], "0.5b", None),
         ("--weight", ["int8", "int4", "fp8", "none"], "int8", "drafter weights"),
         ("--lengths", dict(type=int, nargs="+", default=[2, 4, 8], help="adaptive draft-length ladder")),
+        ("--engine-before", ["on", "off"], "on", "also decode through the engine before fused projections and "
+                                                 "shared-prefix decode"),
         ("--compile", dict(action="store_true", help="compile the steps off CUDA too (a slow smoke test)"))])
     return p
 
@@ -156,6 +164,21 @@ def main(argv: list[str] | None = None) -> None:
             save([r for r in results if r["phase"] == results[-1]["phase"]])  # rewrites the JSON with the table
         if extra["per_batch"]:
             print_table(extra["per_batch"], list(extra["per_batch"][0]))
+    if args.engine_before == "on":
+        log("phase 'engine_before': plain decoding through the engine before fused projections and shared prefix")
+        old = RolloutEngine(sm.use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False)),
+                            dataclasses.replace(cfg, fuse_projections=False))
+        old.prepare(params)  # compiled and captured outside the clock, as the engine above
+        ar = [("AR", AlwaysOff())]
+        results += policy_runs("engine_before", old, prompts, args.samples, params, ar, save=save, log=log)
+        if args.per_batch_tokens:
+            extra["per_batch_before"] = fixed_batch_runs(old, cfg.buckets, prompts, args.samples, fixed, lambda: ar,
+                                                         log=log)
+        now = next(r for r in results if r["phase"] == "trained" and r["run"] == "AR")
+        extra["engine_before"] = engine_speedups(now, results[-1], extra.get("per_batch") or [],
+                                                 extra.get("per_batch_before") or [])
+        save([r for r in results if r["phase"] == "engine_before"])
+        print("engine now over before (AR):", extra["engine_before"])
 
 
 def plot(result: dict, png: Path) -> None:
@@ -168,7 +191,8 @@ def plot(result: dict, png: Path) -> None:
     ax[0].set(xscale="log", xlabel="active batch bucket", ylabel="decode tokens/s")
     ax[0].set_xscale("log", base=2)
     ax[0].legend()
-    ax[1].bar([r["run"] for r in rows], [r["latency_s"] for r in rows])
+    bars = rows + [dict(r, run=f"{r['run']} (engine before)") for r in result["rows"] if r.get("phase") == "engine_before"]
+    ax[1].bar([r["run"] for r in bars], [r["latency_s"] for r in bars])
     ax[1].set_ylabel("rollout latency (s)")
     if per_batch:
         for key in [k for k in per_batch[0] if k.endswith("/AR")]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparrow.rollout import Generation, GenerationStats, Sample
-from sparrow.rollout.summary import bucket_comparison, generation_summary
+from sparrow.rollout.summary import bucket_comparison, engine_speedups, generation_summary
 from sparrow.speculative import AlwaysOff, AlwaysOn
 
 
@@ -149,3 +149,21 @@ def test_phase_tables_per_phase():
     assert text.endswith(format_table(bucket_comparison([rows[0]]), ["bucket", "AR", "toggle SD frac"]))
     with pytest.raises(KeyError):
         phase_tables([{"run": "AR"}], ["run"])
+
+
+def test_engine_speedups_before_over_after_per_token_and_at_fixed_batches():
+    """Latency: before over after; per token: after's tokens/s over before's (other lengths allowed, flagged);
+    fixed batches matched by size (a size only one side ran is left out). Negative control: swapped sides give the
+    inverse ratios."""
+    after = {"latency_s": 2.0, "decode_tok_s": 600.0, "tokens": 1000}
+    before = {"latency_s": 3.0, "decode_tok_s": 400.0, "tokens": 1010}
+    fa = [{"batch": 2, "AR tok/s": 90.0}, {"batch": 8, "AR tok/s": 300.0}, {"batch": 32, "AR tok/s": 800.0}]
+    fb = [{"batch": 2, "AR tok/s": 60.0}, {"batch": 8, "AR tok/s": 250.0}]
+    out = engine_speedups(after, before, fa, fb)
+    assert out["latency_speedup"] == pytest.approx(1.5) and out["decode_tok_s_speedup"] == pytest.approx(1.5)
+    assert out["same_tokens"] is False
+    assert [(r["batch"], r["speedup"]) for r in out["fixed"]] == [(2, pytest.approx(1.5)), (8, pytest.approx(1.2))]
+    swapped = engine_speedups(before, after, fb, fa)
+    assert swapped["latency_speedup"] == pytest.approx(1 / 1.5)
+    assert [r["speedup"] for r in swapped["fixed"]] == [pytest.approx(1 / 1.5), pytest.approx(1 / 1.2)]
+    assert engine_speedups(after, after)["same_tokens"] is True and engine_speedups(after, after)["fixed"] == []

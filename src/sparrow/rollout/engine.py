@@ -53,7 +53,7 @@ from sparrow.models.fuse import fuse_projections_, unfuse_projections_
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
 from sparrow.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
 from sparrow.rollout.state import DraftState, RowState
-from sparrow.speculative.base import Drafter, StepStats, ToggleController
+from sparrow.speculative.base import AlwaysOff, Drafter, StepStats, ToggleController
 from sparrow.speculative.costs import expected_tokens_per_cycle
 from sparrow.speculative.rejection import DRAFT_SALT, accept_counter_based
 from sparrow.speculative.toggle import AlwaysOn
@@ -82,6 +82,7 @@ def _flat_options(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any
     return flat
 
 
+NEEDS_DRAFTER = "a toggle needs a drafter (only AlwaysOff, which never speculates, goes without one)"
 RECOMPILE_LIMIT = 64  # compiled graphs of one step kind, over every engine in the process (see compile_step)
 
 
@@ -539,8 +540,8 @@ class RolloutEngine:
                    for r in a.backend.validate_configuration(dtype=self.dtype, device=self.device)]
         if reasons:
             raise ValueError("attention backends cannot run here: " + "; ".join(reasons))
-        if toggle is not None and drafter is None:
-            raise ValueError("a toggle needs a drafter")
+        if drafter is None and not (toggle is None or isinstance(toggle, AlwaysOff)):
+            raise ValueError(NEEDS_DRAFTER)
         if drafter is not None and self.config.max_draft < 1:
             raise ValueError("speculative decoding needs EngineConfig.max_draft >= 1 (the draft scratch length)")
         self._drafter = drafter
@@ -587,8 +588,8 @@ class RolloutEngine:
 
     @toggle.setter
     def toggle(self, toggle: ToggleController) -> None:
-        if self._drafter is None:
-            raise ValueError("a toggle needs a drafter")
+        if self._drafter is None and not isinstance(toggle, AlwaysOff):
+            raise ValueError(NEEDS_DRAFTER)
         self._toggle = toggle
 
     @property

@@ -162,5 +162,22 @@ def fixed_batch_runs(engine: RolloutEngine, buckets: Sequence[int], prompts: Seq
     return out
 
 
-__all__ = ["bucket_comparison", "fixed_batch_runs", "generation_summary", "phase_tables", "policy_runs",
-           "timed_generate"]
+def engine_speedups(after: dict[str, Any], before: dict[str, Any], after_fixed: Sequence[dict[str, Any]] = (),
+                    before_fixed: Sequence[dict[str, Any]] = (), policy: str = "AR") -> dict[str, Any]:
+    """One decoding policy through two engines on the same rollout: ``after`` / ``before`` are
+    :func:`generation_summary` rows, ``*_fixed`` the :func:`fixed_batch_runs` rows of each (matched by ``batch``).
+    Returns ``latency_speedup`` (before's latency over after's), ``decode_tok_s_speedup`` (per generated token: the
+    two may sample other tokens, so other lengths), ``same_tokens`` (whether they generated as many), and
+    ``fixed`` (per batch held fixed, equal work: ``batch``, both tokens/s and ``speedup``). ``KeyError`` for a fixed
+    row without ``"<policy> tok/s"``."""
+    fixed_before = {r["batch"]: r[f"{policy} tok/s"] for r in before_fixed}
+    return {"latency_speedup": before["latency_s"] / after["latency_s"],
+            "decode_tok_s_speedup": after["decode_tok_s"] / before["decode_tok_s"],
+            "same_tokens": after["tokens"] == before["tokens"],
+            "fixed": [{"batch": r["batch"], "after_tok_s": r[f"{policy} tok/s"], "before_tok_s": fixed_before[r["batch"]],
+                       "speedup": r[f"{policy} tok/s"] / fixed_before[r["batch"]]}
+                      for r in after_fixed if r["batch"] in fixed_before]}
+
+
+__all__ = ["bucket_comparison", "engine_speedups", "fixed_batch_runs", "generation_summary", "phase_tables",
+           "policy_runs", "timed_generate"]
