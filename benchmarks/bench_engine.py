@@ -32,15 +32,14 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import gc
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, kernel_times, plot_series, print_table,
-                           save_figure, synchronize, triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, free_memory, kernel_times, plot_series,
+                           print_table, save_figure, subplots, synchronize, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -211,9 +210,7 @@ def main() -> None:
                 except torch.OutOfMemoryError:
                     row["hf"] = "out of memory"
                 del ids
-                gc.collect()
-                if device == "cuda":
-                    torch.cuda.empty_cache()
+                free_memory()
             else:
                 row["hf"] = "skipped (memory)"
             rows.append(row)
@@ -226,9 +223,7 @@ def main() -> None:
     if args.breakdown_len:
         del engine, eng
         engines.clear()
-        gc.collect()
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        free_memory()
         extra["breakdown"] = {mode: kernel_breakdown(m, args.breakdown_len, args.group, args.new_tokens, device,
                                                      **settings[mode])
                               for mode, m in models.items()}
@@ -241,10 +236,8 @@ def main() -> None:
 
 
 def plot(result: dict, png: Path) -> None:
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = subplots(1, 3, figsize=(16, 4))
     for L in sorted({r["prompt_len"] for r in rows}):
         rs = [r for r in rows if r["prompt_len"] == L]
         c = plot_series(axes[0], rs, "batch", "sparrow_decode_tok_s", label=f"Sparrow {L // 1024}K")[0].get_color()

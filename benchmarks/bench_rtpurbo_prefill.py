@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparrow.bench import (base_parser, measure, planted_and_measured, plot_series, print_table, save_figure, subplots,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (base_parser, free_memory, measure, planted_and_measured, plot_series, print_table,
+                           save_figure, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -71,7 +71,7 @@ def run(args) -> None:
             bench_length(S, rows, dev, dtype, hq, hkv, d, cfg, densities, args.quick)
         except torch.cuda.OutOfMemoryError as e:  # record and go on with the next length
             rows.append(dict(S=S, config="error", error=f"out of memory: {str(e)[:200]}"))
-        torch.cuda.empty_cache() if cuda else None
+        free_memory()
     config = dict(heads=hq, kv_heads=hkv, head_dim=d, dtype=str(dtype), window=window, sinks=4, block=block,
                   top_p=TOP_P, indexer_dim=16, quick=args.quick, seconds=time.perf_counter() - t_start,
                   fast_vs_reference_rel_err=check, density_json=args.density,

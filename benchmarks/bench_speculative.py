@@ -164,16 +164,16 @@ def main(argv: list[str] | None = None) -> None:
             save([r for r in results if r["phase"] == results[-1]["phase"]])  # rewrites the JSON with the table
         if extra["per_batch"]:
             print_table(extra["per_batch"], list(extra["per_batch"][0]))
-    if args.engine_before == "on":
+    if args.engine_before == "on" and (deadline is None or time.perf_counter() < deadline):
         log("phase 'engine_before': plain decoding through the engine before fused projections and shared prefix")
         old = RolloutEngine(sm.use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False)),
                             dataclasses.replace(cfg, fuse_projections=False))
         old.prepare(params)  # compiled and captured outside the clock, as the engine above
         ar = [("AR", AlwaysOff())]
         results += policy_runs("engine_before", old, prompts, args.samples, params, ar, save=save, log=log)
-        if args.per_batch_tokens:
+        if args.per_batch_tokens:  # (past the deadline, buckets are skipped, as above)
             extra["per_batch_before"] = fixed_batch_runs(old, cfg.buckets, prompts, args.samples, fixed, lambda: ar,
-                                                         log=log)
+                                                         deadline=deadline, log=log)
         now = next(r for r in results if r["phase"] == "trained" and r["run"] == "AR")
         extra["engine_before"] = engine_speedups(now, results[-1], extra.get("per_batch") or [],
                                                  extra.get("per_batch_before") or [])

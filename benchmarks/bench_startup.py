@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import (REPO, bar_groups, base_parser, log, pick, print_table, save_figure, stacked_bars, subplots,
-                           triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (REPO, bar_groups, base_parser, log, out_or_temp, pick, print_table, save_figure,
+                           stacked_bars, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -91,7 +91,7 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
-        args.out = args.out or Path(tempfile.mkdtemp(prefix="startup_quick_"))  # never the committed results
+        args.out = out_or_temp(args.out, "startup_quick_")  # never the committed results
     names = args.configs.split(",")
     config = {"model": json.loads((args.model / "config.json").read_text()), "config_file": args.config.name,
               "configs": names, "steps": args.steps, "overrides": args.set, "quick": args.quick}

@@ -109,11 +109,24 @@ def _imported_names(path: Path) -> set[str]:
     return names
 
 
-def test_tests_and_benchmarks_import_no_benchmark_script():
+def _bad_imports(path: Path, forbidden: set[str]) -> set[str]:
+    return {n for n in _imported_names(path) if n.split(".")[0] in forbidden}
+
+
+def test_tests_and_benchmarks_import_no_benchmark_script(tmp_path):
     """Tests exercise the library, never a benchmark script; a benchmark reaches shared code through ``sparrow.*``
-    (so a helper lives where it is typed, documented and tested)."""
+    and the installed recipe modules (``sparrow_grpo``: what a user runs), never through tests (so a helper lives where
+    it is typed, documented and tested). Negative controls: a benchmark importing a test helper or another benchmark
+    is reported."""
     root = SRC.parent
-    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")}
-    for path in [*(root / "tests").rglob("*.py"), *(root / "benchmarks").glob("*.py")]:
-        bad = {n for n in _imported_names(path) if n.split(".")[0] in scripts | {"benchmarks", "runner"}}
-        assert not bad, f"{path.relative_to(root)} imports {sorted(bad)}"
+    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")} | {"benchmarks", "runner"}
+    project = scripts | {"tests", "recipes"}
+    for path in (root / "tests").rglob("*.py"):
+        assert not _bad_imports(path, scripts), f"{path.relative_to(root)} imports {_bad_imports(path, scripts)}"
+    for path in (root / "benchmarks").glob("*.py"):
+        assert not _bad_imports(path, project), f"{path.relative_to(root)} imports {_bad_imports(path, project)}"
+    text = (root / "benchmarks" / "bench_topp.py").read_text()
+    for extra in ("import tests.helpers\n", "from bench_engine import plot\n", "from recipes import sparrow_grpo\n"):
+        probe = tmp_path / "bench_probe.py"
+        probe.write_text(text + extra)
+        assert _bad_imports(probe, project), extra

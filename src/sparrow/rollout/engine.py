@@ -84,6 +84,7 @@ def _flat_options(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any
 
 NEEDS_DRAFTER = "a toggle needs a drafter (only AlwaysOff, which never speculates, goes without one)"
 RECOMPILE_LIMIT = 64  # compiled graphs of one step kind, over every engine in the process (see compile_step)
+ACCUMULATED_RECOMPILE_LIMIT = 256  # and of all kinds (Dynamo's default)
 
 
 def is_stop(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
@@ -545,7 +546,7 @@ class RolloutEngine:
         if drafter is not None and self.config.max_draft < 1:
             raise ValueError("speculative decoding needs EngineConfig.max_draft >= 1 (the draft scratch length)")
         self._drafter = drafter
-        self._toggle = None if drafter is None else (toggle or AlwaysOn(self.config.max_draft))
+        self._toggle = toggle if drafter is None else (toggle or AlwaysOn(self.config.max_draft))
         # one matmul for q / k / v and one for gate / up (views keep every parameter's name and storage), or none
         (fuse_projections_ if self.config.fuse_projections else unfuse_projections_)(model)
         self.caches: list | None = None
@@ -1112,7 +1113,7 @@ class RolloutEngine:
         def step(*args: torch.Tensor) -> None:
             graphs, t0 = dynamo_counters["stats"]["unique_graphs"], time.perf_counter()
             with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit,
-                                                             accumulated_recompile_limit=max(limit, 256)):
+                                                             accumulated_recompile_limit=max(limit, ACCUMULATED_RECOMPILE_LIMIT)):
                 compiled(*args)
             new = dynamo_counters["stats"]["unique_graphs"] - graphs
             if new > 0:  # this call compiled (or loaded from the compile cache): setup work, counted and timed

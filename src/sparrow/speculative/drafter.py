@@ -294,10 +294,8 @@ class QuantizedSelfDrafter(Drafter):
         for _, srcs, dst in self._pairs:
             if isinstance(dst, Int8Linear):
                 dst.requantize_(srcs[0].weight if len(srcs) == 1 else row_concat([s.weight for s in srcs]))
-                if len(srcs) > 1 and dst.bias is not None:
-                    bias = cat_bias(srcs)  # a copy, refreshed here; or (fused target) a view of the target's
-                    if bias.data_ptr() != dst.bias.data_ptr():
-                        dst.bias.copy_(bias)
+                if len(srcs) > 1 and dst.bias is not None:  # a copy, refreshed here (or a view: a no-op copy)
+                    dst.bias.copy_(cat_bias(srcs))
             else:
                 copy_quantized_(dst.weight, _quantize_weight(srcs[0].weight, self._qconfig))
         if self.device.type == "cuda":
