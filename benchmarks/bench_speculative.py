@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
                                           device=device, log=log)
     free_memory()
     drafter.refresh()  # a weight sync happened: re-quantize in place (graphs stay valid)
-    drafter.refresh()
+    drafter.refresh()  # again, for the time of a warm refresh (the first pays one-off kernel compiles)
     extra["refresh_s"] = drafter.last_refresh_s
     log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms; phase 'trained'")
     results += policy_runs("trained", engine, prompts, args.samples, params, toggles(args, costs), save=save,

@@ -94,14 +94,23 @@ def test_shared_prefix_choice():
 
 def test_engine_with_the_shared_prefix_kernel_matches_the_naive_generator(monkeypatch):
     """A GRPO rollout whose rows finish at different times (groups shrink unevenly) through the shared-prefix
-    Triton kernel (the CPU's interpreter without CUDA; on CUDA with the small-batch hand-off to the per-row kernel
-    turned off): the same tokens as a generator that recomputes every sequence with dense attention."""
+    Triton kernel (the CPU's interpreter without CUDA): the same tokens as a generator that recomputes every
+    sequence with dense attention. ``shared_prefix=True`` turns the small-batch hand-off to the per-row kernel off
+    (``min_rows=0`` on every call, so on CUDA too the cascade runs); ``"auto"`` leaves it to the kernel."""
     from functools import partial
 
-    from sparrow.kernels.decode_attention import triton_cascade
+    import importlib
+
     from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
 
-    monkeypatch.setattr(triton_cascade, "CASCADE_MIN_ROWS", 0)
+    dense_module = importlib.import_module("sparrow.attention.dense")  # (the package exports a ``dense`` function)
+    seen, real = [], dense_module.cascade_decode_attention
+
+    def spy(*args, **kw):
+        seen.append(kw["min_rows"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(dense_module, "cascade_decode_attention", spy)
     model = random_tiny("qwen2", std=0.15, attention=partial(DenseAttention, impl="triton", shared_prefix=True))
     model = model.to(DEVICE)
     prompts = [[5, 9, 2, 7, 7, 1, 3], [4, 8]]
@@ -116,3 +125,9 @@ def test_engine_with_the_shared_prefix_kernel_matches_the_naive_generator(monkey
     ref = generate_reference(model, prompts, 3, params)
     assert [s.tokens.tolist() for s in out] == [s.tokens.tolist() for s in ref]
     assert max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(out, ref)) < 1e-4
+    assert seen and set(seen) == {0}
+    seen.clear()
+    auto = random_tiny("qwen2", num_layers=1, attention=partial(DenseAttention, impl="triton")).to(DEVICE)
+    RolloutEngine(auto, EngineConfig(max_rows=4, max_prompt_len=16, max_new_tokens=2, compile=False)).generate(
+        prompts[:1], 2, SamplingParams(temperature=1.0, max_new_tokens=2))
+    assert seen and set(seen) == {None}

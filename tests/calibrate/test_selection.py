@@ -130,3 +130,17 @@ def test_temperatures_are_saved_applied_and_old_files_load_at_one(tmp_path):
     (tmp_path / "rtpurbo.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="version 3"):
         load_rtpurbo(tmp_path)
+
+
+def test_mean_over_leaves_out_heads_without_data_only_when_asked():
+    """``mean_over``: every head weighs the same; ``skip_nan`` drops the NaN entries (heads without data), else one
+    makes the mean NaN; nothing left is NaN."""
+    import math
+    from types import SimpleNamespace
+
+    from sparrow.calibrate.indexer import mean_over
+
+    heads = [SimpleNamespace(x=1.0), SimpleNamespace(x=3.0), SimpleNamespace(x=float("nan"))]
+    assert mean_over(heads, "x", skip_nan=True) == 2.0
+    assert math.isnan(mean_over(heads, "x")) and math.isnan(mean_over(heads[2:], "x", skip_nan=True))
+    assert mean_over(heads[:2], "x") == 2.0

@@ -25,11 +25,11 @@ def test_round_trip_counts_and_timings():
     kept = {k: v.clone() for k, v in base.items()}
     r = round_trip(base, new, verifies=(False, "incremental", "full"), iters=1, warmup=0, stage_reps=1)
     assert r["params"] == 2 * 4096
-    assert r["changed"] == _changed(base, new) > 0
+    assert r["changed"] == _changed(base, new) > 0  # the sender's count, against a count of the bit patterns
     assert 0 < r["wire_bytes"] < 2 * r["params"]  # sparse: smaller than the dense bf16 bytes
     assert r["buckets"] >= 1
     assert set(r["apply"]) == {False, "incremental", "full"} == set(r["apply_stages"])
-    assert r["encode"]["n"] == 1 and r["encode"]["median_ms"] >= 0
+    assert r["encode"]["n"] == 1
     assert all(set(v) == {"gpu_ms", "cpu_ms"} for v in r["encode_stages"].values())
     assert all(torch.equal(kept[k], base[k]) for k in base)  # the inputs are left as they were
 
@@ -57,6 +57,10 @@ def test_codec_bytes_against_counts():
     assert b["dense"] == 2 * 10_000
     assert b["coo"] == m * (4 + 2)  # a position and a bf16 pattern per change
     assert b["auto"] <= min(b["dense"], b["coo"], b["compact"])
+    # per slice: a nearly all-changed tensor next to a sparse one is cheaper mixed than under any single codec
+    gen = torch.Generator().manual_seed(5)
+    mixed = codec_bytes(old, [perturb_bits(old[0], 0.95, gen), perturb_bits(old[1], 0.002, gen)], slice_elems=2048)
+    assert mixed["auto"] < min(mixed["dense"], mixed["coo"], mixed["compact"])
     bound = sum(position_entropy_bits(5000, _changed({"x": o}, {"x": x})) for o, x in zip(old, cur)) / 8
     assert b["bound_positions"] == pytest.approx(bound)
     assert b["bound_positions"] < b["bound_positions_values"] < b["compact"]

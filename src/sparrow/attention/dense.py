@@ -45,7 +45,8 @@ class DenseAttention(AttentionBackend):
         shape: the layer's head layout.
         impl: decode kernel, ``"auto" | "reference" | "triton"``.
         shared_prefix: ``"auto"`` (the shared-prefix kernel when the metadata groups the rows by prompt, as the
-            engine's steps do, and Triton runs), ``True`` (always; the grouping built per call when absent) or
+            engine's steps do, and Triton runs; on CUDA, batches under ``CASCADE_MIN_ROWS`` rows run the per-row
+            kernel), ``True`` (always, every batch; the grouping built per call when absent) or
             ``False`` (every row reads its prompt itself, the kernel before shared-prefix decode).
 
     Raises:
@@ -93,5 +94,8 @@ class DenseAttention(AttentionBackend):
                 meta.row_slot, meta.prefix_slot, meta.prefix_len, meta.cached_len)
         if shared_prefix_on(self.shared_prefix, meta, impl):
             meta = meta.grouped()
-            return cascade_decode_attention(*rows, meta.prefix_order, meta.group_start, impl=impl, validate=False)
+            # "auto" hands small batches to the per-row kernel (inside the op); an explicit True always shares
+            min_rows = None if self.shared_prefix == "auto" else 0
+            return cascade_decode_attention(*rows, meta.prefix_order, meta.group_start, impl=impl, min_rows=min_rows,
+                                            validate=False)
         return decode_attention(*rows, impl=impl, validate=False)

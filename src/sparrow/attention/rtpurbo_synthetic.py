@@ -18,9 +18,18 @@ import torch
 
 from sparrow.attention.base import LayerShape
 from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig
+from sparrow.bench import rel_err
 from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
 INDEXER_DIM = 16  #: the indexer key width of the synthetic layer
+
+
+def _hot_blocks(g: torch.Generator, shape: tuple[int, ...], density: float, top_p: float) -> torch.Tensor:
+    """A bool tensor of ``shape`` (blocks last): each block hot with chance ``density / top_p`` (a top-p selection of
+    ``top_p`` over hot blocks that hold ~all the mass then keeps ~``density`` of them), the first block never."""
+    hot = torch.rand(shape, generator=g) < min(1.0, density / top_p)
+    hot[..., 0] = False
+    return hot
 
 
 def hot_indexer_keys(B: int, L: int, density: float, block: int, u: torch.Tensor, seed: int,
@@ -30,9 +39,7 @@ def hot_indexer_keys(B: int, L: int, density: float, block: int, u: torch.Tensor
     (from torch's global generator) elsewhere. The hot blocks are deterministic in ``seed``; on ``u``'s device,
     float32."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    hot = torch.rand(B, -(-L // block), generator=g) < min(1.0, density / top_p)
-    hot[:, 0] = False
-    tok = hot.repeat_interleave(block, dim=1)[:, :L].to(u.device)
+    tok = _hot_blocks(g, (B, -(-L // block)), density, top_p).repeat_interleave(block, dim=1)[:, :L].to(u.device)
     return torch.randn(B, 1, L, u.numel(), device=u.device) * 0.05 + tok[:, None, :, None] * (12.0 * u)
 
 
@@ -46,8 +53,7 @@ def prefill_indexer(S: int, density: float, block: int, r: int, device: torch.de
     g = torch.Generator(device="cpu").manual_seed(seed)
     u = torch.randn(r, generator=g)
     u = u / u.norm()
-    hot = torch.rand(-(-S // block), generator=g) < min(1.0, density / top_p)
-    hot[0] = False  # the sink block is kept anyway
+    hot = _hot_blocks(g, (-(-S // block),), density, top_p)  # the sink block is kept anyway
     k = torch.randn(S, r, generator=g) * 0.05
     k[hot.repeat_interleave(block)[:S]] += 12.0 * u
     q = u.expand(S, r) + torch.randn(S, r, generator=g) * 0.05
@@ -74,7 +80,7 @@ def prefill_vs_reference(dev: torch.device | str, dtype: torch.dtype, hq: int, h
     ref = sparse_prefill_attention(*args, impl="reference", score_impl="reference").float()
     outs = [sparse_prefill_attention(*args, impl="flex", score_impl="triton", local_impl=li, flex_dynamic=flex_dynamic)
             for li in ("chunked", "flex")]
-    return max(float((o.float() - ref).norm() / ref.norm()) for o in outs)
+    return max(rel_err(o, ref) for o in outs)
 
 
 class SyntheticDecodeLayer:
@@ -169,4 +175,4 @@ def triton_vs_reference(dev: torch.device | str, dtype: torch.dtype, hq: int, hk
     proj = dict(q_pre=c.q, indexer_q=b.indexer_q.detach(), q_scale=b.score_scale)
     outs = [sparse_decode_attention(*args, impl="triton", fused=False),
             sparse_decode_attention(c.q, None, *args[2:], impl="triton", **proj)]
-    return max(float((o.float() - ref).norm() / ref.norm()) for o in outs)
+    return max(rel_err(o, ref) for o in outs)

@@ -36,7 +36,7 @@ from sparrow.bench import save_figure, subplots
 from sparrow.calibrate.data import (
     CALIBRATION_SEED, calibration_sequences, fit_sequences, kv_calibration_sequence, subset_indexer,
 )
-from sparrow.calibrate.indexer import fit_indexer
+from sparrow.calibrate.indexer import fit_indexer, mean_over
 from sparrow.calibrate.profile import ablation_scores, head_scores
 from sparrow.calibrate.selection import measure_selection
 from sparrow.models import use_attention
@@ -153,17 +153,18 @@ def calibrate_variants(model: nn.Module, configs: Mapping[str, RTPurboConfig], c
         w_big, rep = fits[(c.decode_block, c.top_p)]
         heads = {(layer, h) for layer in range(prof.num_layers) for h in prof.retrieval_heads(layer)}
         hr = [h for h in rep.heads if (h.layer, h.kv_head) in heads]
-        avg = lambda k: sum(getattr(h, k) for h in hr) / len(hr) if hr else float("nan")  # noqa: E731
         variants[name] = (prof, subset_indexer(big, prof, w_big), c)
         record["configs"][name] = {
             "rtpurbo_config": {k: getattr(c, k) for k in c.__dataclass_fields__},
             "retrieval_heads": sorted([list(x) for x in heads]), "num_retrieval_heads": len(heads),
-            **{f"indexer_{k}": avg(k) for k in ("recall", "mass", "density", "dense_density", "temperature")},
-            "kl_init": avg("kl_init"), "kl_final": avg("kl_final"), "per_head": [vars(h) for h in hr],
+            **{f"indexer_{k}": mean_over(hr, k) for k in ("recall", "mass", "density", "dense_density", "temperature")},
+            "kl_init": mean_over(hr, "kl_init"), "kl_final": mean_over(hr, "kl_final"),
+            "per_head": [vars(h) for h in hr],
             "selection": selection_record(model, prof, variants[name][1], held, c, decode_queries, log)}
-        log(f"{name}: retrieval kv heads {sorted(heads)}; indexer recall {avg('recall'):.3f}, mass {avg('mass'):.3f}, "
-            f"density {avg('density'):.3f}; window {c.window}, top_p {c.top_p}, blocks {c.decode_block}/"
-            f"{c.prefill_block}, ret_window {c.ret_window}")
+        rec = record["configs"][name]
+        log(f"{name}: retrieval kv heads {sorted(heads)}; indexer recall {rec['indexer_recall']:.3f}, mass "
+            f"{rec['indexer_mass']:.3f}, density {rec['indexer_density']:.3f}; window {c.window}, top_p {c.top_p}, "
+            f"blocks {c.decode_block}/{c.prefill_block}, ret_window {c.ret_window}")
     return variants, record
 
 

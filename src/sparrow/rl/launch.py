@@ -38,9 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sparrow.bench import batch_buckets, free_memory
+from sparrow.bench import REPO, batch_buckets, free_memory
 
-_REPO = Path(__file__).resolve().parents[3]
 
 TOGGLES = ("always_on", "threshold", "cost_model")
 
@@ -81,7 +80,7 @@ def recipe_env(**extra: str) -> dict[str, str]:
     """The environment of a launch: this one, unbuffered output, the checkout's ``recipes/`` and ``src/`` on
     ``PYTHONPATH`` (when this module runs from a checkout, so that the recipe and the library import whether or not
     they are installed), then ``extra``."""
-    paths = [str(p) for p in (_REPO / "recipes", _REPO / "src") if p.is_dir()]
+    paths = [str(p) for p in (REPO / "recipes", REPO / "src") if p.is_dir()]
     path = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
     return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path, **extra)
 

@@ -430,8 +430,11 @@ def codec_bytes(old: Sequence[torch.Tensor], new: Sequence[torch.Tensor], *, ent
         out[c] = sum(sz[c] for _, sz in enc)
     out["auto"] = sum(min(sz.values()) for _, sz in enc)
     if entropy:
-        pos_bits = sum(position_entropy_bits(sum(a.numel() for a, _, _ in p), sum(int((a != b).sum()) for a, b, _ in p))
-                       for p in pairs)
+        changes, i = [], 0  # the scan's change counts, per tensor (its slices are consecutive jobs)
+        for p in pairs:
+            changes.append(sum(m for m, _ in enc[i:i + len(p)]))
+            i += len(p)
+        pos_bits = sum(position_entropy_bits(sum(a.numel() for a, _, _ in p), m) for p, m in zip(pairs, changes))
         codes = [K.diff_records(a, b)[1] for p in pairs for a, b, _ in p]
         allc = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.int32)
         out["bound_positions"] = pos_bits / 8

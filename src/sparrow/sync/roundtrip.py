@@ -24,7 +24,7 @@ from ..kernels.sync.common import bits_view
 from .bucket import parse_bucket
 from .receiver import SyncReceiver
 from .sender import SyncSender
-from .stats import StageTimer
+from .stats import StageTimer, SyncStats
 
 #: the receiver's ``verify`` settings :func:`round_trip` takes
 VERIFIES = (False, "incremental", "full")
@@ -98,7 +98,8 @@ def round_trip(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
         out["encode_stages"] = _stages(encode, reset_sender, sender.timer, stage_reps)
         sender.timer = None
     reset_sender()
-    encoded = encode()
+    counts = SyncStats()
+    encoded = list(sender.encode(new, stats=counts))  # the payload the receivers apply, with the sender's counts
     buckets = [b for b, _ in encoded]
     ranges = [(e.name, e.start, e.length) for b in buckets for e in parse_bucket(b).entries]
     rx_t = {k: v.clone() for k, v in base.items()}
@@ -132,8 +133,7 @@ def round_trip(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
             raise RuntimeError(f"receiver differs from sender after the apply (verify={verify!r})")
     if stage_reps:
         out["apply_stages"] = stages
-    out.update(params=sum(v.numel() for v in base.values()), wire_bytes=sum(b.numel() for b in buckets),
-               changed=sum(int((bits_view(base[k]) != bits_view(new[k])).sum()) for k in base), buckets=len(buckets))
+    out.update(params=counts.numel, wire_bytes=counts.wire_bytes, changed=counts.changed, buckets=counts.buckets)
     return out
 
 

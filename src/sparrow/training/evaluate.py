@@ -65,9 +65,10 @@ def _engine_generate(model: torch.nn.Module, exs: Sequence, *, rows: int, temper
 
     prompts = [TOKENIZER.encode(e.prompt) for e in exs]
     new = max(len(e.answer) for e in exs) + 1
-    extra = {"prefill_tokens": prefill_tokens, "cuda_graphs": False} if prefill_tokens else {}
-    engine = RolloutEngine(model, EngineConfig(max_rows=rows, compile=False, max_prompt_len=max(map(len, prompts)),
-                                               max_new_tokens=new, **extra))
+    extra = {"prefill_tokens": prefill_tokens} if prefill_tokens else {}
+    # uncompiled, and no graphs either: a short evaluation would spend more capturing than it saves
+    engine = RolloutEngine(model, EngineConfig(max_rows=rows, compile=False, cuda_graphs=False,
+                                               max_prompt_len=max(map(len, prompts)), max_new_tokens=new, **extra))
     return engine.generate(prompts, 1, SamplingParams(temperature=temperature, max_new_tokens=new,
                                                       stop_token_ids=(TOKENIZER.eos_id,), seed=seed))
 

@@ -390,8 +390,6 @@ def train_on_episodes(model: torch.nn.Module, task: MarkovEpisodes, *, seq_len: 
                       loss=LossConfig(prompt_weight=0.0, answer_mean="token"),
                       optimizer=OptimizerConfig(lr=lr, warmup_steps=warmup_steps, weight_decay=0.0))
     stats = Trainer(model, cfg, EpisodeBatches(task, seq_len, batch), log=log).train()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
     curve = stats["loss_curve"]
     return {"steps": stats["steps"], "seconds": stats["train_s"], "tokens": stats["tokens_seen"],
             "loss_curve": [(r["step"], r["episodes"]) for r in curve],

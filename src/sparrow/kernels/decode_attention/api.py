@@ -128,6 +128,7 @@ def cascade_decode_attention(
     window: int | None = None,
     sink: int = 0,
     impl: Impl = "auto",
+    min_rows: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """:func:`decode_attention` with each prompt read once for all the rows that share it (a GRPO group).
@@ -143,6 +144,9 @@ def cascade_decode_attention(
             and length; a group's rows must share both).
         impl: ``"reference"`` (eager PyTorch: the two states and the merge spelled out), ``"triton"`` (CUDA, or
             CPU under ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, reference elsewhere).
+        min_rows: (Triton) a batch of fewer rows runs the per-row kernel instead, the same result (one or two
+            groups share too little to pay for the tile); ``None``: :data:`.triton_cascade.CASCADE_MIN_ROWS` on
+            CUDA, 0 elsewhere; 0: always the cascade. Decided inside the kernel op, once per captured bucket.
 
     Returns: [A, Hq, T, D] in ``q.dtype``.
 
@@ -156,7 +160,8 @@ def cascade_decode_attention(
         from .triton_cascade import cascade_attention_triton
 
         return cascade_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
-                                        cached_len, prefix_order, group_start, scale, window=window, sink=sink)
+                                        cached_len, prefix_order, group_start, scale, window=window, sink=sink,
+                                        min_rows=min_rows)
     from .reference import cascade_decode_attention_reference
 
     return cascade_decode_attention_reference(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot,

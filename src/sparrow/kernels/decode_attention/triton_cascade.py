@@ -288,14 +288,14 @@ def cascade_attention_triton(
     RTPurbo's ring layout, :func:`.api.cascade_local_attention`, with ``sink`` its ``num_sinks``). ``splits``
     (prefix, suffix) and ``rows_per_tile`` fix what :func:`cascade_splits` / :func:`tile_rows` would choose
     (decided inside the op, i.e. once per captured graph); ``min_chunk``: least tokens per split. ``min_rows``: a
-    dense batch of fewer rows runs the per-row kernel (:func:`.triton_decode.decode_attention_triton`) instead;
-    default :data:`CASCADE_MIN_ROWS` on CUDA without explicit ``splits`` / ``rows_per_tile``, else 0 (always the
+    dense (not ``local``) batch of fewer rows runs the per-row kernel (:func:`.triton_decode.decode_attention_triton`)
+    instead; default :data:`CASCADE_MIN_ROWS` on CUDA without explicit ``splits`` / ``rows_per_tile``, else 0 (always the
     cascade). The batch size is read inside the op, so a graph compiled for symbolic sizes still decides per
     captured bucket."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ns_p, ns_s = splits or (0, 0)
     if min_rows is None:
-        min_rows = CASCADE_MIN_ROWS if q.is_cuda and not local and splits is None and rows_per_tile is None else 0
+        min_rows = CASCADE_MIN_ROWS if q.is_cuda and splits is None and rows_per_tile is None else 0
     return _cascade_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
                        prefix_order, group_start, float(scale), int(window or 0), int(sink), bool(local), int(ns_p),
                        int(ns_s), int(rows_per_tile or 0), int(min_chunk[0]), int(min_chunk[1]), int(min_rows))
