@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
-from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, free_memory, kernel_times, plot_series,
-                           print_table, save_figure, subplots, synchronize, triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (KERNEL_KINDS, base_parser, copy_bandwidth_gbs, device_dtype, free_memory, kernel_times,
+                           plot_series, print_table, save_figure, stacked_bars, step_shares, subplots, synchronize,
+                           triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -237,7 +238,8 @@ def main() -> None:
 
 def plot(result: dict, png: Path) -> None:
     rows = result["rows"]
-    fig, axes = subplots(1, 3, figsize=(16, 4))
+    breakdown = result.get("breakdown") or {}
+    fig, axes = subplots(1, 3 + bool(breakdown), figsize=(16 + 5 * bool(breakdown), 4))
     for L in sorted({r["prompt_len"] for r in rows}):
         rs = [r for r in rows if r["prompt_len"] == L]
         c = plot_series(axes[0], rs, "batch", "sparrow_decode_tok_s", label=f"Sparrow {L // 1024}K")[0].get_color()
@@ -253,6 +255,12 @@ def plot(result: dict, png: Path) -> None:
     axes[1].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="prefill time (s)",
                 title="Prefill (G=8 rows share a prompt)")
     axes[2].set(xscale="log", xlabel="batch (rows)", ylabel="roofline time / step time", title="Decode step vs roofline")
+    if breakdown:  # one bar per engine and row count, stacked by kind of kernel
+        bars = {f"{'default' if mode == 'auto' else mode}, {n} row{'s' * (n != '1')}": step_shares(step)
+                for mode, steps in breakdown.items() for n, step in steps.items()}
+        stacked_bars(axes[3], list(bars), {kind: [us[kind] for us in bars.values()] for kind in KERNEL_KINDS})
+        axes[3].set(ylabel="microseconds per decode step",
+                    title=f"One decode step, {result['config']['breakdown_len'] // 1024}K prompts")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)

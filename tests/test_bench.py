@@ -135,6 +135,26 @@ def test_kernel_times_groups_by_name():
         assert next(k["calls"] for k in out["kernels"] if "mm" in k["name"]) == 3
 
 
+def test_step_shares_sort_kernels_by_kind_and_sum_to_the_step():
+    """Names from an H200 decode step land in their kinds; kernels past the named ``top`` count as "other kernels",
+    the wall time no kernel covers as idle, and the shares sum to the step. Negative control: a step whose kernels
+    take longer than its wall time (overlap) gets no negative idle time."""
+    step = {"step_ms": 1.0, "kernel_us_per_step": 900.0, "kernels": [
+        {"name": "nvjet_sm90_tst_128x8_64x12_4x1_v_bz_TNT", "us": 300.0, "calls": 24},
+        {"name": "void cublasLt::splitKreduce_kernel<32, 16, int, float>", "us": 40.0, "calls": 24},
+        {"name": "_cascade_kernel", "us": 200.0, "calls": 24},
+        {"name": "triton_red_fused___rshift____log_softmax__to_copy_add_arange_argmax", "us": 90.0, "calls": 1},
+        {"name": "triton_poi_fused__unsafe_view_mul_silu_split_8", "us": 70.0, "calls": 24},
+        {"name": "Memcpy DtoD (Device -> Device)", "us": 100.0, "calls": 2}]}
+    us = bench.step_shares(step)
+    assert list(us) == list(bench.KERNEL_KINDS)
+    assert us == {"matmul": 340.0, "attention": 200.0, "sampling": 90.0, "other Inductor kernels": 70.0,
+                  "other kernels": 100.0 + 100.0, "idle (launch gaps)": 100.0}
+    assert sum(us.values()) == pytest.approx(1000.0)
+    assert bench.kernel_kind("aten::mm") == "other kernels"  # a CPU operator: no CUDA kind
+    assert bench.step_shares(dict(step, step_ms=0.5))["idle (launch gaps)"] == 0.0
+
+
 def test_first_working_tries_variants_in_order(capsys):
     tried = []
 

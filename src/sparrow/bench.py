@@ -262,6 +262,34 @@ def kernel_times(fn: Callable[[], Any], runs: int, top: int = 15) -> dict[str, A
             "kernels": [{"name": k, "us": v[0], "calls": v[1]} for k, v in ranked[:top]]}
 
 
+KERNEL_KINDS = ("matmul", "attention", "sampling", "other Inductor kernels", "other kernels", "idle (launch gaps)")
+
+
+def kernel_kind(name: str) -> str:
+    """The part of a decode step a CUDA kernel belongs to, by its name: cuBLAS / nvjet matmuls, Sparrow's own Triton
+    attention kernels (``_*_kernel``), the sampling reduction over the vocabulary (an Inductor kernel with a
+    log-softmax or argmax), the rest of Inductor's fused kernels (norms, RoPE, cache writes, activations)."""
+    if any(k in name for k in ("nvjet", "gemm", "cublas", "cutlass", "splitKreduce", "xmma")):
+        return "matmul"
+    if name.startswith("triton_"):
+        return "sampling" if "softmax" in name or "argmax" in name else "other Inductor kernels"
+    return "attention" if name.startswith("_") and name.endswith("_kernel") else "other kernels"
+
+
+def step_shares(step: dict[str, Any]) -> dict[str, float]:
+    """One profiled step (:func:`kernel_times`' result and the step's wall time ``step_ms``) as microseconds per
+    :data:`KERNEL_KINDS`: the named kernels by :func:`kernel_kind`, the kernels outside the ``top`` named ones as
+    "other kernels", and the wall time that no kernel covers as idle. The shares sum to the wall time (or to the
+    kernel time, where kernels overlap to more than it)."""
+    us = dict.fromkeys(KERNEL_KINDS, 0.0)
+    for k in step["kernels"]:
+        us[kernel_kind(k["name"])] += k["us"]
+    us["other kernels"] += step["kernel_us_per_step"] - sum(k["us"] for k in step["kernels"])
+    us["idle (launch gaps)"] = max(0.0, step["step_ms"] * 1e3 - step["kernel_us_per_step"])
+    return us
+
+
+
 _SITE = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)*?(site|dist)-packages/")
 _ABS = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)+([\w.+-]+)")
 
