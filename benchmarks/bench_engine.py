@@ -22,7 +22,9 @@ group's prompt KV once, each row's generated KV, 2 x parameters FLOPs per row, a
 Fused projections (``--fused-projections both``): a third engine with ``EngineConfig(fuse_projections=False)``
 (q / k / v and gate / up as separate matmuls, as before the fusion), keys ``unfused_*``, ``fused_speedup``. Inductor
 settings (``--tuned triton.enable_pdl=True ...``): a fourth engine with ``EngineConfig(inductor_options=...)``, keys
-``tuned_*``, ``tuned_speedup`` (its tokens/s over the default engine's).
+``tuned_*``, ``tuned_speedup`` (its tokens/s over the default engine's). The baseline (``--before on``): the engine
+before fused projections and shared-prefix decode (:func:`sparrow.rollout.summary.engine_before`), keys
+``before_*``, ``before_speedup`` (the default engine's tokens/s over it).
 
 Run (H200): ``python benchmarks/bench_engine.py``; smoke run on CPU: ``python benchmarks/bench_engine.py --quick``.
 """
@@ -50,6 +52,7 @@ import sparrow.models as sm
 from sparrow.attention import DenseAttention
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
 from sparrow.rollout.roofline import DecodeFootprint, decode_step_roofline
+from sparrow.rollout.summary import engine_before
 from sparrow.training import init_weights
 
 NAME = "engine"
@@ -103,6 +106,7 @@ def main() -> None:
         ("--shared-prefix", ["both", "auto"], "both", "also measure an engine without shared-prefix decode"),
         ("--fused-projections", ["both", "on"], "both", "also measure an engine with separate projections"),
         ("--tuned", dict(nargs="*", default=[], metavar="KEY=VALUE", help="a fourth engine's Inductor options")),
+        ("--before", ["on", "off"], "on", "also measure the engine before fused projections and shared-prefix decode"),
         ("--bandwidth-tbs", float, 4.2, "roofline copy bandwidth"), ("--tflops", float, 778.0, "roofline bf16 FLOP/s"),
         ("--breakdown-len", int, 8192, "prompt length of the per-kernel breakdown (0: skip it)"),
         ("--prompt-lens", dict(type=int, nargs="+", default=[1024, 8192, 32768])),
@@ -128,6 +132,8 @@ def main() -> None:
                        max_new_tokens=args.new_tokens, block_steps=16, compile=device == "cuda", prefill_tokens=65536)
     engines = {mode: RolloutEngine(m, dataclasses.replace(cfg, **settings[mode]))
                for mode, m in models.items()}
+    if args.before == "on":
+        engines["before"] = engine_before(model, cfg)
     engine = engines["auto"]
     footprint = DecodeFootprint.of(model, torch.bfloat16 if device == "cuda" else None)
     rates = dict(bandwidth=args.bandwidth_tbs * 1e12, flops=args.tflops * 1e12)
@@ -187,6 +193,8 @@ def main() -> None:
                 row["fused_speedup"] = row["sparrow_decode_tok_s"] / row["unfused_decode_tok_s"]
             if "tuned" in engines:
                 row["tuned_speedup"] = row["tuned_decode_tok_s"] / row["sparrow_decode_tok_s"]
+            if "before" in engines:
+                row["before_speedup"] = row["sparrow_decode_tok_s"] / row["before_decode_tok_s"]
             if "off" in engines:
                 row["shared_prefix_speedup"] = row["sparrow_decode_tok_s"] / row["off_decode_tok_s"]
                 # bf16 sums in another order: a near-tie may flip a token (and the rest of that sample)
@@ -247,7 +255,8 @@ def plot(result: dict, png: Path) -> None:
         plot_series(axes[1], rs, "batch", "sparrow_prefill_s", color=c, label=f"Sparrow {L // 1024}K")
         plot_series(axes[1], rs, "batch", "hf_prefill_s", style="x--", color=c, label=f"transformers {L // 1024}K")
         for key, style, name in (("sparrow", "o-", "default"), ("off", "s:", "per-row kernel"),
-                                 ("unfused", "^-.", "unfused projections"), ("tuned", "d--", "tuned")):
+                                 ("unfused", "^-.", "unfused projections"), ("tuned", "d--", "tuned"),
+                                 ("before", "v:", "engine before")):
             plot_series(axes[2], rs, "batch", f"{key}_roofline_fraction", style=style, color=c,
                         label=f"{L // 1024}K {name}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",

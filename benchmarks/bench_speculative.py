@@ -15,10 +15,7 @@ Run (H200): ``python benchmarks/bench_speculative.py``; CPU smoke run: ``python 
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import time
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,9 +26,8 @@ from sparrow.bench import (T0, base_parser, batch_buckets, first_working, free_m
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 import sparrow.models as sm
-from sparrow.attention import DenseAttention
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
-from sparrow.rollout.summary import engine_speedups, fixed_batch_runs, phase_tables, policy_runs
+from sparrow.rollout.summary import engine_before, engine_speedups, fixed_batch_runs, phase_tables, policy_runs
 from sparrow.speculative import (
     AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig, QuantizedSelfDrafter,
 )
@@ -166,8 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             print_table(extra["per_batch"], list(extra["per_batch"][0]))
     if args.engine_before == "on" and (deadline is None or time.perf_counter() < deadline):
         log("phase 'engine_before': plain decoding through the engine before fused projections and shared prefix")
-        old = RolloutEngine(sm.use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False)),
-                            dataclasses.replace(cfg, fuse_projections=False))
+        old = engine_before(model, cfg)
         old.prepare(params)  # compiled and captured outside the clock, as the engine above
         ar = [("AR", AlwaysOff())]
         results += policy_runs("engine_before", old, prompts, args.samples, params, ar, save=save, log=log)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparrow.rollout import Generation, GenerationStats, Sample
-from sparrow.rollout.summary import bucket_comparison, engine_speedups, generation_summary
+from sparrow.models.attention import attention_modules
+from sparrow.rollout import EngineConfig, Generation, GenerationStats, RolloutEngine, Sample, SamplingParams
+from sparrow.rollout.summary import bucket_comparison, engine_before, engine_speedups, generation_summary
 from sparrow.speculative import AlwaysOff, AlwaysOn
+from tests.helpers import random_tiny
 
 
 def _gen(lengths, stops, **stats) -> Generation:
@@ -167,3 +169,24 @@ def test_engine_speedups_before_over_after_per_token_and_at_fixed_batches():
     assert swapped["latency_speedup"] == pytest.approx(1 / 1.5)
     assert [r["speedup"] for r in swapped["fixed"]] == [pytest.approx(1 / 1.5), pytest.approx(1 / 1.2)]
     assert engine_speedups(after, after)["same_tokens"] is True and engine_speedups(after, after)["fixed"] == []
+
+
+def test_engine_before_is_the_unfused_per_row_engine_on_a_copy():
+    """The baseline engine: separate projections and every layer's attention reading each row's prompt, on a copy
+    (the model handed in keeps its backends and its modules); it samples what the default engine samples (same
+    weights, counter-based noise). Negative control: the default engine on the same model is neither."""
+    torch.manual_seed(0)
+    model = random_tiny()
+    kept = [(m, m.backend) for m in attention_modules(model)]
+    cfg = EngineConfig(max_rows=4, max_prompt_len=32, max_new_tokens=6, compile=False, block_steps=3)
+    old = engine_before(model, cfg)
+    assert old.config.fuse_projections is False and old.model is not model
+    assert all(m.backend.shared_prefix is False for m in attention_modules(old.model))
+    assert [(m, m.backend) for m in attention_modules(model)] == kept
+    now = RolloutEngine(model, cfg)
+    assert now.config.fuse_projections is True
+    assert any(m.backend.shared_prefix is not False for m in attention_modules(now.model))
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    a, b = now.generate(prompts, 2, params), old.generate(prompts, 2, params)
+    assert [s.tokens.tolist() for s in a] == [s.tokens.tolist() for s in b]

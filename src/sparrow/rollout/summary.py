@@ -4,17 +4,26 @@
 rollout benchmark reports (latency, throughput, speculative acceptance, response lengths, per-bucket tokens/s);
 :func:`bucket_comparison` puts several such summaries side by side per batch bucket, against the first.
 :func:`timed_generate` times one call; :func:`policy_runs` compares decoding policies (toggles) on one rollout
-(:func:`phase_tables` reports them), :func:`fixed_batch_runs` at batch sizes held fixed.
+(:func:`phase_tables` reports them), :func:`fixed_batch_runs` at batch sizes held fixed. :func:`engine_before`
+builds the engine as it was before fused projections and shared-prefix decode, and :func:`engine_speedups` puts
+the two side by side.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import time
+from functools import partial
 from typing import Any, Callable, Sequence
 
+from torchtune.modules import TransformerDecoder
+
+from sparrow.attention import DenseAttention
 from sparrow.bench import format_table, synchronize
-from sparrow.rollout.engine import Generation, RolloutEngine
+from sparrow.models.attention import use_attention
+from sparrow.rollout.engine import EngineConfig, Generation, RolloutEngine
 from sparrow.sampling import SamplingParams
 from sparrow.speculative.base import ToggleController
 from sparrow.speculative.toggle import CostModelToggle
@@ -162,6 +171,15 @@ def fixed_batch_runs(engine: RolloutEngine, buckets: Sequence[int], prompts: Seq
     return out
 
 
+def engine_before(model: TransformerDecoder, config: EngineConfig) -> RolloutEngine:
+    """The baseline of the engine benchmarks: ``config``'s engine as it was before fused projections and
+    shared-prefix decode, on a deep copy of the dense ``model`` (``model`` itself is left as it is). Its q / k / v
+    and gate / up projections stay separate matmuls (``fuse_projections=False``) and every row reads its own prompt
+    (``DenseAttention(shared_prefix=False)`` in every layer)."""
+    old = use_attention(copy.deepcopy(model), partial(DenseAttention, shared_prefix=False))
+    return RolloutEngine(old, dataclasses.replace(config, fuse_projections=False))
+
+
 def engine_speedups(after: dict[str, Any], before: dict[str, Any], after_fixed: Sequence[dict[str, Any]] = (),
                     before_fixed: Sequence[dict[str, Any]] = (), policy: str = "AR") -> dict[str, Any]:
     """One decoding policy through two engines on the same rollout: ``after`` / ``before`` are
@@ -179,5 +197,5 @@ def engine_speedups(after: dict[str, Any], before: dict[str, Any], after_fixed: 
                       for r in after_fixed if r["batch"] in fixed_before]}
 
 
-__all__ = ["bucket_comparison", "engine_speedups", "fixed_batch_runs", "generation_summary", "phase_tables",
+__all__ = ["bucket_comparison", "engine_before", "engine_speedups", "fixed_batch_runs", "generation_summary", "phase_tables",
            "policy_runs", "timed_generate"]
