@@ -30,7 +30,8 @@ from sparrow.bench import (base_parser, copy_bandwidth_gbs, device_dtype, graphe
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
-from sparrow.kernels.decode_attention import decode_attention
+from sparrow.kernels.decode_attention import decode_attention, prefix_groups
+from sparrow.kernels.decode_attention import triton_cascade as tc
 from sparrow.kernels.decode_attention import triton_decode as td
 
 NAME = "decode_attention"
@@ -56,11 +57,10 @@ def splits(x, T: int, dev: torch.device) -> tuple[int, int]:
 
 
 def run(args) -> None:
-    if not args.quick:
-        return _run(args)
-    saved, td.INTERPRETER_SM_COUNT = td.INTERPRETER_SM_COUNT, 2  # so the batch fit cuts splits under the interpreter
+    saved = td.INTERPRETER_SM_COUNT
+    td.INTERPRETER_SM_COUNT = 2 if args.quick else saved  # so the batch fit cuts splits under the interpreter
     try:
-        return _run(args)
+        _run(args)
     finally:
         td.INTERPRETER_SM_COUNT = saved
 
@@ -101,13 +101,15 @@ def _run(args) -> None:
                 tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
                 assert err < tol and ref_err < tol, f"outputs disagree: {err:.3g}, {ref_err:.3g} (A={A}, T={T})"
     sweep = split_sweep(args, dev, dtype, g, min_p, max_p, gen) if args.sweep else []
+    cascade = cascade_sweep(args, dev, dtype, g, gbps) if args.cascade else []
     print()
     print_table(rows, ["model", "A", "T", "length_splits", "batch_splits", "length_ms", "batch_ms", "speedup",
                        "floor_ms", "batch_vs_floor"])
     write_json(NAME, {"models": models, "batches": batches, "T": Ts, "min_prompt": min_p, "max_prompt": max_p,
                       "generated": gen, "dtype": str(dtype), "iters": args.iters, "copy_GBps": gbps,
                       "programs_per_sm": td.PROGRAMS_PER_SM, "decode_programs_per_sm": td.DECODE_PROGRAMS_PER_SM,
-                      "longest_cut": td.LONGEST_CUT}, rows, args.out, extra={"sweep": sweep} if sweep else None)
+                      "longest_cut": td.LONGEST_CUT}, rows, args.out,
+               extra={k: v for k, v in (("sweep", sweep), ("cascade", cascade)) if v} or None)
 
 
 def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
@@ -128,6 +130,30 @@ def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
             row.update(best=best, chosen_vs_best=row[f"{best}_ms"] / row[f"{chosen}_ms"])
             out.append(row)
             print_table([row], list(row))
+    return out
+
+
+def cascade_sweep(args, dev, dtype, g, gbps) -> list[dict]:
+    """Shared-prefix decode (groups of 8 rows on one prompt of ``L`` tokens, 64 generated each) at each prefix split
+    length (the least tokens per prefix split, ``triton_cascade.PREFIX_MIN_CHUNK`` by default), against the per-row
+    kernel on the same cache and against each prompt's KV read once at copy speed (``floor_ms``)."""
+    Hq, Hkv, D = (4, 2, 16) if args.quick else MODELS["qwen2.5-0.5b"]
+    out, suffix = [], tc.SUFFIX_MIN_CHUNK
+    for L, A, T in [(L, A, T) for L in ([200] if args.quick else [8192, 32768])
+                    for A in ([16] if args.quick else [32, 64, 256]) for T in ([1, 3] if args.quick else [1, 5])]:
+        x = list(inputs(A, Hq, Hkv, D, T, L, L, 64, dev, dtype, g))  # then 8 rows per prompt slot, all of L tokens
+        x[1:3], x[6:8] = [t[:A // 8] for t in x[1:3]], [torch.arange(A, device=dev) // 8, torch.full_like(x[8], L)]
+        groups = prefix_groups(x[6], x[7])
+        calls = {"per_row": lambda: td.decode_attention_triton(*x)} | {
+            f"chunk{c}": lambda c=c: tc.cascade_attention_triton(*x, *groups, min_rows=0, min_chunk=(c, suffix))
+            for c in ([16, 64] if args.quick else [128, 256, 512, 1024])}
+        kv_bytes = (A // 8 * L + A * (64 + T)) * Hkv * D * 2 * x[0].element_size()
+        row = {"prompt_len": L, "A": A, "T": T, "floor_ms": kv_bytes / (gbps * 1e6) if gbps else None,
+               "max_rel_err": max(rel_err(fn(), calls["per_row"]()) for fn in calls.values())}
+        row |= {f"{k}_ms": measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"] for k, fn in calls.items()}
+        out.append(row)
+        print_table([row], list(row))
+        assert row["max_rel_err"] < (2e-2 if dtype == torch.bfloat16 else 1e-4), row
     return out
 
 
@@ -152,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
     p = base_parser(__doc__.splitlines()[0], [
         ("--iters", int, 30, None), ("--min-prompt", int, 2048, None), ("--max-prompt", int, 28672, None),
         ("--generated", int, 2048, None),
-        ("--sweep", dict(action="store_true", help="also time every power-of-two split count at a few shapes"))])
+        ("--sweep", dict(action="store_true", help="also time every power-of-two split count at a few shapes")),
+        ("--cascade", dict(action="store_true", help="also time shared-prefix decode over its prefix split length"))])
     run(p.parse_args(argv))
 
 

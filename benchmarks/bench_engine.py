@@ -184,19 +184,14 @@ def main() -> None:
                     pre.append(out.stats.prefill_s)
                     dec.append(out.stats.decode_s)
                     step.append(out.stats.decode_s / out.stats.decode_steps)
-                row[f"{key}_prefill_s"] = median(pre)
-                row[f"{key}_decode_s"] = median(dec)
-                row[f"{key}_decode_tok_s"] = B * (args.new_tokens - 1) / row[f"{key}_decode_s"]
-                row[f"{key}_step_ms"] = median(step) * 1e3
-                row[f"{key}_roofline_fraction"] = floor.fraction(median(step))
-            if "unfused" in engines:
-                row["fused_speedup"] = row["sparrow_decode_tok_s"] / row["unfused_decode_tok_s"]
-            if "tuned" in engines:
-                row["tuned_speedup"] = row["tuned_decode_tok_s"] / row["sparrow_decode_tok_s"]
-            if "before" in engines:
-                row["before_speedup"] = row["sparrow_decode_tok_s"] / row["before_decode_tok_s"]
+                row |= {f"{key}_prefill_s": median(pre), f"{key}_decode_s": median(dec),
+                        f"{key}_decode_tok_s": B * (args.new_tokens - 1) / median(dec),
+                        f"{key}_step_ms": median(step) * 1e3, f"{key}_roofline_fraction": floor.fraction(median(step))}
+            for name, a, b in (("fused", "sparrow", "unfused"), ("tuned", "tuned", "sparrow"),
+                               ("before", "sparrow", "before"), ("shared_prefix", "sparrow", "off")):
+                if f"{a}_decode_tok_s" in row and f"{b}_decode_tok_s" in row:  # tokens/s ratios
+                    row[f"{name}_speedup"] = row[f"{a}_decode_tok_s"] / row[f"{b}_decode_tok_s"]
             if "off" in engines:
-                row["shared_prefix_speedup"] = row["sparrow_decode_tok_s"] / row["off_decode_tok_s"]
                 # bf16 sums in another order: a near-tie may flip a token (and the rest of that sample)
                 row["samples_same_as_off"] = sum(a == b for a, b in zip(tokens["auto"], tokens["off"])) / B
             # prefix sharing on its own: the same rows prefilled once per sample (G identical prompts)
