@@ -289,7 +289,6 @@ def step_shares(step: dict[str, Any]) -> dict[str, float]:
     return us
 
 
-
 _SITE = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)*?(site|dist)-packages/")
 _ABS = re.compile(r"(?<![\w.:/])/(?:[\w.+-]+/)+([\w.+-]+)")
 

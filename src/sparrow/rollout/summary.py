@@ -197,5 +197,5 @@ def engine_speedups(after: dict[str, Any], before: dict[str, Any], after_fixed: 
                       for r in after_fixed if r["batch"] in fixed_before]}
 
 
-__all__ = ["bucket_comparison", "engine_before", "engine_speedups", "fixed_batch_runs", "generation_summary", "phase_tables",
-           "policy_runs", "timed_generate"]
+__all__ = ["bucket_comparison", "engine_before", "engine_speedups", "fixed_batch_runs", "generation_summary",
+           "phase_tables", "policy_runs", "timed_generate"]
