@@ -186,7 +186,8 @@ def plot(result: dict, png: Path) -> None:
     ax[0].set(xscale="log", xlabel="active batch bucket", ylabel="decode tokens/s")
     ax[0].set_xscale("log", base=2)
     ax[0].legend()
-    bars = rows + [dict(r, run=f"{r['run']} (engine before)") for r in result["rows"] if r.get("phase") == "engine_before"]
+    bars = rows + [dict(r, run=f"{r['run']} (engine before)") for r in result["rows"]
+                   if r.get("phase") == "engine_before"]
     ax[1].bar([r["run"] for r in bars], [r["latency_s"] for r in bars])
     ax[1].set_ylabel("rollout latency (s)")
     if per_batch:

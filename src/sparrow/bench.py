@@ -242,7 +242,8 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
 def kernel_times(fn: Callable[[], Any], runs: int, top: int = 15) -> dict[str, Any]:
     """``fn()`` under ``torch.profiler``, its time per run grouped by name, largest first: CUDA kernels' device time
     with CUDA, CPU operators' self time without. Returns ``{"kernel_us_per_step", "calls_per_step" (kernel launches, or
-    operator calls, per run: with the step time, how launch-bound it is), "kernels": [{"name", "us", "calls"}]}`` (the ``top`` largest names, cut to 120 characters); ``runs``: the calls ``fn`` makes."""
+    operator calls, per run: with the step time, how launch-bound it is), "kernels": [{"name", "us", "calls"}]}``
+    (the ``top`` largest names, cut to 120 characters); ``runs``: the calls ``fn`` makes."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -269,7 +270,7 @@ def kernel_kind(name: str) -> str:
     """The part of a decode step a CUDA kernel belongs to, by its name: cuBLAS / nvjet matmuls, Sparrow's own Triton
     attention kernels (``_*_kernel``), the sampling reduction over the vocabulary (an Inductor kernel with a
     log-softmax or argmax), the rest of Inductor's fused kernels (norms, RoPE, cache writes, activations)."""
-    if any(k in name for k in ("nvjet", "gemm", "cublas", "cutlass", "splitKreduce", "xmma")):
+    if any(k in name for k in ("nvjet", "gemm", "cublas", "cutlass")):  # cuBLAS(Lt) and CUTLASS kernel names
         return "matmul"
     if name.startswith("triton_"):
         return "sampling" if "softmax" in name or "argmax" in name else "other Inductor kernels"
