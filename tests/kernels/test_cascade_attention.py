@@ -110,6 +110,25 @@ def test_windowed_matches_the_oracle(window, sink):
     assert rel_err(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("case", [CASES[4], CASES[5]])
+def test_partials_of_splits_that_saw_nothing_are_never_read(case, monkeypatch):
+    """A 1-token prompt over 3 prefix splits, a suffix of only the new token over 2 (and a 1-token prompt in a slot
+    shared with a longer one): those splits write no partial output. With every fresh allocation filled with NaN,
+    the output is still the attention (a merge that read them would give NaN)."""
+    args = _args(case)
+    groups = prefix_groups(args[6], args[7])
+    empty = torch.empty
+
+    def poisoned(*shape, **kw):
+        t = empty(*shape, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    out = cascade_attention_triton(*args, *groups, min_rows=0, **case[-1])
+    monkeypatch.undo()
+    assert rel_err(out, _naive(*args)) < 1e-5
+
+
 def test_dropping_the_merge_fails():
     """Negative controls: the prompt's state alone, the row's own tokens alone, or the two states averaged
     without their log-sum-exp weights are far from the attention; the exact merge is not."""

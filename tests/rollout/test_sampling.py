@@ -283,3 +283,58 @@ def test_the_draw_at_a_real_vocabulary_is_never_decided_by_a_uniform_of_one(monk
     assert len(rows) == 3
     old_tokens, _ = sample(logits, params, keys)
     assert torch.equal(old_tokens[rows], ones[rows].float().argmax(1))  # the uniform of one decided the draw
+
+
+# -- the vocabulary-wide argmax in two steps --------------------------------------------------------------
+from sparrow.sampling import ARGMAX_CHUNK, vocab_argmax  # noqa: E402
+
+SPECIALS = st.sampled_from([float("-inf"), float("inf"), float("nan"), 0.0, -0.0, 1.0, 1.0, 2.0])
+
+
+@st.composite
+def tied_rows(draw):
+    """[rows, V] float32 with many ties (few distinct values, infinities, NaN, both zeros) and a run length that
+    does and does not divide V."""
+    rows, v = draw(st.integers(1, 3)), draw(st.integers(1, 40))
+    vals = draw(st.lists(st.one_of(SPECIALS, st.floats(-4, 4, width=32)), min_size=rows * v, max_size=rows * v))
+    return torch.tensor(vals, dtype=torch.float32).view(rows, v), draw(st.integers(1, 9))
+
+
+def _last_run_on_ties(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A broken two-step argmax (the negative control): the last run holding the maximum, not the first."""
+    V = x.shape[-1]
+    runs = -(-V // chunk)
+    best, where = torch.nn.functional.pad(x, (0, runs * chunk - V), value=float("-inf")).unflatten(
+        -1, (runs, chunk)).max(dim=-1)
+    run = runs - 1 - torch.argmax(best.flip(-1), dim=-1, keepdim=True)
+    return (run * chunk + where.gather(-1, run)).squeeze(-1)
+
+
+@SETTINGS
+@given(case=tied_rows())
+def test_vocab_argmax_is_torch_argmax(case):
+    """The same index as ``torch.argmax`` for every row: the first of equal maxima, across runs and inside one,
+    the first NaN, an all -inf row; runs of 1..9 ids over rows of 1..40 (the last run short or full)."""
+    x, chunk = case
+    assert torch.equal(vocab_argmax(x, chunk), torch.argmax(x, dim=-1))
+
+
+def test_vocab_argmax_property_catches_the_last_run_on_ties():
+    x = torch.tensor([[0.0, 3.0, 1.0, 3.0, 2.0]])  # the maximum in runs 0 and 1 (runs of 2 ids)
+    assert int(vocab_argmax(x, 2)) == 1 == int(torch.argmax(x, -1))
+    assert int(_last_run_on_ties(x, 2)) == 3
+
+
+def test_vocab_argmax_at_a_real_vocabulary_compiled_and_eager():
+    """151,936 ids (not a multiple of the run length), rows with ties planted across runs, [A, k + 1, V] shaped as
+    the verify step's: compiled (as in the decode step) and eager both give ``torch.argmax``'s index."""
+    from tests.helpers import DEVICE
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 151_936, generator=g).to(DEVICE)
+    x[0, 0, [7, ARGMAX_CHUNK + 5, 150_000]] = 9.0  # equal maxima in three runs
+    x[1, 2, -1] = 9.0  # the maximum in the short last run
+    want = torch.argmax(x, dim=-1)
+    assert int(want[0, 0]) == 7 and int(want[1, 2]) == 151_935
+    assert torch.equal(vocab_argmax(x), want)
+    assert torch.equal(torch.compile(vocab_argmax, fullgraph=True)(x), want)

@@ -51,7 +51,8 @@ from sparrow.compile_cache import CompileCache, cache_counters, module_signature
 from sparrow.models.attention import attention_modules
 from sparrow.models.fuse import fuse_projections_, unfuse_projections_
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
-from sparrow.sampling import SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs
+from sparrow.sampling import (SamplingParams, gumbel_noise, process_logits, row_keys, sample_from_logprobs,
+                              vocab_argmax)
 from sparrow.rollout.state import DraftState, RowState
 from sparrow.speculative.base import AlwaysOff, Drafter, StepStats, ToggleController
 from sparrow.speculative.costs import expected_tokens_per_cycle
@@ -993,10 +994,10 @@ class RolloutEngine:
         logq = process_logits(logits, self._params)
         idx = i.view(1).expand(A)
         if self._params.greedy:
-            tok = torch.argmax(logq, dim=-1)
+            tok = vocab_argmax(logq)
         else:
             keys = row_keys(r.seed, r.sample_id[row_slot], n_gen + i)
-            tok = torch.argmax(logq + gumbel_noise(keys, logq.shape[-1], DRAFT_SALT), dim=-1)
+            tok = vocab_argmax(logq + gumbel_noise(keys, logq.shape[-1], DRAFT_SALT))
             d.probs.index_put_((ar, idx), logq.exp())
         d.tokens.index_put_((ar, idx), tok)
         d.cursor.add_(1)

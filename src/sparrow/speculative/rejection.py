@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from sparrow.sampling import uniform_noise
+from sparrow.sampling import uniform_noise, vocab_argmax
 
 # salts of the counter-based noise streams (the autoregressive path uses salt 0)
 DRAFT_SALT = 0x3C6EF372
@@ -141,7 +141,7 @@ def accept_counter_based(
     A, k1, V = target_logprobs.shape
     k = k1 - 1
     if greedy:
-        best = target_logprobs.argmax(-1)  # [A, k + 1]
+        best = vocab_argmax(target_logprobs)  # [A, k + 1]
         j = _first_rejection(draft_tokens == best[:, :k])
         final = best.gather(1, j[:, None]).squeeze(1)
     else:
@@ -153,7 +153,7 @@ def accept_counter_based(
         dist = _final_distribution(p, draft_probs, j)
         key_j = keys.gather(1, j[:, None]).squeeze(1)
         gumbel = -torch.log(-torch.log(uniform_noise(key_j, V, FINAL_SALT)))
-        final = torch.argmax(torch.log(dist) + gumbel, dim=-1)
+        final = vocab_argmax(torch.log(dist) + gumbel)
     pos = torch.arange(k1, device=target_logprobs.device)[None, :]
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(A, 1)], dim=1)
     tokens = torch.where(pos == j[:, None], final[:, None], tokens)

@@ -30,6 +30,8 @@ import triton
 import triton.language as tl
 
 
+from sparrow.kernels.common.triton_merge import merge_splits
+
 from .triton_decode import _attend_block, _sm_count, decode_attention_triton, splits_for_batch
 
 BIG = tl.constexpr(2147483647)  # above any position (a constexpr: compiled Triton reads no other globals)
@@ -218,35 +220,16 @@ def _merge_kernel(
     stride_oa, stride_oh, stride_ot, stride_os,
     stride_la, stride_lh, stride_lt,
     stride_a, stride_h, stride_t,
-    T: tl.constexpr, QPK: tl.constexpr, D: tl.constexpr, NS: tl.constexpr, BLOCK_MS: tl.constexpr,
+    D: tl.constexpr, NS: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
-    """Program (row, kv head): for each of its ``T x q_per_kv`` queries, out = sum_s 2^(lse_s - lse) o_s over the
-    splits that saw something (a split with lse = -inf wrote no output: its partial is never read)."""
+    """Program (row, query head, token): its ``NS`` partial states merged (:func:`merge_splits`; a split that saw
+    nothing wrote no output and is never read)."""
     a = tl.program_id(0)
     h = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_MS)
-    t = offs_m // QPK
-    heads = h * QPK + offs_m % QPK
-    valid = offs_m < T * QPK
-    offs_d = tl.arange(0, D)
-    l_row = LSE_PART + a * stride_la + heads * stride_lh + t * stride_lt
-    o_row = O_PART + a * stride_oa + heads * stride_oh + t * stride_ot
-    m = tl.full([BLOCK_MS], float("-inf"), dtype=tl.float32)
-    for s in range(NS):
-        m = tl.maximum(m, tl.load(l_row + s, mask=valid, other=float("-inf")))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_MS, D], dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_MS], dtype=tl.float32)
-    for s in range(NS):
-        lse = tl.load(l_row + s, mask=valid, other=float("-inf"))
-        live = lse > float("-inf")
-        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
-        o = tl.load(o_row[:, None] + s * stride_os + offs_d[None, :], mask=live[:, None], other=0.0)
-        acc += o * w[:, None]
-        w_sum += w
-    out = acc / tl.maximum(w_sum, 1e-30)[:, None]
-    tl.store(OUT + a * stride_a + heads[:, None] * stride_h + t[:, None] * stride_t + offs_d[None, :],
-             out.to(OUT.dtype.element_ty), mask=valid[:, None])
+    t = tl.program_id(2)
+    merge_splits(O_PART, LSE_PART, OUT, a * stride_oa + h * stride_oh + t * stride_ot,
+                 a * stride_la + h * stride_lh + t * stride_lt, a * stride_a + h * stride_h + t * stride_t,
+                 stride_os, NS, D, SPLITS_P2)
 
 
 PREFIX_MIN_CHUNK = 512  # a tile's split writes BLOCK_M partial outputs: longer chunks keep that traffic small
@@ -347,12 +330,12 @@ def _cascade_op(
         WP=max(Lp - sink, 1) if local else 1, WG=max(Lg, 1), IEEE=q.dtype == torch.float32,
         num_warps=8 if block_m * D >= 128 * 128 else 4,
     )
-    _merge_kernel[(A, Hkv)](
+    _merge_kernel[(A, Hq, T)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        T=T, QPK=qpk, D=D, NS=ns, BLOCK_MS=block_ms,
+        D=D, NS=ns, SPLITS_P2=max(2, triton.next_power_of_2(ns)),
     )
     return out
 
