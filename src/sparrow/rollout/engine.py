@@ -1113,8 +1113,8 @@ class RolloutEngine:
 
         def step(*args: torch.Tensor) -> None:
             graphs, t0 = dynamo_counters["stats"]["unique_graphs"], time.perf_counter()
-            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit,
-                                                             accumulated_recompile_limit=max(limit, ACCUMULATED_RECOMPILE_LIMIT)):
+            total = max(limit, ACCUMULATED_RECOMPILE_LIMIT)
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=total):
                 compiled(*args)
             new = dynamo_counters["stats"]["unique_graphs"] - graphs
             if new > 0:  # this call compiled (or loaded from the compile cache): setup work, counted and timed

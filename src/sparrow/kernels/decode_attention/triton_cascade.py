@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 from sparrow.kernels.common.triton_merge import merge_splits
 
 from .triton_decode import _attend_block, _sm_count, decode_attention_triton, splits_for_batch
