@@ -80,10 +80,8 @@ def _run(args) -> None:
             for T in Ts:
                 x = inputs(A, Hq, Hkv, D, T, min_p, max_p, gen, dev, dtype, g)
                 length_splits, batch_splits = splits(x, T, dev)
-                calls = {
-                    "length": lambda: td.decode_attention_triton(*x, num_splits=length_splits),
-                    "batch": lambda: td.decode_attention_triton(*x),
-                }
+                calls = {"length": lambda: td.decode_attention_triton(*x, num_splits=length_splits),
+                         "batch": lambda: td.decode_attention_triton(*x)}
                 outs = {k: fn() for k, fn in calls.items()}
                 err = rel_err(outs["batch"], outs["length"])
                 n = min(A, 2)  # the eager reference on a few rows

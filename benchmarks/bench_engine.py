@@ -81,8 +81,7 @@ def hf_generate(hf, input_ids, new_tokens):
     return time.perf_counter() - t0
 
 
-def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5,
-                     **settings) -> dict:
+def kernel_breakdown(model, L: int, group: int, new_tokens: int, device: str, steps: int = 5, **settings) -> dict:
     """One plain decode step at 1 and 64 rows (``64 // group`` prompts of ``L`` tokens, ``new_tokens // 2``
     generated) under ``torch.profiler``: per step, the wall time and the time of each kernel name (CUDA kernels;
     CPU operators' self time without CUDA), largest first (:func:`sparrow.bench.kernel_times`)."""

@@ -63,8 +63,7 @@ def overrides(args, out: Path) -> list[str]:
         "reward._component_=sparrow.rl.CharAccuracy",  # partial credit: non-zero advantages from a random model
         "metric_logger._component_=sparrow.rl.JsonlLogger", f"metric_logger.log_dir={out}/logs",
         f"device={'cuda' if cuda else 'cpu'}", f"trainer_precision={'bf16-mixed' if cuda else 'fp32'}",
-        f"engine.compile={'true' if cuda else 'false'}", "dist_timeout_s=600",
-    ]
+        f"engine.compile={'true' if cuda else 'false'}", "dist_timeout_s=600"]
     if cuda:
         o += ["engine.cuda_graphs=true", "engine.block_steps=16", "optimizer.fused=true"]
     return o + model_overrides(args)

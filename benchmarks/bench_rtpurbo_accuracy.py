@@ -40,8 +40,7 @@ from sparrow.calibrate.variants import (CALIBRATION_DEFAULTS, VARIANT_KEYS, cali
                                        variant_densities)
 from sparrow.training import (
     EVAL_SEED, EVAL_TASKS, accuracy_summary, answers_with_fallback, binomial_se, engine_answers, load_recipe_model,
-    load_trained_model, paired_accuracy, read_report,
-)
+    load_trained_model, paired_accuracy, read_report)
 
 NAME = "rtpurbo_accuracy"
 TASKS = ("kv_retrieval", "variable_tracking")

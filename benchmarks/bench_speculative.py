@@ -8,7 +8,7 @@ A Qwen2.5-0.5B-shaped model (``--model 1.5b``), bf16, trained *in this run* for 
 CUDA graphs shared): AR, SD with the cost-model toggle, SD always-on; then the three at each batch bucket held
 fixed (``per_batch``); then plain decoding through the engine as it was before fused projections and shared-prefix
 decode (``--engine-before``: phase ``engine_before``, ``per_batch_before``, ratios in ``engine_before``), compiled
-and captured before its clock as the first. The JSON is rewritten after every run. See docs/benchmarks.md.
+and captured before its clock as the first (``--weight off``: no drafter, AR alone). JSON rewritten after every run.
 
 Run (H200): ``python benchmarks/bench_speculative.py``; CPU smoke run: ``python benchmarks/bench_speculative.py --quick``.
 """
@@ -28,9 +28,8 @@ triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its inte
 import sparrow.models as sm
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.rollout.summary import engine_before, engine_speedups, fixed_batch_runs, phase_tables, policy_runs
-from sparrow.speculative import (
-    AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig, QuantizedSelfDrafter,
-)
+from sparrow.speculative import (AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig,
+                                 QuantizedSelfDrafter)
 from sparrow.training import MarkovEpisodes, init_weights, train_on_episodes
 
 NAME = "speculative"
@@ -49,7 +48,9 @@ def build_model(args, device, dtype):
 
 
 def toggles(args, costs):
-    """The three decoding policies compared: (name, toggle), a fresh toggle each time."""
+    """The three decoding policies compared: (name, toggle), a fresh toggle each time (AR alone without a drafter)."""
+    if costs is None:
+        return [("AR", AlwaysOff())]
     adaptive = AdaptiveDraft(lengths=tuple(args.lengths), prior=args.prior)
     return [("AR", AlwaysOff()),
             ("SD toggle+adaptive", CostModelToggle(costs, margin=args.margin, hysteresis=args.hysteresis,
@@ -73,7 +74,7 @@ def build_parser():
         ("--lr", float, 3e-4, "AdamW peak (1e-3 stalled a 0.5B model at loss ~7.3 against a floor of 1.76)"),
         ("--warmup-steps", int, 50, None), ("--deadline-minutes", float, None, "skip runs that would end past it"),
         ("--calib-steps", int, 6, None), ("--model", ["0.5b", "1.5b"], "0.5b", None),
-        ("--weight", ["int8", "int4", "fp8", "none"], "int8", "drafter weights"),
+        ("--weight", ["int8", "int4", "fp8", "none", "off"], "int8", "drafter weights (off: AR alone)"),
         ("--lengths", dict(type=int, nargs="+", default=[2, 4, 8], help="adaptive draft-length ladder")),
         ("--engine-before", ["on", "off"], "on", "also decode through the engine before fused projections and "
                                                  "shared-prefix decode"),
@@ -108,27 +109,29 @@ def main(argv: list[str] | None = None) -> None:
     results: list[dict] = []
     extra: dict = {"classes": classes, "class_mean_lengths": task.means, "task_entropy_nats": task.entropy()}
     # drafter variants in order: a failure to compile / capture one falls back to the next
-    variants = list(dict.fromkeys([(args.weight, args.window or None), ("none", args.window or None),
-                                   (args.weight, None), ("none", None)]))
-    def build(variant):  # a drafter variant compiled, captured and its costs calibrated
-        drafter = QuantizedSelfDrafter(model, DrafterConfig(weight=variant[0], window=variant[1], sink=args.sink))
+    variants = [("off", None)] if args.weight == "off" else list(dict.fromkeys([
+        (args.weight, args.window or None), ("none", args.window or None), (args.weight, None), ("none", None)]))
+    def build(variant):  # a drafter variant compiled, captured and its costs calibrated (off: no drafter)
+        drafter = None if variant[0] == "off" else QuantizedSelfDrafter(
+            model, DrafterConfig(weight=variant[0], window=variant[1], sink=args.sink))
         engine = RolloutEngine(model, cfg, drafter=drafter)
         t = time.perf_counter()
         prep = engine.prepare(params, draft_lengths=tuple(args.lengths) + (args.always_k,))
         log(f"drafter {drafter!r}: compiled and captured every step in {prep:.1f}s (KV cache "
             f"{engine.cache_nbytes() / 2**30:.1f} GiB)")
-        costs = CostModel.calibrate(engine, params, draft_lengths=(min(args.lengths), max(args.lengths)),
-                                    steps=args.calib_steps,
-                                    cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
+        costs = None if drafter is None else CostModel.calibrate(
+            engine, params, draft_lengths=(min(args.lengths), max(args.lengths)), steps=args.calib_steps,
+            cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
         extra["prepare_s"], extra["calibration_s"] = prep, time.perf_counter() - t - prep
         return engine, drafter, costs
 
     _, (engine, drafter, costs) = first_working(variants, build, "drafter variant (weight, window)")
     extra["drafter"] = repr(drafter)
     ctx = (args.min_prompt + args.max_prompt) / 2
-    extra["calibration"] = cal = costs.table(ctx, args.lengths)
-    print("\nCost model (calibrated on this engine; ms per step at the middle context):")
-    print_table(cal, list(cal[0]))
+    if costs is not None:
+        extra["calibration"] = cal = costs.table(ctx, args.lengths)
+        print("\nCost model (calibrated on this engine; ms per step at the middle context):")
+        print_table(cal, list(cal[0]))
     deadline = T0 + 60 * args.deadline_minutes if args.deadline_minutes else None
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()} | {
         "model_shape": "tiny" if args.quick else f"qwen2.5-{args.model}", "drafter": repr(drafter), "dtype": str(dtype)}
@@ -142,10 +145,11 @@ def main(argv: list[str] | None = None) -> None:
                                           warmup_steps=args.warmup_steps, minutes=args.train_seconds / 60,
                                           device=device, log=log)
     free_memory()
-    drafter.refresh()  # a weight sync happened: re-quantize in place (graphs stay valid)
-    drafter.refresh()  # again, for the time of a warm refresh (the first pays one-off kernel compiles)
-    extra["refresh_s"] = drafter.last_refresh_s
-    log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms; phase 'trained'")
+    if drafter is not None:
+        drafter.refresh()  # a weight sync happened: re-quantize in place (graphs stay valid)
+        drafter.refresh()  # again, for the time of a warm refresh (the first pays one-off kernel compiles)
+        extra["refresh_s"] = drafter.last_refresh_s
+        log(f"drafter.refresh(): {drafter.last_refresh_s * 1e3:.1f} ms; phase 'trained'")
     results += policy_runs("trained", engine, prompts, args.samples, params, toggles(args, costs), save=save,
                            deadline=deadline, log=log)
     print(phase_tables(results, ["run", "latency_s", "prefill_s", "decode_s", "tokens", "decode_tok_s", "speedup_vs_ar",
@@ -178,24 +182,25 @@ def main(argv: list[str] | None = None) -> None:
 
 def plot(result: dict, png: Path) -> None:
     rows = [r for r in result["rows"] if r.get("phase") == "trained"] or result["rows"]
+    before = [dict(r, run=f"{r['run']} (engine before)") for r in result["rows"] if r.get("phase") == "engine_before"]
     per_batch = result.get("per_batch") or []
     fig, ax = subplots(1, 3 if per_batch else 2, figsize=(16 if per_batch else 11, 4))
-    for r in rows:
+    for r in rows + before:
         pts = [{"bucket": int(b), "tok_s": v} for b, v in r["bucket_tok_s"].items()]
         plot_series(ax[0], pts, "bucket", "tok_s", label=r["run"])
     ax[0].set(xscale="log", xlabel="active batch bucket", ylabel="decode tokens/s")
     ax[0].set_xscale("log", base=2)
     ax[0].legend()
-    bars = rows + [dict(r, run=f"{r['run']} (engine before)") for r in result["rows"]
-                   if r.get("phase") == "engine_before"]
-    ax[1].bar([r["run"] for r in bars], [r["latency_s"] for r in bars])
+    ax[1].bar([r["run"] for r in rows + before], [r["latency_s"] for r in rows + before])
     ax[1].set_ylabel("rollout latency (s)")
-    if per_batch:
-        for key in [k for k in per_batch[0] if k.endswith("/AR")]:
-            plot_series(ax[2], per_batch, "batch", key, label=key.replace(" /AR", ""))
+    if per_batch:  # speculation over AR at each batch held fixed, and the engine now over before (AR)
+        series = [(per_batch, k, k.replace(" /AR", "")) for k in per_batch[0] if k.endswith("/AR")]
+        series += [((result.get("engine_before") or {}).get("fixed") or [], "speedup", "AR, engine now / before")]
+        for pts, key, label in (s for s in series if s[0]):
+            plot_series(ax[2], pts, "batch", key, label=label)
         ax[2].axhline(1.0, color="grey", lw=0.8)
         ax[2].set_xscale("log", base=2)
-        ax[2].set(xlabel="active batch (held fixed)", ylabel="decode speed vs AR (x)")
+        ax[2].set(xlabel="active batch (held fixed)", ylabel="decode speed ratio (x)")
         ax[2].legend()
     save_figure(fig, png, "Speculative rollout (" + result["config"].get("model_shape", "") + ")")
 
