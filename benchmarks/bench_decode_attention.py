@@ -132,21 +132,22 @@ def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
 
 
 def cascade_sweep(args, dev, dtype, g, gbps) -> list[dict]:
-    """Shared-prefix decode (groups of 8 rows on one prompt of ``L`` tokens, 64 generated each) at each prefix split
-    length (the least tokens per prefix split, ``triton_cascade.PREFIX_MIN_CHUNK`` by default), against the per-row
-    kernel on the same cache and against each prompt's KV read once at copy speed (``floor_ms``)."""
+    """Shared-prefix decode (``G`` rows on each prompt of ``L`` tokens, 64 generated each; G = 1-2 as in thinned groups)
+    at each least prefix split length (``triton_cascade.PREFIX_MIN_CHUNK`` by default), against the per-row kernel on
+    the same cache and against each prompt's KV read once at copy speed (``floor_ms``)."""
     Hq, Hkv, D = (4, 2, 16) if args.quick else MODELS["qwen2.5-0.5b"]
     out, suffix = [], tc.SUFFIX_MIN_CHUNK
-    for L, A, T in [(L, A, T) for L in ([200] if args.quick else [8192, 32768])
-                    for A in ([16] if args.quick else [32, 64, 256]) for T in ([1, 3] if args.quick else [1, 5])]:
-        x = list(inputs(A, Hq, Hkv, D, T, L, L, 64, dev, dtype, g))  # then 8 rows per prompt slot, all of L tokens
-        x[1:3], x[6:8] = [t[:A // 8] for t in x[1:3]], [torch.arange(A, device=dev) // 8, torch.full_like(x[8], L)]
+    for L, A, T, G in [(L, A, T, G) for L in ([200] if args.quick else [8192, 32768])
+                       for A in ([16] if args.quick else [32, 64, 256]) for T in ([1, 3] if args.quick else [1, 5])
+                       for G in ([2, 8] if args.quick else [1, 2, 4, 8])]:
+        x = list(inputs(A, Hq, Hkv, D, T, L, L, 64, dev, dtype, g))  # then G rows per prompt slot, all of L tokens
+        x[1:3], x[6:8] = [t[:A // G] for t in x[1:3]], [torch.arange(A, device=dev) // G, torch.full_like(x[8], L)]
         groups = prefix_groups(x[6], x[7])
         calls = {"per_row": lambda: td.decode_attention_triton(*x)} | {
             f"chunk{c}": lambda c=c: tc.cascade_attention_triton(*x, *groups, min_rows=0, min_chunk=(c, suffix))
             for c in ([16, 64] if args.quick else [128, 256, 512, 1024])}
-        kv_bytes = (A // 8 * L + A * (64 + T)) * Hkv * D * 2 * x[0].element_size()
-        row = {"prompt_len": L, "A": A, "T": T, "floor_ms": kv_bytes / (gbps * 1e6) if gbps else None,
+        kv_bytes = (A // G * L + A * (64 + T)) * Hkv * D * 2 * x[0].element_size()
+        row = {"prompt_len": L, "A": A, "T": T, "group": G, "floor_ms": kv_bytes / (gbps * 1e6) if gbps else None,
                "max_rel_err": max(rel_err(fn(), calls["per_row"]()) for fn in calls.values())}
         row |= {f"{k}_ms": measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"] for k, fn in calls.items()}
         out.append(row)

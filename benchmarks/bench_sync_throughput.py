@@ -107,8 +107,7 @@ def plot(result: dict, png_path) -> None:
     fig, (a1, a2) = subplots(1, 2, figsize=(12, 4.5))
     for y, style, label in (("encode_ms", "C0-o", "encode"), ("apply_ms", "C1-o", "apply"),
                             (lambda r: r["encode_ms"] + r["apply_ms"], "C2-o", "encode + apply"),
-                            (lambda r: r["encode_ms_hash"] + r["apply_ms_inc"], "C2--",
-                             "... with hashes (incremental)"),
+                            (lambda r: r["encode_ms_hash"] + r["apply_ms_inc"], "C2--", "+ hashes (incremental)"),
                             ("floor_ms", "k:", "memory-traffic floor")):
         plot_series(a1, rows, "pct", y, style=style, label=label)
     plot_series(a1, rows, "pct", lambda r: 2 * r["floor_ms"], style="k--", lw=0.7, label="2x floor (target)")

@@ -98,6 +98,51 @@ def test_small_batches_take_the_per_row_kernel():
     assert torch.equal(default.view(torch.int32), want.view(torch.int32))
 
 
+def test_per_row_decode_hands_every_size_off():
+    """Inside ``per_row_decode()`` a dense batch of any size runs the per-row kernel (its bits), unless ``min_rows``
+    is 0 or the launch is fixed; outside it the cascade (other bits: the dispatch is seen, not assumed); RTPurbo's
+    local heads keep the cascade. The context nests and is left on an exception."""
+    from sparrow.kernels.decode_attention import per_row_decode
+    from sparrow.kernels.decode_attention.api import per_row_forced
+    from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    args = _grouped_inputs([5, 3, 9], 8, 2, 1, 16, 200, 9)  # 17 rows: not a size the op hands off by itself
+    groups = prefix_groups(args[6], args[7])
+    per_row = decode_attention_triton(*args)
+    outside = cascade_attention_triton(*args, *groups)
+    assert not torch.equal(bits(outside), bits(per_row))
+    rings = _ring_inputs([4, 1, 3], 4, 2, 1, 16, 4, 8, 12, 40, 30)
+    ring_groups = prefix_groups(rings[6], rings[7])
+    local = cascade_attention_triton(*rings, *ring_groups, window=8, sink=4, local=True)
+    assert not per_row_forced()
+    with per_row_decode():
+        with per_row_decode():
+            pass
+        assert per_row_forced()
+        inside = cascade_attention_triton(*args, *groups)
+        always = cascade_attention_triton(*args, *groups, min_rows=0)
+        fixed = cascade_attention_triton(*args, *groups, splits=(2, 1))
+        local_inside = cascade_attention_triton(*rings, *ring_groups, window=8, sink=4, local=True)
+    assert torch.equal(bits(inside), bits(per_row)) and rel_err(inside, _naive(*args)) < 1e-5
+    assert torch.equal(bits(always), bits(outside))
+    assert not torch.equal(bits(fixed), bits(per_row))
+    assert torch.equal(bits(local_inside), bits(local))
+    with pytest.raises(RuntimeError, match="inside"), per_row_decode():
+        raise RuntimeError("inside")
+    assert not per_row_forced()
+
+
+def test_shares_enough_counts_rows_per_prompt():
+    from sparrow.kernels.decode_attention import CASCADE_MIN_SHARE, shares_enough
+
+    n = CASCADE_MIN_SHARE
+    assert shares_enough([]) and shares_enough([7] * n) and shares_enough([0] * n + [1] * n)
+    assert not shares_enough([7] * (n - 1)) and not shares_enough(list(range(2 * n)))
+    assert shares_enough([0] * (2 * n - 1) + [1])  # on average: one full group carries a group of one
+    assert not shares_enough([0] * n + [1] * (n - 1))
+
+
 @pytest.mark.parametrize("window,sink", [(5, 2), (24, 4), (1, 0)])
 def test_windowed_matches_the_oracle(window, sink):
     """Windows that cut the prompt, sit wholly in the generated tokens (sinks only from the prompt) or keep only

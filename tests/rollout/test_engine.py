@@ -277,3 +277,39 @@ def test_an_engine_without_a_drafter_takes_only_a_toggle_that_never_speculates()
     with pytest.raises(ValueError, match="a toggle needs a drafter"):
         eng.toggle = AlwaysOn(2)
     assert eng.toggle is off
+
+
+def test_rows_apart_where_they_share_their_prompts_too_little(monkeypatch):
+    """A block whose rows share each prompt fewer than ``CASCADE_MIN_SHARE`` times on average runs inside
+    ``per_row_decode`` (the attention op's per-row kernel: every row reads its own prompt), a block of full groups
+    the cascade; as a group's samples finish, its later blocks go apart. Tokens equal the reference generator's
+    throughout. Negative control: the counts are read from the op's own dispatch, not from the engine's flag."""
+    from functools import partial
+
+    import sparrow.kernels.decode_attention.triton_cascade as tc
+    from sparrow.attention import DenseAttention
+    from sparrow.kernels.decode_attention import CASCADE_MIN_SHARE
+
+    per_row, real = [], tc.decode_attention_triton
+    monkeypatch.setattr(tc, "decode_attention_triton", lambda *a, **k: (per_row.append(1), real(*a, **k))[1])
+    model = random_tiny("qwen2", std=0.15, attention=partial(DenseAttention, impl="triton")).to(DEVICE)
+    layers = len(model.layers)
+    eng = _engine(model, max_rows=8, block_steps=1)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    prompts = _prompts(lens=[5, 17, 3, 9])
+    thin = eng.generate(prompts, 1, greedy)  # four groups of one
+    assert thin.stats.apart_steps == thin.stats.decode_steps > 0
+    assert len(per_row) == layers * thin.stats.decode_steps
+    _assert_same(thin.samples, generate_reference(model, prompts, 1, greedy), lp_tol=1e-4)
+    per_row.clear()
+    full = eng.generate(prompts[:1], CASCADE_MIN_SHARE, greedy)  # one full group: greedy rows end together
+    assert full.stats.apart_steps == 0 and full.stats.decode_steps > 0 and not per_row
+    for seed in range(2, 20):  # a seed whose rows finish at different steps
+        params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(0, 64, 5)), seed=seed)
+        per_row.clear()
+        out = eng.generate(prompts[:2], CASCADE_MIN_SHARE, params)
+        if 0 < out.stats.apart_steps < out.stats.decode_steps:
+            break
+    assert 0 < out.stats.apart_steps < out.stats.decode_steps
+    assert len(per_row) == layers * out.stats.apart_steps
+    _assert_same(out.samples, generate_reference(model, prompts[:2], CASCADE_MIN_SHARE, params), lp_tol=1e-4)

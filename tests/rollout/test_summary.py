@@ -22,8 +22,9 @@ def test_generation_summary_of_a_speculative_and_a_plain_call():
     spec = _gen([3, 10, 5, 7], [True, False, True, True], prefill_s=0.5, generated_tokens=25, decode_steps=6,
                 spec_cycles=4, spec_row_cycles=10, draft_proposed=20, draft_accepted=15, draft_len_hist={4: 2, 2: 2},
                 block_tokens={4: 20, 2: 5, 1: 0}, block_time_s={4: 0.5, 2: 0.25, 1: 0.0}, active_hist={4: 3, 2: 3},
-                spec_hist={4: 2, 2: 2})
+                spec_hist={4: 2, 2: 2}, apart_steps=2)
     r = generation_summary("SD", spec, 1.5)
+    assert (r["steps"], r["steps_apart"]) == (6, 2)
     assert (r["run"], r["latency_s"], r["decode_s"], r["tokens"]) == ("SD", 1.5, 1.0, 25)
     assert r["decode_tok_s"] == pytest.approx(25.0)
     assert r["acceptance"] == pytest.approx(0.75) and r["tokens_per_cycle"] == pytest.approx(2.5)

@@ -46,7 +46,8 @@ class DenseAttention(AttentionBackend):
         impl: decode kernel, ``"auto" | "reference" | "triton"``.
         shared_prefix: ``"auto"`` (the shared-prefix kernel when the metadata groups the rows by prompt, as the
             engine's steps do, and Triton runs; on CUDA, batches under ``CASCADE_MIN_ROWS`` rows run the per-row
-            kernel), ``True`` (always, every batch; the grouping built per call when absent) or
+            kernel, and so does every batch inside ``per_row_decode()``: the engine's blocks whose rows share their
+            prompts too little), ``True`` (always, every batch; the grouping built per call when absent) or
             ``False`` (every row reads its prompt itself, the kernel before shared-prefix decode).
 
     Raises:

@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from sparrow.attention.base import CacheSpec, PrefillMeta
 from sparrow.compile_cache import CompileCache, cache_counters, module_signature
+from sparrow.kernels.decode_attention import CASCADE_MIN_ROWS, per_row_decode, shares_enough
 from sparrow.models.attention import attention_modules
 from sparrow.models.fuse import fuse_projections_, unfuse_projections_
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
@@ -254,6 +255,7 @@ class GenerationStats:
     draft_len_hist: dict[int, int] = field(default_factory=dict)  # draft length -> cycles
     block_tokens: dict[int, int] = field(default_factory=dict)  # bucket -> tokens emitted in blocks at it
     block_time_s: dict[int, float] = field(default_factory=dict)  # bucket -> seconds of blocks at it
+    apart_steps: int = 0  # steps (or cycles) run with the rows apart: too little sharing for the cascade
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -467,7 +469,7 @@ class RolloutSession:
             # a block of steps on the active rows, then one host sync to retire finished rows
             t0 = time.perf_counter()
             done = e._decode_block(self._active, [self._prompts[self._owner[r][0]].numel() for r in self._active],
-                                   stats)
+                                   [self._owner[r][2] for r in self._active], stats)
             stats.decode_s += e._elapsed(t0)
             if done:
                 self._retire(done, finished)
@@ -665,21 +667,23 @@ class RolloutEngine:
             ks = tuple(sorted({min(int(k), self.config.max_draft) for k in ks if k >= 1}))
         self.rows.done[self.scratch] = True
         kinds = [("decode", 0)] + ([("draft", 0)] + [("cycle", k) for k in ks] if self._drafter is not None else [])
-        plan = [(kind, b, k) for kind, k in kinds for b in self.config.buckets]
+        plan = [(kind, b, k, apart) for kind, k in kinds for b in self.config.buckets
+                for apart in (False, True)[:1 + self._apart_differs(b)]]
         with tqdm(plan, desc="rollout engine", disable=not self.config.progress, leave=False,
                   dynamic_ncols=True) as bar:
-            for kind, b, k in bar:
-                bar.set_description(self._describing(kind, b, k))
-                self._warm(kind, b, k, torch.full((b,), self.scratch, dtype=torch.int64, device=self.device))
+            for kind, b, k, apart in bar:
+                bar.set_description(self._describing(kind, b, k, apart))
+                self._warm(kind, b, k, torch.full((b,), self.scratch, dtype=torch.int64, device=self.device), apart)
         self._synchronize()
         self._add_lookups(lookups)
         return time.perf_counter() - t0
 
-    def _describing(self, kind: StepKind, bucket: int, k: int) -> str:
-        """What preparing ``(kind, bucket, k)`` does, for the progress bar."""
+    def _describing(self, kind: StepKind, bucket: int, k: int, apart: bool = False) -> str:
+        """What preparing ``(kind, bucket, k, apart)`` does, for the progress bar."""
         step = {"decode": "decode step", "draft": "draft step", "cycle": f"verify step (draft length {k})"}[kind]
+        step += ", rows apart" if apart else ""
         name = "verify" if kind == "cycle" else kind
-        if self._graphed and (kind, bucket, k) in self._mode.graphs:
+        if self._graphed and (kind, bucket, k, apart) in self._mode.graphs:
             return f"{step}, bucket {bucket}: captured"
         if name not in self._mode.steps or not self.config.dynamic_batch:
             return f"compiling the {step}" + ("" if self.config.dynamic_batch else f" for bucket {bucket}")
@@ -726,7 +730,8 @@ class RolloutEngine:
         r.last_token[rows] = 0
         r.done[rows] = True
         lookups = cache_counters()
-        run = self._warm(kind, bucket, k if kind == "cycle" else 0, rows)  # compile / capture outside the timing
+        apart = self._apart(bucket, [i % spec.num_prefixes for i in range(bucket)])  # as a block on these rows
+        run = self._warm(kind, bucket, k if kind == "cycle" else 0, rows, apart)  # compile / capture outside the timing
         if self._graphed:
             run(rows)  # a first replay, untimed too
         self._synchronize()
@@ -896,10 +901,12 @@ class RolloutEngine:
         r.done[rows] = is_stop(tok, self._mode.stop_ids) | (r.max_new <= 1)
 
     # ----------------------------------------------------------------------------------- blocks
-    def _decode_block(self, active: list[int], prompt_lens: list[int], stats: GenerationStats) -> list[int]:
-        """One block on the ``active`` rows (``prompt_lens``: their prompts' lengths): plain steps, or with a
-        drafter speculative cycles of the length the toggle picks; then the block's one host sync. Returns the
-        rows that finished."""
+    def _decode_block(self, active: list[int], prompt_lens: list[int], prefixes: list[int],
+                      stats: GenerationStats) -> list[int]:
+        """One block on the ``active`` rows (``prompt_lens``: their prompts' lengths, ``prefixes``: their prefix
+        slots): plain steps, or with a drafter speculative cycles of the length the toggle picks, with the rows
+        apart where they share their prompts too little (:meth:`_apart`); then the block's one host sync. Returns
+        the rows that finished."""
         A, c = len(active), self.config
         bucket = self._bucket(A)
         k, st = 0, None
@@ -913,7 +920,8 @@ class RolloutEngine:
         self.rows.done[self.scratch] = True  # padding rows never change state that is read back
         # about block_steps tokens per row per block: fewer cycles when each emits several
         steps = max(1, round(c.block_steps / expected_tokens_per_cycle(self._alpha_seen, k))) if k else c.block_steps
-        run = self._runner("cycle" if k else "decode", bucket, k)
+        apart = self._apart(bucket, prefixes)
+        run = self._runner("cycle" if k else "decode", bucket, k, apart)
         t0 = time.perf_counter()
         for _ in range(steps):
             run(slots)
@@ -924,6 +932,7 @@ class RolloutEngine:
         done, n_gen = host[:A].tolist(), host[A:2 * A].tolist()
         tokens = sum(m - self._ngen.get(r, 1) for r, m in zip(active, n_gen))
         stats.decode_steps += steps
+        stats.apart_steps += steps if apart else 0
         stats.row_steps += steps * bucket
         stats.active_hist[bucket] = stats.active_hist.get(bucket, 0) + steps
         stats.block_tokens[bucket] = stats.block_tokens.get(bucket, 0) + tokens
@@ -1209,15 +1218,19 @@ class RolloutEngine:
             self._call("verify", verify, slots, self.drafts.tokens[:, :k], self.drafts.probs[:, :k])
         return program
 
-    def _runner(self, kind: StepKind, bucket: int, k: int = 0) -> Callable[[torch.Tensor], None]:
-        """A callable running one ``kind`` program (:meth:`_program`) for a ``[bucket]`` slot tensor: a CUDA graph
-        per ``(kind, bucket, k)`` when enabled (captured on first use, from the compiled step every bucket shares;
-        its seconds, compilation excluded, go to ``setup/capture_s``), the program itself otherwise."""
+    def _runner(self, kind: StepKind, bucket: int, k: int = 0, apart: bool = False) -> Callable[[torch.Tensor], None]:
+        """A callable running one ``kind`` program (:meth:`_program`) for a ``[bucket]`` slot tensor, with ``apart``
+        inside :func:`~sparrow.kernels.decode_attention.per_row_decode` (every row reads its own prompt; the same
+        compiled step): a CUDA graph per ``(kind, bucket, k, apart)`` when enabled (captured on first use, from the
+        compiled step every bucket shares; its seconds, compilation excluded, go to ``setup/capture_s``), the
+        program itself otherwise."""
         program = self._program(kind, k)
+        if apart:
+            program = _rows_apart(program)
         if not self._graphed:
             return program
         graphs = self._mode.graphs
-        key = (kind, bucket, k)
+        key = (kind, bucket, k, apart)
         if key not in graphs:
             t0, compiling = time.perf_counter(), self._compile_seconds()
             static = torch.full((bucket,), self.scratch, dtype=torch.int64, device=self.device)
@@ -1248,20 +1261,45 @@ class RolloutEngine:
     def _graphed(self) -> bool:
         return self.config.cuda_graphs and self.device.type == "cuda"
 
+    def _apart_differs(self, bucket: int) -> bool:
+        """Whether a step at ``bucket`` rows with the rows apart runs other kernels than the shared-prefix one:
+        the engine shares prompts, a layer's backend chooses its path (``shared_prefix="auto"``), and on CUDA the
+        op does not hand the batch to the per-row kernel anyway (under ``CASCADE_MIN_ROWS`` rows)."""
+        return (self.config.share_prefix and not (self.device.type == "cuda" and bucket < CASCADE_MIN_ROWS)
+                and any(getattr(a.backend, "shared_prefix", None) == "auto" for a in self.attn))
+
+    def _apart(self, bucket: int, prefixes: Sequence[int]) -> bool:
+        """Whether a block on rows reading the prefix slots ``prefixes`` runs with the rows apart: when they share
+        their prompts too little for the cascade (:func:`~sparrow.kernels.decode_attention.shares_enough`; the
+        groups of a long-tailed rollout thin out as samples finish). Host lists only: no sync."""
+        return self._apart_differs(bucket) and not shares_enough(prefixes)
+
     def _compile_seconds(self) -> float:
         return sum(v for p, v in self._setup_s.items() if p.startswith("setup/compile_"))
 
-    def _warm(self, kind: StepKind, bucket: int, k: int, slots: torch.Tensor) -> Callable[[torch.Tensor], None]:
-        """The runner of ``(kind, bucket, k)``, compiled and (on CUDA) captured; without CUDA graphs its program
-        runs once on ``slots`` here (which compiles it when needed; the rest of its time goes to
+    def _warm(self, kind: StepKind, bucket: int, k: int, slots: torch.Tensor,
+              apart: bool = False) -> Callable[[torch.Tensor], None]:
+        """The runner of ``(kind, bucket, k, apart)``, compiled and (on CUDA) captured; without CUDA graphs its
+        program runs once on ``slots`` here (which compiles it when needed; the rest of its time goes to
         ``setup/warmup_s``)."""
-        run = self._runner(kind, bucket, k)
+        run = self._runner(kind, bucket, k, apart)
         if not self._graphed:
             t0, compiling = time.perf_counter(), self._compile_seconds()
             run(slots)
             self._synchronize()
             self._add_setup("setup/warmup_s", time.perf_counter() - t0 - (self._compile_seconds() - compiling))
         return run
+
+
+def _rows_apart(program: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``program`` run inside :func:`~sparrow.kernels.decode_attention.per_row_decode` (read by the attention op
+    when it runs, so a CUDA graph captured from this keeps the per-row kernels)."""
+
+    def run(slots: torch.Tensor) -> None:
+        with per_row_decode():
+            program(slots)
+
+    return run
 
 
 def _trace_errors() -> tuple[type[BaseException], ...]:

@@ -36,8 +36,9 @@ def generation_summary(name: str, gen: Generation, total_s: float) -> dict[str, 
 
     Keys: ``run``, ``latency_s``, ``prefill_s``, ``decode_s`` (``total_s`` minus the prefill), ``tokens``,
     ``decode_tok_s``, ``acceptance`` and ``tokens_per_cycle`` (None without speculation), ``spec_cycles``,
-    ``steps``, ``draft_len_hist``, response lengths ``len_p50`` / ``len_p90`` / ``len_max`` (nearest rank),
-    ``stop_frac`` (share of samples that ended on a stop token), ``bucket_tok_s`` (batch bucket -> tokens/s of the
+    ``steps``, ``steps_apart`` (of those, steps whose rows shared their prompts too little for the shared-prefix
+    kernel, so each read its own), ``draft_len_hist``, response lengths ``len_p50`` / ``len_p90`` / ``len_max``
+    (nearest rank), ``stop_frac`` (share of samples that ended on a stop token), ``bucket_tok_s`` (batch bucket -> tokens/s of the
     decode blocks run at it), ``bucket_steps`` and ``bucket_spec_steps`` (bucket -> steps, speculative cycles).
     ``ValueError`` for a generation without samples."""
     if not len(gen):
@@ -49,7 +50,7 @@ def generation_summary(name: str, gen: Generation, total_s: float) -> dict[str, 
         "tokens": st.generated_tokens, "decode_tok_s": st.generated_tokens / decode_s if decode_s else 0.0,
         "acceptance": st.acceptance_rate if st.draft_proposed else None,
         "tokens_per_cycle": st.tokens_per_cycle if st.spec_row_cycles else None,
-        "spec_cycles": st.spec_cycles, "steps": st.decode_steps,
+        "spec_cycles": st.spec_cycles, "steps": st.decode_steps, "steps_apart": st.apart_steps,
         "draft_len_hist": dict(sorted(st.draft_len_hist.items())),
         "len_p50": lengths[len(lengths) // 2], "len_p90": lengths[int(0.9 * (len(lengths) - 1))],
         "len_max": lengths[-1], "stop_frac": sum(s.finish_reason == "stop" for s in gen) / len(gen),

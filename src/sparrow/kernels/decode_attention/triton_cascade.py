@@ -31,6 +31,7 @@ import triton.language as tl
 
 from sparrow.kernels.common.triton_merge import merge_splits
 
+from .api import CASCADE_MIN_ROWS, per_row_forced
 from .triton_decode import _attend_block, _sm_count, decode_attention_triton, splits_for_batch
 
 BIG = tl.constexpr(2147483647)  # above any position (a constexpr: compiled Triton reads no other globals)
@@ -234,9 +235,6 @@ def _merge_kernel(
 PREFIX_MIN_CHUNK = 512  # a tile's split writes BLOCK_M partial outputs: longer chunks keep that traffic small
 SUFFIX_MIN_CHUNK = 256
 MAX_SPLITS = 64
-# below this many rows (one or two GRPO groups) the per-row kernel's finer splits beat the cascade on the H200
-# (docs/benchmarks/engine_shared_prefix.json: 1 and 8 rows 0.75-0.93x, 32 rows 1.10-1.20x of the per-row kernel)
-CASCADE_MIN_ROWS = 16
 
 
 def tile_rows(tokens: int, q_per_kv: int) -> int:
@@ -271,13 +269,14 @@ def cascade_attention_triton(
     (prefix, suffix) and ``rows_per_tile`` fix what :func:`cascade_splits` / :func:`tile_rows` would choose
     (decided inside the op, i.e. once per captured graph); ``min_chunk``: least tokens per split. ``min_rows``: a
     dense (not ``local``) batch of fewer rows runs the per-row kernel (:func:`.triton_decode.decode_attention_triton`)
-    instead; default :data:`CASCADE_MIN_ROWS` on CUDA without explicit ``splits`` / ``rows_per_tile``, else 0 (always the
-    cascade). The batch size is read inside the op, so a graph compiled for symbolic sizes still decides per
-    captured bucket."""
+    instead, and so does every dense batch inside :func:`.api.per_row_decode` unless ``min_rows`` is 0; default
+    :data:`.api.CASCADE_MIN_ROWS` on CUDA, 1 elsewhere, and 0 (always the cascade) with explicit ``splits`` /
+    ``rows_per_tile``. The batch size and the context are read inside the op, so a graph compiled for symbolic
+    sizes still decides per captured bucket and per capture."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ns_p, ns_s = splits or (0, 0)
     if min_rows is None:
-        min_rows = CASCADE_MIN_ROWS if q.is_cuda and splits is None and rows_per_tile is None else 0
+        min_rows = 0 if splits is not None or rows_per_tile is not None else CASCADE_MIN_ROWS if q.is_cuda else 1
     return _cascade_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
                        prefix_order, group_start, float(scale), int(window or 0), int(sink), bool(local), int(ns_p),
                        int(ns_s), int(rows_per_tile or 0), int(min_chunk[0]), int(min_chunk[1]), int(min_rows))
@@ -292,7 +291,8 @@ def _cascade_op(
     min_rows: int = 0,
 ) -> torch.Tensor:
     A, Hq, T, D = q.shape
-    if not local and 0 < A < min_rows:  # here the batch is a plain int (one decision per captured bucket)
+    # here the batch is a plain int and the context the caller's: one decision per captured graph
+    if not local and A > 0 and min_rows > 0 and (A < min_rows or per_row_forced()):
         return decode_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
                                        cached_len, scale, window=window or None, sink=sink)
     Hkv = prefix_k.shape[1]
