@@ -103,7 +103,7 @@ def test_per_row_decode_hands_every_size_off():
     is 0 or the launch is fixed; outside it the cascade (other bits: the dispatch is seen, not assumed); RTPurbo's
     local heads keep the cascade. The context nests and is left on an exception."""
     from sparrow.kernels.decode_attention import per_row_decode
-    from sparrow.kernels.decode_attention.api import per_row_forced
+    from sparrow.kernels.decode_attention.dispatch import per_row_forced
     from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
 
     bits = lambda t: t.view(torch.int32)  # noqa: E731

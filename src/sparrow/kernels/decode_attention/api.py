@@ -2,50 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
-
 import torch
 
 from ..common.impl import Impl, resolve_impl
-
-# below this many rows (one or two GRPO groups) the per-row kernel's finer splits beat the cascade on the H200
-# (docs/benchmarks/engine_shared_prefix.json: 1 and 8 rows 0.75-0.93x, 32 rows 1.10-1.20x of the per-row kernel)
-CASCADE_MIN_ROWS = 16
-# fewer rows than this per live prompt, on average, and the cascade loses to the per-row kernel on the H200: groups
-# of 1-2 rows at 16-64 rows cost 1.4-1.6x the per-row kernel's step, full groups of 8 gain 1.26-1.60x
-# (docs/benchmarks/speculative_calibration.json, speculative_ar.json); between 2 and 8 not yet measured
-CASCADE_MIN_SHARE = 4
-
-_apart = threading.local()  # per thread: the depth of per_row_decode() contexts
-
-
-@contextlib.contextmanager
-def per_row_decode() -> Iterator[None]:
-    """Inside this context the shared-prefix decode op (:func:`cascade_decode_attention` on Triton, dense heads)
-    runs the per-row kernel at every batch size, every row reading its own prompt: the same result. For batches
-    whose rows share their prompts too little to pay for the cascade's tiles (:func:`shares_enough`). The op reads
-    it when it runs, not when it is traced: one compiled step serves both ways, and a CUDA graph captured inside
-    keeps the per-row kernels. An explicit ``min_rows=0`` (always the cascade) and RTPurbo's local heads ignore it.
-    Nests; thread-local."""
-    _apart.depth = getattr(_apart, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _apart.depth -= 1
-
-
-def per_row_forced() -> bool:
-    """Whether the calling thread is inside :func:`per_row_decode`."""
-    return getattr(_apart, "depth", 0) > 0
-
-
-def shares_enough(prefixes: Sequence[int]) -> bool:
-    """Whether rows reading the prompts in ``prefixes`` (one prefix slot per row) share them enough for the
-    cascade: at least :data:`CASCADE_MIN_SHARE` rows per distinct prompt on average (True for no rows)."""
-    return len(prefixes) >= CASCADE_MIN_SHARE * len(set(prefixes))
-
 
 def _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len) -> None:
     if q.dim() != 4 or prefix_k.dim() != 4 or gen_k.dim() != 4:
@@ -185,9 +144,9 @@ def cascade_decode_attention(
         impl: ``"reference"`` (eager PyTorch: the two states and the merge spelled out), ``"triton"`` (CUDA, or
             CPU under ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA, reference elsewhere).
         min_rows: (Triton) a batch of fewer rows runs the per-row kernel instead, the same result (one or two
-            groups share too little to pay for the tile); ``None``: :data:`CASCADE_MIN_ROWS` on CUDA, 1 elsewhere
-            (no size hands off); 0: always the cascade, even inside :func:`per_row_decode`, which otherwise hands
-            every size off. Decided inside the kernel op, once per captured bucket.
+            groups share too little to pay for the tile); ``None``: :data:`.dispatch.CASCADE_MIN_ROWS` on CUDA, 1
+            elsewhere (no size hands off); 0: always the cascade, even inside :func:`.dispatch.per_row_decode`,
+            which otherwise hands every size off. Decided inside the kernel op, once per captured bucket.
 
     Returns: [A, Hq, T, D] in ``q.dtype``.
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from sparrow.kernels.common.triton_merge import merge_splits
 
-from .api import CASCADE_MIN_ROWS, per_row_forced
+from .dispatch import CASCADE_MIN_ROWS, per_row_forced
 from .triton_decode import _attend_block, _sm_count, decode_attention_triton, splits_for_batch
 
 BIG = tl.constexpr(2147483647)  # above any position (a constexpr: compiled Triton reads no other globals)
@@ -269,8 +269,8 @@ def cascade_attention_triton(
     (prefix, suffix) and ``rows_per_tile`` fix what :func:`cascade_splits` / :func:`tile_rows` would choose
     (decided inside the op, i.e. once per captured graph); ``min_chunk``: least tokens per split. ``min_rows``: a
     dense (not ``local``) batch of fewer rows runs the per-row kernel (:func:`.triton_decode.decode_attention_triton`)
-    instead, and so does every dense batch inside :func:`.api.per_row_decode` unless ``min_rows`` is 0; default
-    :data:`.api.CASCADE_MIN_ROWS` on CUDA, 1 elsewhere, and 0 (always the cascade) with explicit ``splits`` /
+    instead, and so does every dense batch inside :func:`.dispatch.per_row_decode` unless ``min_rows`` is 0; default
+    :data:`.dispatch.CASCADE_MIN_ROWS` on CUDA, 1 elsewhere, and 0 (always the cascade) with explicit ``splits`` /
     ``rows_per_tile``. The batch size and the context are read inside the op, so a graph compiled for symbolic
     sizes still decides per captured bucket and per capture."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
