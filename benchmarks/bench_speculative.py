@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         costs = None if drafter is None else CostModel.calibrate(
             engine, params, draft_lengths=(min(args.lengths), max(args.lengths)), steps=args.calib_steps,
             cache_dir=None if args.quick else Path.home() / ".cache" / "sparrow")
-        extra["prepare_s"], extra["calibration_s"] = prep, time.perf_counter() - t - prep
+        extra.update(prepare_s=prep, calibration_s=time.perf_counter() - t - prep, setup_s=engine.setup_seconds)
         return engine, drafter, costs
 
     _, (engine, drafter, costs) = first_working(variants, build, "drafter variant (weight, window)")
