@@ -313,3 +313,5 @@ def test_rows_apart_where_they_share_their_prompts_too_little(monkeypatch):
     assert 0 < out.stats.apart_steps < out.stats.decode_steps
     assert len(per_row) == layers * out.stats.apart_steps
     _assert_same(out.samples, generate_reference(model, prompts[:2], CASCADE_MIN_SHARE, params), lp_tol=1e-4)
+    eager = _engine(random_tiny("qwen2").to(DEVICE), max_rows=8)  # the eager reference: no cascade to leave
+    assert eager.generate(prompts, 1, greedy).stats.apart_steps == 0 or DEVICE.type == "cuda"

@@ -47,6 +47,7 @@ from torchtune.modules import TransformerDecoder
 from tqdm import tqdm
 
 from sparrow.attention.base import CacheSpec, PrefillMeta
+from sparrow.attention.common import decode_impl
 from sparrow.compile_cache import CompileCache, cache_counters, module_signature
 from sparrow.kernels.decode_attention import CASCADE_MIN_ROWS, per_row_decode, shares_enough
 from sparrow.models.attention import attention_modules
@@ -667,8 +668,8 @@ class RolloutEngine:
             ks = tuple(sorted({min(int(k), self.config.max_draft) for k in ks if k >= 1}))
         self.rows.done[self.scratch] = True
         kinds = [("decode", 0)] + ([("draft", 0)] + [("cycle", k) for k in ks] if self._drafter is not None else [])
-        plan = [(kind, b, k, apart) for kind, k in kinds for b in self.config.buckets
-                for apart in (False, True)[:1 + self._apart_differs(b)]]
+        plan = [(kind, b, k, apart) for kind, k in kinds for b in self.config.buckets  # a second graph: rows apart
+                for apart in (False, True)[:1 + (self._graphed and self._apart_differs(b))]]
         with tqdm(plan, desc="rollout engine", disable=not self.config.progress, leave=False,
                   dynamic_ncols=True) as bar:
             for kind, b, k, apart in bar:
@@ -1263,10 +1264,14 @@ class RolloutEngine:
 
     def _apart_differs(self, bucket: int) -> bool:
         """Whether a step at ``bucket`` rows with the rows apart runs other kernels than the shared-prefix one:
-        the engine shares prompts, a layer's backend chooses its path (``shared_prefix="auto"``), and on CUDA the
-        op does not hand the batch to the per-row kernel anyway (under ``CASCADE_MIN_ROWS`` rows)."""
-        return (self.config.share_prefix and not (self.device.type == "cuda" and bucket < CASCADE_MIN_ROWS)
-                and any(getattr(a.backend, "shared_prefix", None) == "auto" for a in self.attn))
+        the engine shares prompts, a layer's backend chooses its path (``shared_prefix="auto"``) on the Triton
+        kernels, and on CUDA the op does not hand the batch to the per-row kernel anyway (under
+        ``CASCADE_MIN_ROWS`` rows)."""
+        if not self.config.share_prefix or (self.device.type == "cuda" and bucket < CASCADE_MIN_ROWS):
+            return False
+        return any(getattr(b, "shared_prefix", None) == "auto"
+                   and decode_impl(b.impl, b.shape.head_dim, self.device) == "triton"
+                   for b in (a.backend for a in self.attn))
 
     def _apart(self, bucket: int, prefixes: Sequence[int]) -> bool:
         """Whether a block on rows reading the prefix slots ``prefixes`` runs with the rows apart: when they share
