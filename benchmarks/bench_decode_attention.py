@@ -148,7 +148,7 @@ def cascade_sweep(args, dev, dtype, g, gbps) -> list[dict]:
             for c in ([16, 64] if args.quick else [128, 256, 512, 1024])}
         kv_bytes = (A // G * L + A * (64 + T)) * Hkv * D * 2 * x[0].element_size()
         row = {"prompt_len": L, "A": A, "T": T, "group": G, "floor_ms": kv_bytes / (gbps * 1e6) if gbps else None,
-               "max_rel_err": max(rel_err(fn(), calls["per_row"]()) for fn in calls.values())}
+               "max_rel_err": max(rel_err(fn(), ref) for ref in [calls["per_row"]()] for fn in calls.values())}
         row |= {f"{k}_ms": measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"] for k, fn in calls.items()}
         out.append(row)
         print_table([row], list(row))

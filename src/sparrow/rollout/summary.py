@@ -193,9 +193,8 @@ def engine_speedups(after: dict[str, Any], before: dict[str, Any], after_fixed: 
     return {"latency_speedup": before["latency_s"] / after["latency_s"],
             "decode_tok_s_speedup": after["decode_tok_s"] / before["decode_tok_s"],
             "same_tokens": after["tokens"] == before["tokens"],
-            "fixed": [{"batch": r["batch"], "after_tok_s": r[f"{policy} tok/s"],
-                       "before_tok_s": fixed_before[r["batch"]], "speedup": r[f"{policy} tok/s"] / fixed_before[r["batch"]]}
-                      for r in after_fixed if r["batch"] in fixed_before]}
+            "fixed": [{"batch": b, "after_tok_s": t, "before_tok_s": fixed_before[b], "speedup": t / fixed_before[b]}
+                      for b, t in ((r["batch"], r[f"{policy} tok/s"]) for r in after_fixed) if b in fixed_before]}
 
 
 __all__ = ["bucket_comparison", "engine_before", "engine_speedups", "fixed_batch_runs", "generation_summary",
