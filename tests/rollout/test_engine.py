@@ -283,35 +283,44 @@ def test_rows_apart_where_they_share_their_prompts_too_little(monkeypatch):
     """A block whose rows share each prompt fewer than ``CASCADE_MIN_SHARE`` times on average runs inside
     ``per_row_decode`` (the attention op's per-row kernel: every row reads its own prompt), a block of full groups
     the cascade; as a group's samples finish, its later blocks go apart. Tokens equal the reference generator's
-    throughout. Negative control: the counts are read from the op's own dispatch, not from the engine's flag."""
+    throughout. The counts are the op's own per-row launches, not the engine's flag; on CUDA the batches are wide
+    enough (``CASCADE_MIN_ROWS``) that the op would otherwise run the cascade, and its hand-off of narrower buckets
+    is counted apart. The eager reference never goes apart."""
     from functools import partial
 
     import sparrow.kernels.decode_attention.triton_cascade as tc
     from sparrow.attention import DenseAttention
-    from sparrow.kernels.decode_attention import CASCADE_MIN_SHARE
+    from sparrow.kernels.decode_attention import CASCADE_MIN_ROWS, CASCADE_MIN_SHARE
 
     per_row, real = [], tc.decode_attention_triton
     monkeypatch.setattr(tc, "decode_attention_triton", lambda *a, **k: (per_row.append(1), real(*a, **k))[1])
     model = random_tiny("qwen2", std=0.15, attention=partial(DenseAttention, impl="triton")).to(DEVICE)
     layers = len(model.layers)
-    eng = _engine(model, max_rows=8, block_steps=1)
+    cuda = DEVICE.type == "cuda"
+    width = CASCADE_MIN_ROWS if cuda else CASCADE_MIN_SHARE  # rows of each generation below
+    # without CUDA graphs: the op runs (and is counted) at every step
+    eng = _engine(model, max_rows=width, block_steps=1, cuda_graphs=False)
+
+    def launches(gen):  # per-row launches the op makes: the apart steps, and on CUDA every narrow bucket's steps
+        narrow = sum(n for b, n in gen.stats.active_hist.items() if cuda and b < CASCADE_MIN_ROWS)
+        return layers * (gen.stats.apart_steps + narrow)
+
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
-    prompts = _prompts(lens=[5, 17, 3, 9])
-    thin = eng.generate(prompts, 1, greedy)  # four groups of one
-    assert thin.stats.apart_steps == thin.stats.decode_steps > 0
-    assert len(per_row) == layers * thin.stats.decode_steps
+    prompts = _prompts(lens=[5, 17, 3, 9] * (width // 4))
+    thin = eng.generate(prompts, 1, greedy)  # groups of one
+    assert thin.stats.apart_steps == thin.stats.decode_steps > 0 and len(per_row) == launches(thin)
     _assert_same(thin.samples, generate_reference(model, prompts, 1, greedy), lp_tol=1e-4)
     per_row.clear()
-    full = eng.generate(prompts[:1], CASCADE_MIN_SHARE, greedy)  # one full group: greedy rows end together
+    groups = prompts[:width // CASCADE_MIN_SHARE]
+    full = eng.generate(groups, CASCADE_MIN_SHARE, greedy)  # full groups: greedy rows end together
     assert full.stats.apart_steps == 0 and full.stats.decode_steps > 0 and not per_row
-    for seed in range(2, 20):  # a seed whose rows finish at different steps
+    for seed in range(2, 40):  # a seed whose rows finish at different steps while the batch is still wide
         params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=tuple(range(0, 64, 5)), seed=seed)
         per_row.clear()
-        out = eng.generate(prompts[:2], CASCADE_MIN_SHARE, params)
+        out = eng.generate(groups, CASCADE_MIN_SHARE, params)
         if 0 < out.stats.apart_steps < out.stats.decode_steps:
             break
-    assert 0 < out.stats.apart_steps < out.stats.decode_steps
-    assert len(per_row) == layers * out.stats.apart_steps
-    _assert_same(out.samples, generate_reference(model, prompts[:2], CASCADE_MIN_SHARE, params), lp_tol=1e-4)
-    eager = _engine(random_tiny("qwen2").to(DEVICE), max_rows=8)  # the eager reference: no cascade to leave
-    assert eager.generate(prompts, 1, greedy).stats.apart_steps == 0 or DEVICE.type == "cuda"
+    assert 0 < out.stats.apart_steps < out.stats.decode_steps and len(per_row) == launches(out)
+    _assert_same(out.samples, generate_reference(model, groups, CASCADE_MIN_SHARE, params), lp_tol=1e-4)
+    eager = random_tiny("qwen2", attention=partial(DenseAttention, impl="reference")).to(DEVICE)
+    assert _engine(eager, max_rows=width, cuda_graphs=False).generate(prompts, 1, greedy).stats.apart_steps == 0

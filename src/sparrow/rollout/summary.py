@@ -38,8 +38,9 @@ def generation_summary(name: str, gen: Generation, total_s: float) -> dict[str, 
     ``decode_tok_s``, ``acceptance`` and ``tokens_per_cycle`` (None without speculation), ``spec_cycles``,
     ``steps``, ``steps_apart`` (of those, steps whose rows shared their prompts too little for the shared-prefix
     kernel, so each read its own), ``draft_len_hist``, response lengths ``len_p50`` / ``len_p90`` / ``len_max``
-    (nearest rank), ``stop_frac`` (share of samples that ended on a stop token), ``bucket_tok_s`` (batch bucket -> tokens/s of the
-    decode blocks run at it), ``bucket_steps`` and ``bucket_spec_steps`` (bucket -> steps, speculative cycles).
+    (nearest rank), ``stop_frac`` (share of samples that ended on a stop token), ``bucket_tok_s`` (batch bucket ->
+    tokens/s of the decode blocks run at it), ``bucket_steps`` and ``bucket_spec_steps`` (bucket -> steps,
+    speculative cycles).
     ``ValueError`` for a generation without samples."""
     if not len(gen):
         raise ValueError("generation_summary: the generation has no samples")

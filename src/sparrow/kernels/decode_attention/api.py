@@ -6,6 +6,7 @@ import torch
 
 from ..common.impl import Impl, resolve_impl
 
+
 def _check(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len) -> None:
     if q.dim() != 4 or prefix_k.dim() != 4 or gen_k.dim() != 4:
         raise ValueError(
