@@ -157,9 +157,18 @@ def cascade_sweep(args, dev, dtype, g, gbps) -> list[dict]:
 
 
 def plot(result: dict, png_path: Path) -> None:
-    rows = result["rows"]
+    rows, cascade = result["rows"], result.get("cascade", [])
     models = sorted({r["model"] for r in rows})
-    fig, axes = subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    n = len(models) + bool(cascade)
+    fig, axes = subplots(1, n, figsize=(5.5 * n, 4), squeeze=False)
+    if cascade:  # the cascade's gain over the per-row kernel by group size, per (prompt, rows, T)
+        ax = axes[0][-1]
+        plot_series(ax, cascade, "group", lambda r: r["per_row_ms"] / r[f"chunk{tc.PREFIX_MIN_CHUNK}_ms"],
+                    by=lambda r: (r["T"], r["prompt_len"], r["A"]), label=lambda k: "T=%d, %d x %d rows" % k, ms=3)
+        ax.axhline(1, color="k", lw=0.8)
+        ax.set(xscale="log", yscale="log", xlabel="rows per prompt (group)", ylabel="per-row ms / cascade ms",
+               title="shared-prefix decode (0.5B shape)")
+        ax.legend(fontsize=5, ncol=2)
     for ax, model in zip(axes[0], models):
         for i, T in enumerate(sorted({r["T"] for r in rows})):
             rs = [r for r in rows if r["model"] == model and r["T"] == T]

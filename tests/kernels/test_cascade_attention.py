@@ -98,6 +98,27 @@ def test_small_batches_take_the_per_row_kernel():
     assert torch.equal(default.view(torch.int32), want.view(torch.int32))
 
 
+def test_verify_steps_take_the_per_row_kernel():
+    """Rows of more than ``max_tokens`` query tokens (speculative verification) run the per-row kernel: its bits;
+    one token per row, or ``min_rows=0``, keeps the cascade (other bits). On CUDA the default is
+    ``CASCADE_MAX_TOKENS``; on the CPU's interpreter no limit, so the cascade runs at every ``T``."""
+    from sparrow.kernels.decode_attention import CASCADE_MAX_TOKENS
+    from sparrow.kernels.decode_attention.triton_decode import decode_attention_triton
+
+    bits = lambda t: t.view(torch.int32)  # noqa: E731
+    for T in (1, 3):
+        args = _grouped_inputs([8, 9], 8, 2, T, 16, 150, 12)  # 17 rows: not a size the op hands off by itself
+        groups = prefix_groups(args[6], args[7])
+        per_row = decode_attention_triton(*args)
+        limited = cascade_attention_triton(*args, *groups, max_tokens=1)
+        cascade = cascade_attention_triton(*args, *groups, min_rows=0, max_tokens=1)
+        assert not torch.equal(bits(cascade), bits(per_row)) and rel_err(cascade, _naive(*args)) < 1e-5
+        assert torch.equal(bits(limited), bits(per_row if T > 1 else cascade)), T
+        default = cascade_attention_triton(*args, *groups)
+        verify_apart = DEVICE.type == "cuda" and T > CASCADE_MAX_TOKENS
+        assert torch.equal(bits(default), bits(per_row if verify_apart else cascade)), T
+
+
 def test_per_row_decode_hands_every_size_off():
     """Inside ``per_row_decode()`` a dense batch of any size runs the per-row kernel (its bits), unless ``min_rows``
     is 0 or the launch is fixed; outside it the cascade (other bits: the dispatch is seen, not assumed); RTPurbo's

@@ -129,6 +129,7 @@ def cascade_decode_attention(
     sink: int = 0,
     impl: Impl = "auto",
     min_rows: int | None = None,
+    max_tokens: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """:func:`decode_attention` with each prompt read once for all the rows that share it (a GRPO group).
@@ -148,6 +149,9 @@ def cascade_decode_attention(
             groups share too little to pay for the tile); ``None``: :data:`.dispatch.CASCADE_MIN_ROWS` on CUDA, 1
             elsewhere (no size hands off); 0: always the cascade, even inside :func:`.dispatch.per_row_decode`,
             which otherwise hands every size off. Decided inside the kernel op, once per captured bucket.
+        max_tokens: (Triton) more query tokens per row than this (``T``, speculative verification) run the
+            per-row kernel too, unless ``min_rows`` is 0; ``None``: :data:`.dispatch.CASCADE_MAX_TOKENS` on CUDA,
+            0 (no limit) elsewhere.
 
     Returns: [A, Hq, T, D] in ``q.dtype``.
 
@@ -162,7 +166,7 @@ def cascade_decode_attention(
 
         return cascade_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
                                         cached_len, prefix_order, group_start, scale, window=window, sink=sink,
-                                        min_rows=min_rows)
+                                        min_rows=min_rows, max_tokens=max_tokens)
     from .reference import cascade_decode_attention_reference
 
     return cascade_decode_attention_reference(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot,

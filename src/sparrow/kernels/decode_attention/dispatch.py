@@ -10,10 +10,14 @@ from collections.abc import Iterator, Sequence
 # below this many rows (one or two GRPO groups) the per-row kernel's finer splits beat the cascade on the H200
 # (docs/benchmarks/engine_shared_prefix.json: 1 and 8 rows 0.75-0.93x, 32 rows 1.10-1.20x of the per-row kernel)
 CASCADE_MIN_ROWS = 16
-# fewer rows than this per live prompt, on average, and the cascade loses to the per-row kernel on the H200: groups
-# of 1-2 rows at 16-64 rows cost 1.4-1.6x the per-row kernel's step, full groups of 8 gain 1.26-1.60x
-# (docs/benchmarks/speculative_calibration.json, speculative_ar.json); between 2 and 8 not yet measured
+# fewer rows than this per live prompt, on average, and the cascade loses to the per-row kernel on the H200: one
+# layer at 32-256 rows, 8K-32K prompts, one query per row (docs/benchmarks/decode_attention_cascade.json): groups
+# of 1 cost 1.7-2.2x the per-row kernel, groups of 2 1.04-1.56x; groups of 4 gain 1.16-1.57x, groups of 8 1.59-2.09x
 CASCADE_MIN_SHARE = 4
+# more query tokens per row than this (speculative verification, k + 1) and the per-row kernel wins on the H200 at
+# every group size: at T = 5 the cascade costs 1.3-3.3x the per-row kernel, groups of 1-8, 32-256 rows, 8K-32K
+# prompts (the same sweep; the per-row programs of one group read its prompt's KV while the L2 cache holds it)
+CASCADE_MAX_TOKENS = 1
 
 _apart = threading.local()  # per thread: the depth of per_row_decode() contexts
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from sparrow.kernels.common.triton_merge import merge_splits
 
-from .dispatch import CASCADE_MIN_ROWS, per_row_forced
+from .dispatch import CASCADE_MAX_TOKENS, CASCADE_MIN_ROWS, per_row_forced
 from .triton_decode import _attend_block, _sm_count, decode_attention_triton, splits_for_batch
 
 BIG = tl.constexpr(2147483647)  # above any position (a constexpr: compiled Triton reads no other globals)
@@ -262,6 +262,7 @@ def cascade_attention_triton(
     prefix_order: torch.Tensor, group_start: torch.Tensor, scale: float | None = None, *, window: int | None = None,
     sink: int = 0, local: bool = False, splits: tuple[int, int] | None = None, rows_per_tile: int | None = None,
     min_chunk: tuple[int, int] = (PREFIX_MIN_CHUNK, SUFFIX_MIN_CHUNK), min_rows: int | None = None,
+    max_tokens: int | None = None,
 ) -> torch.Tensor:
     """Launch the cascade kernel and the merge (as the custom op ``sparrow::cascade_decode_attention``: opaque to
     ``torch.compile``, safe inside CUDA graphs). Arguments as :func:`.api.cascade_decode_attention` (``local``:
@@ -271,15 +272,20 @@ def cascade_attention_triton(
     dense (not ``local``) batch of fewer rows runs the per-row kernel (:func:`.triton_decode.decode_attention_triton`)
     instead, and so does every dense batch inside :func:`.dispatch.per_row_decode` unless ``min_rows`` is 0; default
     :data:`.dispatch.CASCADE_MIN_ROWS` on CUDA, 1 elsewhere, and 0 (always the cascade) with explicit ``splits`` /
-    ``rows_per_tile``. The batch size and the context are read inside the op, so a graph compiled for symbolic
-    sizes still decides per captured bucket and per capture."""
+    ``rows_per_tile``. ``max_tokens``: a dense batch of more query tokens per row (``T``) runs the per-row kernel
+    too (unless ``min_rows`` is 0); default :data:`.dispatch.CASCADE_MAX_TOKENS` on CUDA, 0 (no limit) elsewhere and
+    with explicit ``splits`` / ``rows_per_tile``. The batch size and the context are read inside the op, so a graph
+    compiled for symbolic sizes still decides per captured bucket and per capture."""
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ns_p, ns_s = splits or (0, 0)
     if min_rows is None:
         min_rows = 0 if splits is not None or rows_per_tile is not None else CASCADE_MIN_ROWS if q.is_cuda else 1
+    if max_tokens is None:
+        max_tokens = 0 if splits is not None or rows_per_tile is not None or not q.is_cuda else CASCADE_MAX_TOKENS
     return _cascade_op(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len,
                        prefix_order, group_start, float(scale), int(window or 0), int(sink), bool(local), int(ns_p),
-                       int(ns_s), int(rows_per_tile or 0), int(min_chunk[0]), int(min_chunk[1]), int(min_rows))
+                       int(ns_s), int(rows_per_tile or 0), int(min_chunk[0]), int(min_chunk[1]), int(min_rows),
+                       int(max_tokens))
 
 
 @torch.library.custom_op("sparrow::cascade_decode_attention", mutates_args=())
@@ -288,11 +294,11 @@ def _cascade_op(
     row_slot: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: torch.Tensor, cached_len: torch.Tensor,
     prefix_order: torch.Tensor, group_start: torch.Tensor, scale: float, window: int, sink: int, local: bool,
     prefix_splits: int, suffix_splits: int, rows_per_tile: int, min_chunk_prefix: int, min_chunk_suffix: int,
-    min_rows: int = 0,
+    min_rows: int = 0, max_tokens: int = 0,
 ) -> torch.Tensor:
     A, Hq, T, D = q.shape
     # here the batch is a plain int and the context the caller's: one decision per captured graph
-    if not local and A > 0 and min_rows > 0 and (A < min_rows or per_row_forced()):
+    if not local and A > 0 and min_rows > 0 and (A < min_rows or 0 < max_tokens < T or per_row_forced()):
         return decode_attention_triton(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len,
                                        cached_len, scale, window=window or None, sink=sink)
     Hkv = prefix_k.shape[1]
@@ -342,5 +348,5 @@ def _cascade_op(
 @_cascade_op.register_fake
 def _(q, prefix_k, prefix_v, gen_k, gen_v, row_slot, prefix_slot, prefix_len, cached_len, prefix_order, group_start,
       scale, window, sink, local, prefix_splits, suffix_splits, rows_per_tile, min_chunk_prefix, min_chunk_suffix,
-      min_rows=0):
+      min_rows=0, max_tokens=0):
     return q.new_empty(q.shape)  # contiguous, as the real op's output
