@@ -164,12 +164,12 @@ def test_engine_speedups_before_over_after_per_token_and_at_fixed_batches():
     fb = [{"batch": 2, "AR tok/s": 60.0}, {"batch": 8, "AR tok/s": 250.0}]
     out = engine_speedups(after, before, fa, fb)
     assert out["latency_speedup"] == pytest.approx(1.5) and out["decode_tok_s_speedup"] == pytest.approx(1.5)
-    assert out["same_tokens"] is False
+    assert out["same_token_count"] is False
     assert [(r["batch"], r["speedup"]) for r in out["fixed"]] == [(2, pytest.approx(1.5)), (8, pytest.approx(1.2))]
     swapped = engine_speedups(before, after, fb, fa)
     assert swapped["latency_speedup"] == pytest.approx(1 / 1.5)
     assert [r["speedup"] for r in swapped["fixed"]] == [pytest.approx(1 / 1.5), pytest.approx(1 / 1.2)]
-    assert engine_speedups(after, after)["same_tokens"] is True and engine_speedups(after, after)["fixed"] == []
+    assert engine_speedups(after, after)["same_token_count"] is True and engine_speedups(after, after)["fixed"] == []
 
 
 def test_engine_before_is_the_unfused_per_row_engine_on_a_copy():

@@ -187,13 +187,13 @@ def engine_speedups(after: dict[str, Any], before: dict[str, Any], after_fixed: 
     """One decoding policy through two engines on the same rollout: ``after`` / ``before`` are
     :func:`generation_summary` rows, ``*_fixed`` the :func:`fixed_batch_runs` rows of each (matched by ``batch``).
     Returns ``latency_speedup`` (before's latency over after's), ``decode_tok_s_speedup`` (per generated token: the
-    two may sample other tokens, so other lengths), ``same_tokens`` (whether they generated as many), and
-    ``fixed`` (per batch held fixed, equal work: ``batch``, both tokens/s and ``speedup``). ``KeyError`` for a fixed
-    row without ``"<policy> tok/s"``."""
+    two may sample other tokens, so other lengths), ``same_token_count`` (whether they generated as many tokens;
+    ``same_tokens`` in JSONs written before the rename), and ``fixed`` (per batch held fixed, equal work: ``batch``,
+    both tokens/s and ``speedup``). ``KeyError`` for a fixed row without ``"<policy> tok/s"``."""
     fixed_before = {r["batch"]: r[f"{policy} tok/s"] for r in before_fixed}
     return {"latency_speedup": before["latency_s"] / after["latency_s"],
             "decode_tok_s_speedup": after["decode_tok_s"] / before["decode_tok_s"],
-            "same_tokens": after["tokens"] == before["tokens"],
+            "same_token_count": after["tokens"] == before["tokens"],
             "fixed": [{"batch": b, "after_tok_s": t, "before_tok_s": fixed_before[b], "speedup": t / fixed_before[b]}
                       for b, t in ((r["batch"], r[f"{policy} tok/s"]) for r in after_fixed) if b in fixed_before]}
 
