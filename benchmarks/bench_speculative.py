@@ -78,6 +78,8 @@ def build_parser():
         ("--lengths", dict(type=int, nargs="+", default=[2, 4, 8], help="adaptive draft-length ladder")),
         ("--engine-before", ["on", "off"], "on", "also decode through the engine before fused projections and "
                                                  "shared-prefix decode"),
+        ("--compile-cache", str, None, "directory for the compiled steps (EngineConfig.compile_cache): a later run "
+                                       "of the same shapes loads them"),
         ("--compile", dict(action="store_true", help="compile the steps off CUDA too (a slow smoke test)"))])
     return p
 
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = EngineConfig(max_rows=rows, max_prompts=args.prompts, max_prompt_len=args.max_prompt,
                        max_new_tokens=args.max_new, max_draft=args.max_draft, block_steps=args.block_steps,
                        compile=cuda or args.compile, cuda_graphs=cuda, prefill_tokens=max(32768, args.max_prompt),
-                       batch_buckets=buckets)
+                       batch_buckets=buckets, compile_cache=args.compile_cache)
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new, stop_token_ids=(EOS,), seed=0)
     results: list[dict] = []
     extra: dict = {"classes": classes, "class_mean_lengths": task.means, "task_entropy_nats": task.entropy()}
