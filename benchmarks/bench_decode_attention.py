@@ -132,8 +132,8 @@ def split_sweep(args, dev, dtype, g, min_p, max_p, gen) -> list[dict]:
 
 
 def cascade_sweep(args, dev, dtype, g, gbps) -> list[dict]:
-    """Shared-prefix decode (``G`` rows on each prompt of ``L`` tokens, 64 generated each; G = 1-2 as in thinned groups)
-    at each least prefix split length (``triton_cascade.PREFIX_MIN_CHUNK`` by default), against the per-row kernel on
+    """Shared-prefix decode (``G`` rows on each prompt of ``L`` tokens, 64 generated each; G = 8 a full group, 1-4
+    the thinned groups of a long-tailed rollout's tail) at each least prefix split length (``triton_cascade.PREFIX_MIN_CHUNK`` by default), against the per-row kernel on
     the same cache and against each prompt's KV read once at copy speed (``floor_ms``)."""
     Hq, Hkv, D = (4, 2, 16) if args.quick else MODELS["qwen2.5-0.5b"]
     out, suffix = [], tc.SUFFIX_MIN_CHUNK
@@ -147,8 +147,9 @@ def cascade_sweep(args, dev, dtype, g, gbps) -> list[dict]:
             f"chunk{c}": lambda c=c: tc.cascade_attention_triton(*x, *groups, min_rows=0, min_chunk=(c, suffix))
             for c in ([16, 64] if args.quick else [128, 256, 512, 1024])}
         kv_bytes = (A // G * L + A * (64 + T)) * Hkv * D * 2 * x[0].element_size()
+        ref = calls["per_row"]()
         row = {"prompt_len": L, "A": A, "T": T, "group": G, "floor_ms": kv_bytes / (gbps * 1e6) if gbps else None,
-               "max_rel_err": max(rel_err(fn(), ref) for ref in [calls["per_row"]()] for fn in calls.values())}
+               "max_rel_err": max(rel_err(fn(), ref) for fn in calls.values())}
         row |= {f"{k}_ms": measure(graphed(fn), warmup=3, iters=args.iters)["median_ms"] for k, fn in calls.items()}
         out.append(row)
         print_table([row], list(row))
