@@ -49,6 +49,7 @@ from sparrow.rl import (
     PartialRollout,
     PartialRolloutConfig,
     PromptFormat,
+    PromptLengths,
     TaskSource,
     aggregation_weights,
     build_rollout_batch,
@@ -182,10 +183,13 @@ class GRPORecipe:
                                     max_prompt_len=max_prompt, prompt_format=self.prompt_format)
         self.data_iter = iter(self.loader)
         self.eval_set = [(self.prompt_format.encode(self.tokenizer, e.prompt), e.answer) for e in eval_rows]
-        too_long = [i for i, (p, _) in enumerate(self.eval_set) if len(p) > max_prompt]
-        if too_long:
-            raise ValueError(f"prompt of {len(self.eval_set[too_long[0]][0])} tokens is longer than "
-                             f"engine.max_prompt_len ({max_prompt})")
+        # the held-out prompts measured with this run's tokenizer and format, before anything is built or compiled
+        lengths = PromptLengths([len(p) for p, _ in self.eval_set], [len(e.prompt) for e in eval_rows])
+        lengths.check(max_prompt_len=max_prompt, max_new_tokens=cfg.sampling.max_new_tokens,
+                      max_seq_len=cfg.model.get("max_seq_len"),
+                      where="the dataset's prompts" if cfg.get("dataset") is not None else "the task's prompts")
+        self._add_setup_metrics({"setup/prompt_tokens_max": float(max(lengths.tokens)),
+                                 "setup/prompt_tokens_mean": sum(lengths.tokens) / len(lengths.tokens)})
 
     def _setup_model(self, cfg: DictConfig):
         """The policy's weights on the CPU in fp32 (built, initialised or loaded, resumed); returns it and the

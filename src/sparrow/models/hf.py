@@ -31,6 +31,7 @@ from torchtune.modules import RotaryPositionalEmbeddings, TiedLinear, Transforme
 from sparrow.attention.dense import DenseAttention
 from sparrow.models.attention import AttentionFactory
 from sparrow.models.builders import llama3, qwen2
+from sparrow.models.chat import ChatTemplate
 from sparrow.models.checkpoint import load_model_state
 
 FAMILIES = ("qwen2", "llama")
@@ -382,7 +383,9 @@ def hf_tokenizer(path: str | Path, *, max_seq_len: int | None = None, **kwargs: 
       :func:`torchtune.models.llama3.llama3_tokenizer` with torchtune's Llama-3 special tokens (ids 128000..;
       a released ``tokenizer.json`` names some of them differently, which torchtune's tokenizer rejects).
 
-    ``max_seq_len`` and ``kwargs`` (e.g. ``prompt_template``) go to the torchtune builder.
+    ``max_seq_len`` and ``kwargs`` (e.g. ``prompt_template``) go to the torchtune builder. The tokenizer returned
+    carries the directory's chat template as ``chat_template``: a :class:`~sparrow.models.chat.ChatTemplate`, or
+    None when the directory has none (a base model); :class:`sparrow.rl.PromptFormat` writes chat prompts with it.
 
     Raises:
         FileNotFoundError: ``path`` is not a directory, or none of those files fits its ``model_type``
@@ -391,6 +394,12 @@ def hf_tokenizer(path: str | Path, *, max_seq_len: int | None = None, **kwargs: 
     d = Path(path)
     if not d.is_dir():
         raise FileNotFoundError(f"tokenizer directory {d} does not exist")
+    tok = _torchtune_tokenizer(d, max_seq_len, **kwargs)
+    tok.chat_template = ChatTemplate.from_dir(d)
+    return tok
+
+
+def _torchtune_tokenizer(d: Path, max_seq_len: int | None, **kwargs: Any):
     family = None
     if (d / "config.json").is_file():
         family = json.loads((d / "config.json").read_text()).get("model_type")

@@ -9,7 +9,8 @@ from sparrow.rl.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from sparrow.rl.data import ListSource, PromptFormat, TaskSource, decode_response, prompt_loader, read_jsonl
+from sparrow.rl.data import (ListSource, PromptFormat, PromptLengths, TaskSource, decode_response, prompt_loader,
+                             read_jsonl)
 from sparrow.rl.grpo import (GRPOConfig, StalenessStats, aggregation_weights, group_advantages, grpo_loss,
                              importance_weights)
 from sparrow.rl.logprobs import hidden_states, response_logprobs, shared_prefix_logprobs
@@ -24,8 +25,8 @@ from sparrow.rl.tokenizer import CharTokenizer, emittable_ids, stop_ids
 __all__ = [
     "CharAccuracy", "CharTokenizer", "CombinedReward", "ExactMatch", "Example", "FormatReward", "GRPOConfig",
     "JsonlLogger", "KVListRetrieval", "KVRetrieval", "ListSource", "MathAnswer", "NeedleQA", "PartialRollout",
-    "PartialRolloutConfig", "PartialStep", "PromptFormat", "Reward", "RolloutBatch", "StalenessStats", "TaskSource",
-    "VariableTracking", "aggregation_weights", "build_rollout_batch",
+    "PartialRolloutConfig", "PartialStep", "PromptFormat", "PromptLengths", "Reward", "RolloutBatch",
+    "StalenessStats", "TaskSource", "VariableTracking", "aggregation_weights", "build_rollout_batch",
     "decode_response", "emittable_ids", "exchange_rollouts", "extract_final_answer", "group_advantages",
     "grpo_loss", "hidden_states", "importance_weights", "latest_checkpoint", "load_checkpoint", "plot_history",
     "prompt_loader", "read_jsonl", "read_metrics", "read_optimizer_state", "response_logprobs",

@@ -120,10 +120,12 @@ class PromptFormat:
 
     Attributes:
         chat: ``False``: the text as it is (``encode(add_bos=True, add_eos=False)``: the tokenizer's BOS, if it
-            has one, and no EOS). ``True``: the text as the user message of the tokenizer's chat format
-            (torchtune ``Message`` s through ``tokenize_messages``: ChatML for Qwen2.5, Llama-3's headers),
-            with the assistant's turn opened, for instruct models.
-        system: a system message before it (``chat`` only).
+            has one, and no EOS). ``True``: the text as the user message of the model's chat format, with the
+            assistant's turn opened, for instruct models: the chat template of the tokenizer's Hugging Face
+            directory (:func:`sparrow.models.hf_tokenizer` attaches it; token for token what ``transformers``'
+            ``apply_chat_template(..., add_generation_prompt=True)`` gives, the template's default system turn
+            included); a tokenizer built otherwise uses torchtune's ``tokenize_messages``.
+        system: a system message before it (``chat`` only), in place of the template's default one.
     """
 
     chat: bool = False
@@ -137,10 +139,28 @@ class PromptFormat:
         """Token ids of the prompt ``text``.
 
         Raises:
-            ValueError: ``chat`` with a tokenizer that has no chat format, or a prompt the tokenizer truncated.
+            ValueError: ``chat`` with a tokenizer that has no chat format (a Hugging Face directory without a chat
+                template, or a tokenizer without ``tokenize_messages``), or a prompt the tokenizer truncated.
         """
         if not self.chat:
             return tokenizer.encode(text, add_bos=True, add_eos=False)
+        template = getattr(tokenizer, "chat_template", _NOT_FROM_A_DIRECTORY)
+        if template is None:
+            raise ValueError("prompt.chat is true but the tokenizer's directory has no chat template (neither "
+                             "chat_template.jinja nor a chat_template in tokenizer_config.json): add the model's "
+                             "template, or set prompt.chat to false for a base model")
+        if template is not _NOT_FROM_A_DIRECTORY:
+            messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+            ids = template.encode(tokenizer, messages + [{"role": "user", "content": text}])
+        else:
+            ids = self._tokenize_messages(tokenizer, text)
+        limit = getattr(tokenizer, "max_seq_len", None)
+        if limit and len(ids) >= limit:
+            raise ValueError(f"the tokenizer's max_seq_len ({limit}) cuts the prompt: raise it or set it to null")
+        return list(ids)
+
+    def _tokenize_messages(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        """torchtune's chat format (``Message`` s through ``tokenize_messages``), for a tokenizer without a template."""
         fn = getattr(tokenizer, "tokenize_messages", None)
         if fn is None:
             raise ValueError(f"{type(tokenizer).__name__} has no chat format (tokenize_messages): set prompt.chat "
@@ -152,10 +172,54 @@ class PromptFormat:
         # no end tokens after the (empty, last) assistant message: the policy writes it
         end = {"add_eos": False} if "add_eos" in inspect.signature(fn).parameters else {"add_end_tokens": False}
         ids, _ = fn(messages, **end)
-        limit = getattr(tokenizer, "max_seq_len", None)
-        if limit and len(ids) >= limit:
-            raise ValueError(f"the tokenizer's max_seq_len ({limit}) cuts the prompt: raise it or set it to null")
         return list(ids)
+
+
+_NOT_FROM_A_DIRECTORY = object()  # a tokenizer that hf_tokenizer did not build carries no chat_template
+
+
+@dataclass(frozen=True)
+class PromptLengths:
+    """Token counts of prompts measured with the run's own tokenizer and format, beside their lengths in characters.
+
+    Attributes:
+        tokens: tokens per prompt (:meth:`PromptFormat.encode`).
+        chars: characters of each prompt's text.
+    """
+
+    tokens: Sequence[int]
+    chars: Sequence[int]
+
+    @classmethod
+    def measure(cls, tokenizer: Tokenizer, texts: Sequence[str],
+                prompt_format: PromptFormat = PromptFormat()) -> PromptLengths:
+        """The lengths of ``texts`` as ``prompt_format`` encodes them with ``tokenizer``."""
+        return cls([len(prompt_format.encode(tokenizer, t)) for t in texts], [len(t) for t in texts])
+
+    def check(self, *, max_prompt_len: int, max_new_tokens: int, max_seq_len: int | None = None,
+              where: str = "the task's prompts") -> None:
+        """Refuse prompts that cannot run: the longest must fit ``max_prompt_len`` (the engine's prompt slots) and,
+        with ``max_new_tokens`` of response, ``max_seq_len`` (the model's context; None: not checked).
+
+        Raises:
+            ValueError: naming the measured counts, the tokens per character and the longest text that would fit.
+        """
+        if not self.tokens:
+            return
+        longest = max(self.tokens)
+        per_char = sum(self.tokens) / max(1, sum(self.chars))
+        limits = [(max_prompt_len, "engine.max_prompt_len")]
+        if max_seq_len is not None:
+            limits.append((max_seq_len - max_new_tokens, f"model.max_seq_len ({max_seq_len}) minus the "
+                                                         f"{max_new_tokens} new tokens"))
+        for limit, name in limits:
+            if longest > limit:
+                chars = max(self.chars)
+                fits = int(chars * limit / longest)
+                raise ValueError(
+                    f"{where} measure up to {longest} tokens with this tokenizer ({chars} characters, "
+                    f"{per_char:.2f} tokens per character), more than {name} = {limit}: shorten them to about "
+                    f"{fits} characters (e.g. task.context_len) or raise {name.split(' ')[0]}")
 
 
 def decode_response(tokenizer: Tokenizer, tokens: Sequence[int], stop: Collection[int]) -> str:
