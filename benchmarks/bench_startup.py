@@ -14,8 +14,9 @@ run's metric log (polled); the ``setup/*`` phases come from that record; ``stead
 after the first.
 
 Usage (GPU): ``python benchmarks/bench_startup.py --model DIR`` (a Qwen2.5-0.5B-shaped Hugging Face directory) ->
-``docs/benchmarks/startup.json``. CPU smoke run: ``--quick`` with ``--model`` a tiny directory and ``--set`` the
-overrides of a CPU run (device, precision, sizes); its JSON goes to a temporary folder unless ``--out`` is given.
+``docs/benchmarks/startup.json``. Where one call cannot hold all four launches: ``--configs all_off`` and
+``--configs all_on`` in two calls, then ``--merge A/startup.json B/startup.json``. CPU smoke run: ``--quick`` with
+``--model`` a tiny directory and ``--set`` the overrides of a CPU run (device, precision, sizes); its JSON goes to a temporary folder unless ``--out`` is given.
 """
 
 from __future__ import annotations
@@ -85,10 +86,44 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     save_figure(fig, png, title=f"start-up of the shipped recipe ({doc['environment'].get('device')})")
 
 
+def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
+    """One result from runs of this script over disjoint configurations with the same settings (a call's time limit
+    may hold only some launches). A launch's figures stand alone, so each row keeps the device and the revision of
+    the run that made it."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    settings = [{k: v for k, v in d["config"].items() if k != "configs"} for d in docs]
+    for path, s in zip(paths, settings):
+        if s != settings[0]:
+            raise SystemExit(f"{path}: other settings than {paths[0]}: "
+                             f"{sorted(k for k in s.keys() | settings[0].keys() if s.get(k) != settings[0].get(k))}")
+    rows, seen, extra = [], set(), {}
+    for path, d in zip(paths, docs):
+        env = d["environment"]
+        for r in d["rows"]:
+            if (r["config"], r["cache"]) in seen:
+                raise SystemExit(f"{path}: the launch {r['config']} ({r['cache']}) is in an earlier file too")
+            seen.add((r["config"], r["cache"]))
+            rows.append({**r, "device": r.get("device", env.get("device")),
+                         "git_revision": r.get("git_revision", env.get("git_revision"))})
+        extra.update({k: v for k, v in d.items() if k not in ("benchmark", "environment", "config", "rows")})
+    config = docs[0]["config"] | {"configs": list(dict.fromkeys(r["config"] for r in rows))}
+    out = write_json("startup", config, rows, out_dir=out_dir, extra=extra)
+    plot(json.loads(out.read_text()), out.with_suffix(".png"))
+    return out
+
+
 def main() -> None:
-    p = base_parser(__doc__.split("\n\n")[0], launch_options(
-        CONFIG, 4, "GRPO steps per launch (the first one is the timed start)"))
+    options = [(flag, kw | {"required": False}) if flag == "--model" else (flag, kw) for flag, kw in launch_options(
+        CONFIG, 4, "GRPO steps per launch (the first one is the timed start)")]  # not needed by --merge
+    p = base_parser(__doc__.split("\n\n")[0], options + [
+        ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON",
+                         help="join results of this script over other configurations (--configs) into one"))])
     args = p.parse_args()
+    if args.merge:
+        print(merge(args.merge, args.out))
+        return
+    if args.model is None:
+        p.error("--model is required (except with --merge)")
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
         args.out = out_or_temp(args.out, "startup_quick_")  # never the committed results

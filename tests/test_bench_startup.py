@@ -1,0 +1,55 @@
+"""``bench_startup.py --merge``: launches measured in separate calls joined into one result, refused when the runs'
+settings differ or a launch appears twice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "bench_startup.py"
+SETTINGS = {"config_file": "qwen2_5_0_5b_long_context.yaml", "steps": 3, "overrides": ["prompts_per_step=8"],
+            "quick": False}
+
+
+def _result(path: Path, configs: list[str], device: str, steps: int = 3) -> Path:
+    rows = [{"config": c, "cache": cache, "first_step_s": 10.0 + i, "steady_step_s": 1.0, "first_step_time_s": 2.0,
+             "target_s": None, **{f"{p}_s": 0.5 for p in ("compile_decode", "compile_draft", "compile_verify",
+                                                            "capture", "warmup", "calibrate", "sync_warmup")}}
+            for c in configs for i, cache in enumerate(("cold", "warm"))]
+    doc = {"benchmark": "startup", "environment": {"device": device, "git_revision": "abc123"},
+           "config": SETTINGS | {"steps": steps, "configs": configs}, "rows": rows}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "startup.json").write_text(json.dumps(doc))
+    return path / "startup.json"
+
+
+def _merge(*paths: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--merge", *map(str, paths), "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+def test_merge_joins_the_launches_of_two_calls_and_keeps_each_rows_device(tmp_path):
+    a = _result(tmp_path / "a", ["all_off"], "NVIDIA H200")
+    b = _result(tmp_path / "b", ["all_on"], "NVIDIA H100 80GB HBM3")
+    r = _merge(a, b, out=tmp_path / "out")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "out" / "startup.json").read_text())
+    assert [(row["config"], row["cache"]) for row in doc["rows"]] == [
+        ("all_off", "cold"), ("all_off", "warm"), ("all_on", "cold"), ("all_on", "warm")]
+    assert [row["device"] for row in doc["rows"]] == ["NVIDIA H200"] * 2 + ["NVIDIA H100 80GB HBM3"] * 2
+    assert doc["config"]["configs"] == ["all_off", "all_on"]
+    assert (tmp_path / "out" / "startup.png").stat().st_size > 0
+
+
+def test_merge_refuses_other_settings_and_a_launch_twice(tmp_path):
+    a = _result(tmp_path / "a", ["all_off"], "NVIDIA H200")
+    other = _result(tmp_path / "b", ["all_on"], "NVIDIA H200", steps=5)
+    r = _merge(a, other, out=tmp_path / "out")
+    assert r.returncode != 0 and "other settings" in r.stderr and "steps" in r.stderr
+    twice = _result(tmp_path / "c", ["all_off"], "NVIDIA H200")
+    r = _merge(a, twice, out=tmp_path / "out")
+    assert r.returncode != 0 and "all_off (cold)" in r.stderr
+    assert not (tmp_path / "out" / "startup.json").exists()
