@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .._transfer import to_device
 from ..kernels.sync.common import MAX_SPAN_LOG2, MIN_SPAN_LOG2, fold_lanes, lanes_i32, split_lanes
 from ._util import align, dtype_from_name, dtype_name, hash_bytes, hash_bytes_lanes
 from .base import CODEC_NAMES, check_body_length
@@ -100,14 +101,6 @@ class EntryMeta:
         return d
 
 
-def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host -> device copy that does not wait for the device queue (pinned, non-blocking) on CUDA."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 @dataclass
 class BucketLayout:
     """Where everything of a bucket goes (:func:`plan_bucket`); ``metas[k].offset`` is assigned."""
@@ -164,9 +157,9 @@ def finish_bucket(buf: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
     mpad = layout.manifest + b"\0" * (align(len(layout.manifest)) - len(layout.manifest))
     tail_at = HEADER_BYTES + layout.body_len
     dev = buf.device
-    buf[:HEADER_BYTES] = _to_device(torch.frombuffer(bytearray(head), dtype=torch.uint8), dev)
+    buf[:HEADER_BYTES] = to_device(torch.frombuffer(bytearray(head), dtype=torch.uint8), dev)
     rest = mpad + TRAILER_MAGIC + b"\0" * 4  # manifest, then the trailer's last 8 bytes
-    tail = _to_device(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dev)
+    tail = to_device(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dev)
     buf[tail_at:tail_at + len(mpad)] = tail[:len(mpad)]
     buf[-8:] = tail[len(mpad):]
     lanes = hash_bytes_lanes(buf[HEADER_BYTES:tail_at])

@@ -16,6 +16,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .._transfer import to_device
 from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
 from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, element_bits, fold_lanes,
@@ -352,9 +353,8 @@ class SyncReceiver:
 
     def _lanes_of(self, hashes: Sequence[int]) -> torch.Tensor:
         """int64 [N, 2] device lanes of 64-bit host hashes (non-blocking upload)."""
-        t = torch.tensor([v for h in hashes for v in split_lanes(h)], dtype=torch.int64).view(-1, 2)
-        dev = self._device()
-        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+        return to_device(torch.tensor([v for h in hashes for v in split_lanes(h)], dtype=torch.int64).view(-1, 2),
+                         self._device())
 
     def _gate(self, b: _Bucket) -> None:
         """The pre-write checks that need the device, each into a gate flag (no host sync): the body checksum,
