@@ -22,7 +22,7 @@ from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
 from ..kernels.sync.common import (BITS_DTYPE, DEFAULT_SPAN_LOG2, SyncFormatError, bits_view, check_span_log2,
                                    combine_hash, element_bits)
-from ._util import align, public_impl
+from ._util import align, cut_runs, public_impl
 from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length, span_of
 from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
 
@@ -148,17 +148,11 @@ def write_jobs(plan: EncodePlan, idx: Sequence[int], kinds: Mapping[int, str], o
         modes = [kinds.get(k, "compact") for k in gidx]
         offs = [offsets.get(k, 0) for k in gidx]
         rows = [hash_rows.get(k, -1) if hash_rows is not None else -1 for k in gidx]
-        r0 = a
-        while r0 < b:  # runs of at most `cap` changes (at least one slice)
-            r1, tot = r0, 0
-            while r1 < b and (r1 == r0 or tot + counts[r1] <= cap):
-                tot += counts[r1]
-                r1 += 1
+        for r0, r1 in cut_runs(counts[a:b], cap):  # runs of at most `cap` changes (at least one slice)
             K.write_bodies([j.old for j in jobs], [j.new for j in jobs], plan.scans[key], counts, words, modes, out,
-                           offs, sub=(r0, r1), update_old=update_old,
+                           offs, sub=(a + r0, a + r1), update_old=update_old,
                            hash_starts=[j.start for j in jobs] if hash_out is not None else None,
                            hash_out=hash_out, hash_rows=rows if hash_out is not None else None)
-            r0 = r1
 
 
 def slice_sizes(jobs: Sequence[SliceJob], *, span_log2: int = DEFAULT_SPAN_LOG2,

@@ -21,7 +21,7 @@ from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
 from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, element_bits, fold_lanes,
                                    split_lanes)
-from ._util import hash_views, public_impl
+from ._util import cut_runs, hash_views, public_impl
 from .base import Payload, WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, ParsedBucket, parse_bucket
 from .codecs import BUILTIN_CODECS, builtin_codec_name, coo_records
@@ -399,15 +399,7 @@ class SyncReceiver:
 
     def _runs(self, b: _Bucket, idx: list[int]) -> list[list[int]]:
         """The compact entries of a group in runs of at most ``keep_records`` changes (decode scratch)."""
-        runs, cur, tot = [], [], 0
-        for k in idx:
-            m = b.ents[k].nchanged
-            if cur and tot + m > self.keep_records:
-                runs.append(cur)
-                cur, tot = [], 0
-            cur.append(k)
-            tot += m
-        return runs + ([cur] if cur else [])
+        return [idx[i:j] for i, j in cut_runs([b.ents[k].nchanged for k in idx], self.keep_records)]
 
     def _apply_compact(self, b: _Bucket, key, run: list[int], negate: bool) -> None:
         esize, span = key

@@ -11,7 +11,7 @@ import torch
 from ..kernels.common.impl import Impl
 from ..kernels.sync.common import (DEFAULT_SPAN_LOG2, MAX_SLICE_ELEMS, bits_view, check_span_log2, element_bits,
                                    fold_lanes, lanes_i32)
-from ._util import align, hash_views, public_impl
+from ._util import align, cut_runs, hash_views, public_impl
 from .base import WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, build_bucket, finish_bucket, plan_bucket, table_view
 from .codecs import BUILTIN_CODECS, SliceJob, builtin_codec_name, pick_codec, read_plan, scan_jobs, write_jobs
@@ -214,16 +214,9 @@ class SyncSender:
             self.timer.mark(stage)
 
     def _cuts(self, nbytes: Sequence[int]) -> list[tuple[int, int]]:
-        """Consecutive runs of slices whose bodies fit ``bucket_bytes`` (a run holds at least one slice)."""
-        runs, a = [], 0
-        while a < len(nbytes):
-            b, tot = a, 0
-            while b < len(nbytes) and (b == a or tot + align(nbytes[b]) <= self.bucket_bytes):
-                tot += align(nbytes[b])
-                b += 1
-            runs.append((a, b))
-            a = b
-        return runs or [(0, 0)]
+        """Consecutive runs of slices whose bodies fit ``bucket_bytes`` (a run holds at least one slice; a state
+        without slices is one empty bucket)."""
+        return cut_runs([align(n) for n in nbytes], self.bucket_bytes) or [(0, 0)]
 
     def _meta(self, k: int, codec: str, nbytes: int, nchanged: int, payload: dict | None = None) -> EntryMeta:
         name, s, n = self._slices[k]
