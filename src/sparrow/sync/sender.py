@@ -14,7 +14,7 @@ from ..kernels.sync.common import (DEFAULT_SPAN_LOG2, MAX_SLICE_ELEMS, bits_view
 from ._util import align, cut_runs, hash_views, public_impl
 from .base import WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, build_bucket, finish_bucket, plan_bucket, table_view
-from .codecs import BUILTIN_CODECS, SliceJob, builtin_codec_name, pick_codec, read_plan, scan_jobs, write_jobs
+from .codecs import BUILTIN_CODECS, SliceJob, builtin_codec_name, plan_encode, write_jobs
 from .errors import ShapeMismatchError
 from .stats import SyncStats
 from .transport import Transport
@@ -235,21 +235,20 @@ class SyncSender:
         self._reserve(target)
         dev = self._device()
         with torch.no_grad():
-            plan = scan_jobs(jobs, span_log2=self.span_log2, impl=self.impl)
             full = None
             if anchor and self.with_hash and jobs:
                 full = lanes_i32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
-            self._mark("scan")
-            read_plan(plan)  # the host sync of this sync: every slice's change count and body size
+            # the host sync of this sync: every slice's change count and body size
+            plan = plan_encode(jobs, codec, span_log2=self.span_log2, impl=self.impl,
+                               before_read=lambda: self._mark("scan"))
             self._mark("sync_sizes")
-        kinds = [pick_codec(codec, plan.sizes(k)) for k in range(len(jobs))]
-        nbytes = [plan.sizes(k)[kinds[k]] for k in range(len(jobs))]
+        nbytes = [plan.nbytes(k) for k in range(len(jobs))]
         cuts = self._cuts(nbytes)
         stats.encode_s += time.perf_counter() - t0
         for index, (a, b) in enumerate(cuts):
             t0 = time.perf_counter()
             info = BucketInfo(self.run_id, base, target, index, index == len(cuts) - 1, anchor)
-            metas = [self._meta(k, kinds[k], nbytes[k], plan.counts[k]) for k in range(a, b)]
+            metas = [self._meta(k, plan.kinds[k], nbytes[k], plan.counts[k]) for k in range(a, b)]
             layout = plan_bucket(info, metas, hashes=self.with_hash)
             buf = torch.zeros(layout.total, dtype=torch.uint8, device=dev)
             tab = None
@@ -258,9 +257,8 @@ class SyncSender:
                 tab[:, :2] = self._lanes[a:b]
                 tab[:, 2:] = self._lanes[a:b] if full is None else full[a:b]
             with torch.no_grad():
-                write_jobs(plan, range(a, b), {k: kinds[k] for k in range(a, b)}, buf,
-                           {k: layout.body_start + metas[k - a].offset for k in range(a, b)}, update_old=True,
-                           hash_out=tab[:, 2:] if tab is not None and full is None else None,
+                write_jobs(plan, range(a, b), buf, {k: layout.body_start + metas[k - a].offset for k in range(a, b)},
+                           update_old=True, hash_out=tab[:, 2:] if tab is not None and full is None else None,
                            hash_rows={k: k - a for k in range(a, b)}, max_changes=self.max_group_changes)
             self._mark("write")
             if tab is not None:
@@ -298,7 +296,7 @@ class SyncSender:
             for j in jobs:
                 j.old.copy_(j.new)
         self._mark("user_hash_update")
-        enc = [encoded_slice(name, p, None) for p in payloads]
+        enc = [encoded_slice(name, p) for p in payloads]
         cuts = self._cuts([e.body.numel() for e in enc])
         stats.encode_s += time.perf_counter() - t0
         for index, (a, b) in enumerate(cuts):
