@@ -1,5 +1,5 @@
-"""The codecs (dense, COO, compact, auto), the encode plan they share with :class:`~sparrow.sync.SyncSender`,
-and the public :func:`encode` / :func:`apply_`.
+"""The codecs (dense, COO, compact, auto), the encode core they share with :class:`~sparrow.sync.SyncSender`,
+and the public :func:`encode` / :func:`apply_` (whose apply is :mod:`sparrow.sync.apply`'s, as the receiver's).
 
 Everything works on bit patterns (int16 views of bf16 / fp16, int32 views of fp32): the changed set
 is ``old_bits != new_bits``, values are raw bit patterns or bit-pattern differences, never floats.
@@ -21,11 +21,10 @@ import torch
 
 from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
-from ..kernels.sync.common import (BITS_DTYPE, DEFAULT_SPAN_LOG2, SyncFormatError, bits_view, check_span_log2,
-                                   combine_hash, element_bits)
+from ..kernels.sync.common import DEFAULT_SPAN_LOG2, bits_view, check_span_log2, combine_hash, element_bits
 from ._util import align, cut_runs, public_impl
-from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length, span_of
-from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
+from .apply import apply_payload
+from .base import CODEC_NAMES, Payload, WeightCodec
 
 #: Names of the built-in codecs, which take the fused, bucketed fast path of ``SyncSender``.
 BUILTIN_CODECS = ("auto", "compact", "coo", "dense")
@@ -153,7 +152,7 @@ def slice_sizes(jobs: Sequence[SliceJob], *, span_log2: int = DEFAULT_SPAN_LOG2,
 
 
 # ---------------------------------------------------------------------------------------------------
-# one payload: encode / apply_
+# one payload: encode (its apply is apply.apply_payload)
 # ---------------------------------------------------------------------------------------------------
 
 def _check_pair(base: torch.Tensor, new: torch.Tensor) -> None:
@@ -181,82 +180,6 @@ def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, 
     target = combine_hash(K.hash_bits(x, 0, impl=impl)) if with_hash else None  # host sync: the target hash
     return Payload(codec=kind, dtype=base.dtype, shape=tuple(base.shape), nchanged=plan.counts[0],
                    data=out[:nbytes], target_hash=target, extra=extra)
-
-
-def coo_records(body: torch.Tensor, nchanged: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (int32) and new bit patterns (zero-extended int32) of a COO body (length already checked)."""
-    ebits = element_bits(dtype)
-    pos = body[:4 * nchanged].view(torch.int32)
-    vals = body[4 * nchanged:].view(BITS_DTYPE[dtype]).to(torch.int32) & ((1 << ebits) - 1)
-    return pos, vals
-
-
-def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: Impl = "auto") -> None:
-    """Apply a built-in ``payload`` to ``base`` in place (see :func:`apply_`)."""
-    if not isinstance(payload, Payload):
-        raise TypeError(f"expected a Payload, got {type(payload).__name__}")
-    if payload.codec not in CODEC_NAMES:
-        raise CorruptPayloadError(f"payload codec {payload.codec!r} is not built in ({', '.join(CODEC_NAMES)}): "
-                                  "apply it with the apply_ of the WeightCodec that made it")
-    if base.dtype != payload.dtype or tuple(base.shape) != tuple(payload.shape):
-        raise ShapeMismatchError(f"payload is for {payload.dtype}{list(payload.shape)}, target is "
-                                 f"{base.dtype}{list(base.shape)}")
-    if not base.is_contiguous():
-        raise ShapeMismatchError("target tensor must be contiguous to be updated in place")
-    n, m = base.numel(), payload.nchanged
-    check_body_length(payload.codec, payload.dtype, n, m, payload.nbytes)
-    body = payload.data.to(base.device) if payload.data.device != base.device else payload.data
-    bits = bits_view(base.detach())
-    check = verify and payload.target_hash is not None
-    with torch.no_grad():
-        if payload.codec == "dense":
-            new = body.view(bits.dtype)
-            if check and combine_hash(K.hash_bits(new, 0, impl=impl)) != payload.target_hash:  # host sync
-                raise HashMismatchError("dense payload does not hash to its target hash: corrupt; nothing was written")
-            bits.copy_(new)
-            return
-        if payload.codec == "coo":
-            pos, vals = coo_records(body, m, payload.dtype)
-            if bool(K.positions_bad(pos, n)):  # host sync: bounds and order before any write
-                raise CorruptPayloadError(f"corrupt coo body: indices out of range [0, {n}) or not strictly "
-                                          "increasing; nothing was written")
-            undo = torch.empty_like(pos)
-            K.group_apply_records([bits], pos, vals, [m], values="new", impl=impl, undo_out=undo)
-
-            def restore() -> None:
-                K.group_apply_records([bits], pos, undo, [m], values="new", impl=impl)
-        else:
-            span = span_of(payload)
-            words = body.view(torch.int32) if body.numel() else torch.zeros(0, dtype=torch.int32, device=body.device)
-            entry = [(0, words.numel(), n, m)]
-            try:
-                K.check_compact_entries(words, entry, span)
-            except SyncFormatError as exc:
-                raise CorruptPayloadError(f"corrupt compact body: {exc}") from None
-            gate = torch.zeros(1, dtype=torch.int32, device=bits.device)
-            err = torch.zeros(1, dtype=torch.int32, device=bits.device)
-            K.apply_compact([bits], words, entry, span_log2=span, gate=gate, err=err, impl=impl)
-            closed, failed = torch.cat([gate, err]).tolist()  # host sync: the verdict of the decode
-            if closed:
-                raise CorruptPayloadError("corrupt compact body: block headers do not describe the body; nothing "
-                                          "was written")
-
-            def restore() -> None:
-                K.apply_compact([bits], words, entry, span_log2=span, gate=gate, err=torch.zeros_like(err),
-                                negate=True, check_headers=False, impl=impl)
-
-            if failed:
-                restore()
-                raise CorruptPayloadError(f"corrupt compact body: {failed} block(s) failed validation (positions out "
-                                          "of range or not increasing, bad bit counts or padding); the tensor was "
-                                          "restored")
-        if check:
-            got = combine_hash(K.hash_bits(bits, 0, impl=impl))  # host sync: the result's hash
-            if got != payload.target_hash:
-                restore()
-                raise HashMismatchError(f"target hash mismatch after apply ({got:016x} != "
-                                        f"{payload.target_hash:016x}): the base was not the sender's base; "
-                                        "the tensor was restored, ask for a dense resync")
 
 
 # ---------------------------------------------------------------------------------------------------
