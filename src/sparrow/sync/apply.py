@@ -289,8 +289,9 @@ def _verdict(st: _ApplyState) -> None:
     if gate[_G_BODY]:
         raise CorruptPayloadError(f"{st.what}: body checksum mismatch. Nothing was written")
     if gate[_G_FORMAT]:
-        raise CorruptPayloadError(f"{st.what}: an entry failed validation (indices out of range or unordered, or "
-                                  "compact block headers that do not describe the body). Nothing was written")
+        raise CorruptPayloadError(f"{st.what}: a body failed validation (COO indices out of range or not strictly "
+                                  "increasing, or compact block headers that do not describe the body). Nothing was "
+                                  "written")
     if st.base_lanes is not None:
         for r, k in enumerate(st.hash_now):
             st.base_of[k] = fold_lanes(host[at + 2 * r], host[at + 2 * r + 1])

@@ -22,7 +22,7 @@ from ..kernels.sync.common import bits_view, element_bits, fold_lanes
 from ._util import hash_views, public_impl
 from .apply import apply_entries
 from .base import WeightCodec, user_codec_name
-from .bucket import BucketInfo, EntryMeta, ParsedBucket, parse_bucket
+from .bucket import BucketContents, BucketInfo, EntryMeta, parse_bucket
 from .codecs import BUILTIN_CODECS, builtin_codec_name
 from .errors import (
     CorruptPayloadError,
@@ -185,10 +185,10 @@ class SyncReceiver:
         """Parse (host read 1) and check on the host, then the apply core (device checks into the gate, sparse
         entries gated and undone on any failure, the verdict: host read 2, dense entries last), then commit."""
         t0 = time.perf_counter()
-        pb = self._parse(bucket, last)
-        self._validate_entries(pb)
-        info, ents = pb.info, pb.entries
-        body = pb.body if pb.body.device == (dev := self._device()) else pb.body.to(dev)
+        contents = self._parse(bucket, last)
+        self._validate_entries(contents)
+        info, ents = contents.info, contents.entries
+        body = contents.body if contents.body.device == (dev := self._device()) else contents.body.to(dev)
         mode = self._mode(info)
         checked = {k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None}
         base_of, check_base = self._known_bases(info, ents, checked, mode)
@@ -198,7 +198,7 @@ class SyncReceiver:
         try:
             new_of = apply_entries(ents, [self._bits[e.name][e.start:e.start + e.length] for e in ents], body,
                                    what=f"bucket {info.index}", checked=checked, base_of=base_of,
-                                   check_base=check_base, body_bad=pb.body_bad.to(dev), user=user,
+                                   check_base=check_base, body_bad=contents.body_bad.to(dev), user=user,
                                    keep_records=self.keep_records, impl=self.impl, mark=self._mark)
         except BaseException:
             for e in ents:  # running hashes of these ranges are no longer trusted
@@ -214,23 +214,23 @@ class SyncReceiver:
         if self.timer is not None:
             self.timer.mark(stage)
 
-    def _parse(self, bucket, last: bool | None) -> ParsedBucket:
+    def _parse(self, bucket, last: bool | None) -> BucketContents:
         """Bytes, checksums and manifest of the bucket (one host read), then its place in the sequence."""
         if isinstance(bucket, torch.Tensor) and bucket.dtype == torch.uint8:
             dev = self._device() if self._bits else bucket.device
             if bucket.device != dev:
                 bucket = bucket.to(dev)
-        pb = parse_bucket(bucket)
-        if last is not None and last != pb.info.last:
-            raise CorruptPayloadError(f"bucket {pb.info.index}: transport says last={last}, manifest says "
-                                      f"{pb.info.last}")
-        self._check_sequence(pb.info)
-        return pb
+        contents = parse_bucket(bucket)
+        if last is not None and last != contents.info.last:
+            raise CorruptPayloadError(f"bucket {contents.info.index}: transport says last={last}, manifest says "
+                                      f"{contents.info.last}")
+        self._check_sequence(contents.info)
+        return contents
 
-    def _validate_entries(self, pb: ParsedBucket) -> None:
+    def _validate_entries(self, contents: BucketContents) -> None:
         """Entries against the local tensors (name, dtype, shape), against each other (no overlapping
         ranges) and against the codecs this receiver knows."""
-        for e in pb.entries:
+        for e in contents.entries:
             t = self.tensors.get(e.name)
             if t is None:
                 raise ShapeMismatchError(f"bucket entry {e.name!r}: no such tensor on the receiver")
@@ -238,15 +238,15 @@ class SyncReceiver:
                 raise ShapeMismatchError(f"{e.name}: payload is {e.dtype}{list(e.shape)}, receiver has "
                                          f"{t.dtype}{list(t.shape)}")
             self._follow(e.name)
-        ranges = sorted((e.name, e.start, e.start + e.length) for e in pb.entries)
+        ranges = sorted((e.name, e.start, e.start + e.length) for e in contents.entries)
         for (n0, _, end0), (n1, s1, _) in zip(ranges, ranges[1:]):
             if n0 == n1 and s1 < end0:
-                raise CorruptPayloadError(f"bucket {pb.info.index}: overlapping entries for {n0!r}")
-        for e in pb.entries:
+                raise CorruptPayloadError(f"bucket {contents.info.index}: overlapping entries for {n0!r}")
+        for e in contents.entries:
             if e.is_user and e.codec not in self.codecs:
                 known = ", ".join([*BUILTIN_CODECS[1:], *sorted(self.codecs)])
                 raise UnknownCodecError(
-                    f"bucket {pb.info.index}: entry {e.name}[{e.start}:{e.start + e.length}] uses codec "
+                    f"bucket {contents.info.index}: entry {e.name}[{e.start}:{e.start + e.length}] uses codec "
                     f"{e.codec!r}, which this receiver does not know (it knows {known}): pass it as "
                     "SyncReceiver(..., codecs=[...]). Nothing was written; a dense resync is needed")
 

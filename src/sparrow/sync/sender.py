@@ -250,24 +250,24 @@ class SyncSender:
             info = BucketInfo(self.run_id, base, target, index, index == len(cuts) - 1, anchor)
             metas = [self._meta(k, plan.kinds[k], nbytes[k], plan.counts[k]) for k in range(a, b)]
             layout = plan_bucket(info, metas, hashes=self.with_hash)
-            buf = torch.zeros(layout.total, dtype=torch.uint8, device=dev)
+            bucket = torch.zeros(layout.total, dtype=torch.uint8, device=dev)
             tab = None
             if self.with_hash and b > a:
-                tab = table_view(buf, layout)
+                tab = table_view(bucket, layout)
                 tab[:, :2] = self._lanes[a:b]
                 tab[:, 2:] = self._lanes[a:b] if full is None else full[a:b]
             with torch.no_grad():
-                write_jobs(plan, range(a, b), buf, {k: layout.body_start + metas[k - a].offset for k in range(a, b)},
+                write_jobs(plan, range(a, b), bucket, {k: layout.body_start + metas[k - a].offset for k in range(a, b)},
                            update_old=True, hash_out=tab[:, 2:] if tab is not None and full is None else None,
                            hash_rows={k: k - a for k in range(a, b)}, max_changes=self.max_group_changes)
             self._mark("write")
             if tab is not None:
                 self._lanes[a:b] = tab[:, 2:]
-            finish_bucket(buf, layout)
+            finish_bucket(bucket, layout)
             self._mark("bucket")
-            stats.add_bucket(metas, buf.numel())
+            stats.add_bucket(metas, bucket.numel())
             stats.encode_s += time.perf_counter() - t0
-            yield buf, info
+            yield bucket, info
 
     def _encode_anchor(self, new_bits: dict[str, torch.Tensor], base: int, target: int,
                        stats: SyncStats) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
