@@ -109,6 +109,7 @@ def apply_entries(ents: Sequence[EntryMeta], views: Sequence[torch.Tensor], body
         CorruptPayloadError: a body checksum, COO indices, compact block headers or blocks, or a user codec's
             ``apply_`` failed.
         HashMismatchError: a base hash or a target hash does not match.
+        ValueError: an entry of a codec that is not built in and not in ``user``.
 
     Whatever is raised, the views hold the bits they held before. Host syncs: one (the verdict), and one more
     before the first user codec entry (its ``apply_`` runs on the host).
