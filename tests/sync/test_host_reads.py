@@ -15,6 +15,7 @@ import torch
 from sparrow.kernels.sync import api
 from sparrow.sync import InProcessTransport, SyncReceiver, SyncSender
 from sparrow.sync import _util
+from sparrow.sync import apply as apply_core
 
 from .conftest import TRITON_DEVICE, bits
 
@@ -98,13 +99,13 @@ def test_the_counter_sees_a_stray_read(monkeypatch):
     state = {k: v.to(TRITON_DEVICE) for k, v in _state(2).items()}
     sender = SyncSender(state, bucket_bytes=1 << 20, impl="triton", span_log2=10)
     rx = SyncReceiver({k: v.clone() for k, v in state.items()}, impl="triton", verify=False)
-    real = SyncReceiver._apply_sparse
+    real = apply_core._write_sparse
 
-    def with_a_read(self, b):
-        real(self, b)
-        b.err.item()
+    def with_a_read(st, keep_records, impl):
+        real(st, keep_records, impl)
+        st.err.item()
 
-    monkeypatch.setattr(SyncReceiver, "_apply_sparse", with_a_read)
+    monkeypatch.setattr(apply_core, "_write_sparse", with_a_read)
     new = _moved(state, 0.02, 3)
     tr = InProcessTransport()
     sender.send(new, tr)

@@ -1,8 +1,10 @@
-"""Small shared helpers: dtype names, byte hashing, alignment, the ``impl`` argument of the public API."""
+"""Small shared helpers: dtype names, byte hashing, alignment, runs of bounded size, the ``impl`` argument of the
+public API."""
 
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import torch
 
@@ -47,6 +49,22 @@ def dtype_from_name(name: object) -> torch.dtype:
 
 def align(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
+
+
+def cut_runs(sizes: Sequence[int], cap: int) -> list[tuple[int, int]]:
+    """The items cut, in order, into consecutive runs ``[a, b)`` whose sizes sum to at most ``cap``; a run holds at
+    least one item (an item larger than ``cap`` is a run of its own). No items: no runs.
+
+    What bounds a bucket (body bytes), an encode launch and a decode launch (changes, i.e. scratch)."""
+    runs, a = [], 0
+    while a < len(sizes):
+        b, total = a + 1, sizes[a]
+        while b < len(sizes) and total + sizes[b] <= cap:
+            total += sizes[b]
+            b += 1
+        runs.append((a, b))
+        a = b
+    return runs
 
 
 def hash_bytes_lanes(data: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:

@@ -10,6 +10,11 @@ Layout (little-endian; format 3)::
     [64+B, .. +M)      manifest: UTF-8 JSON, zero-padded to a multiple of 16 bytes
     last 16 bytes      trailer: hash of bytes [64, 64+B) (2 x u32 lanes), b"SPWE", u32 0
 
+Names: a *bucket* is always these bytes (a 1-D uint8 tensor: what a transport moves, what ``SyncSender.encode``
+yields and ``SyncReceiver.apply_bucket`` takes); :class:`BucketInfo` is its version fields, :class:`EntryMeta` one
+entry of its manifest, :class:`BucketLayout` where its parts go (the sender, before writing it) and
+:class:`BucketContents` what :func:`parse_bucket` read from it (the receiver).
+
 The manifest holds the run id, base / target version, bucket index, ``last`` and ``anchor`` flags, whether a
 hash table is present, and per entry: tensor name, dtype, shape, element range (start, length), codec, body
 offset (from the first body byte) / length, changed-element count, ``span_log2`` for compact bodies and, for
@@ -36,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .._transfer import to_device
 from ..kernels.sync.common import MAX_SPAN_LOG2, MIN_SPAN_LOG2, fold_lanes, lanes_i32, split_lanes
 from ._util import align, dtype_from_name, dtype_name, hash_bytes, hash_bytes_lanes
 from .base import CODEC_NAMES, check_body_length
@@ -100,17 +106,10 @@ class EntryMeta:
         return d
 
 
-def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host -> device copy that does not wait for the device queue (pinned, non-blocking) on CUDA."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 @dataclass
 class BucketLayout:
-    """Where everything of a bucket goes (:func:`plan_bucket`); ``metas[k].offset`` is assigned."""
+    """Where everything of a bucket goes (:func:`plan_bucket`, before the sender writes it); ``metas[k].offset`` is
+    assigned."""
 
     info: BucketInfo
     metas: list[EntryMeta]
@@ -152,26 +151,26 @@ def table_view(bucket: torch.Tensor, layout_or_len: BucketLayout | int) -> torch
     return bucket[HEADER_BYTES:HEADER_BYTES + tlen].view(torch.int32).view(-1, 4)
 
 
-def finish_bucket(buf: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
+def finish_bucket(bucket: torch.Tensor, layout: BucketLayout) -> torch.Tensor:
     """Write the header, the manifest and the trailer of a bucket whose table and bodies are in place; returns
-    the bucket (``buf`` itself). The body hash is computed on the device; header and manifest are one
+    the bucket (``bucket`` itself). The body hash is computed on the device; header and manifest are one
     non-blocking host -> device copy. No host sync."""
-    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != layout.total:
+    if bucket.dtype != torch.uint8 or bucket.dim() != 1 or bucket.numel() != layout.total:
         raise ValueError(f"finish_bucket: need a 1-D uint8 buffer of {layout.total} bytes")
     head = struct.pack("<8sIIQQQQQ", BUCKET_MAGIC, BUCKET_FORMAT, len(layout.manifest), layout.body_len,
                        layout.total, hash_bytes(layout.manifest), layout.table_len, 0)
     head += struct.pack("<Q", hash_bytes(head))
     mpad = layout.manifest + b"\0" * (align(len(layout.manifest)) - len(layout.manifest))
     tail_at = HEADER_BYTES + layout.body_len
-    dev = buf.device
-    buf[:HEADER_BYTES] = _to_device(torch.frombuffer(bytearray(head), dtype=torch.uint8), dev)
+    dev = bucket.device
+    bucket[:HEADER_BYTES] = to_device(torch.frombuffer(bytearray(head), dtype=torch.uint8), dev)
     rest = mpad + TRAILER_MAGIC + b"\0" * 4  # manifest, then the trailer's last 8 bytes
-    tail = _to_device(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dev)
-    buf[tail_at:tail_at + len(mpad)] = tail[:len(mpad)]
-    buf[-8:] = tail[len(mpad):]
-    lanes = hash_bytes_lanes(buf[HEADER_BYTES:tail_at])
-    buf[-TRAILER_BYTES:-8].view(torch.int32).copy_(lanes_i32(lanes))
-    return buf
+    tail = to_device(torch.frombuffer(bytearray(rest), dtype=torch.uint8), dev)
+    bucket[tail_at:tail_at + len(mpad)] = tail[:len(mpad)]
+    bucket[-8:] = tail[len(mpad):]
+    lanes = hash_bytes_lanes(bucket[HEADER_BYTES:tail_at])
+    bucket[-TRAILER_BYTES:-8].view(torch.int32).copy_(lanes_i32(lanes))
+    return bucket
 
 
 def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tensor]],
@@ -189,17 +188,19 @@ def build_bucket(info: BucketInfo, entries: Sequence[tuple[EntryMeta, torch.Tens
     for m, body in entries:
         m.nbytes = int(body.numel())
     layout = plan_bucket(info, metas, hashes=table is not None)
-    buf = torch.zeros(layout.total, dtype=torch.uint8, device=device)
+    bucket = torch.zeros(layout.total, dtype=torch.uint8, device=device)
     if table is not None:
-        table_view(buf, layout).copy_(lanes_i32(table.to(device)))
+        table_view(bucket, layout).copy_(lanes_i32(table.to(device)))
     for m, body in entries:
         at = layout.body_start + m.offset
-        buf[at:at + m.nbytes] = body.reshape(-1).to(device)
-    return finish_bucket(buf, layout)
+        bucket[at:at + m.nbytes] = body.reshape(-1).to(device)
+    return finish_bucket(bucket, layout)
 
 
 @dataclass
-class ParsedBucket:
+class BucketContents:
+    """What :func:`parse_bucket` read from a bucket and checked."""
+
     info: BucketInfo
     entries: list[EntryMeta]
     body: torch.Tensor  # uint8 view of the entry bodies (offsets count from its first byte)
@@ -211,7 +212,7 @@ def _bytes_of(t: torch.Tensor) -> bytes:
     return t.cpu().numpy().tobytes()
 
 
-def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> ParsedBucket:
+def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> BucketContents:
     """Parse and check a bucket's header, hash table, manifest and trailer: one device -> host read of both ends
     of the bucket (a second only for a manifest or table larger than 64 KiB).
 
@@ -281,7 +282,7 @@ def parse_bucket(bucket: torch.Tensor | bytes | bytearray | memoryview) -> Parse
     a, b = struct.unpack("<II", trailer[:8])
     lanes = hash_bytes_lanes(body_all)
     body_bad = (lanes[0] != a) | (lanes[1] != b)
-    return ParsedBucket(info, entries, bucket[HEADER_BYTES + tlen:HEADER_BYTES + blen], body_bad, hashes)
+    return BucketContents(info, entries, bucket[HEADER_BYTES + tlen:HEADER_BYTES + blen], body_bad, hashes)
 
 
 def _need(cond: bool, msg: str) -> None:

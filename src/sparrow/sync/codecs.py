@@ -1,37 +1,37 @@
-"""The codecs (dense, COO, compact, auto), the encode plan they share with :class:`~sparrow.sync.SyncSender`,
-and the public :func:`encode` / :func:`apply_`.
+"""The codecs (dense, COO, compact, auto), the encode core they share with :class:`~sparrow.sync.SyncSender`,
+and the public :func:`encode` / :func:`apply_` (whose apply is :mod:`sparrow.sync.apply`'s, as the receiver's).
 
 Everything works on bit patterns (int16 views of bf16 / fp16, int32 views of fp32): the changed set
 is ``old_bits != new_bits``, values are raw bit patterns or bit-pattern differences, never floats.
 
-An encode is a plan of three steps (:func:`scan_jobs`, :func:`read_plan`, :func:`write_jobs`): a device scan
-that counts every slice's changes and sizes its compact body, *one* host read of those numbers (what sizes the
-buffers and picks each slice's codec), and the writer that puts every body at its offset of the caller's buffer
-while it updates the old bits and the hashes.
+Every built-in encode, of one tensor (:func:`encode`) or of a whole state in buckets (``SyncSender``), is the same
+two calls: :func:`plan_encode` (a device scan that counts every slice's changes and sizes its compact body, then
+*one* host read of those numbers, which sizes the buffers and picks each slice's codec) and :func:`write_jobs`
+(the writer that puts every body at its offset of the caller's buffer while it updates the old bits and the
+hashes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
-from ..kernels.sync.common import (BITS_DTYPE, DEFAULT_SPAN_LOG2, SyncFormatError, bits_view, check_span_log2,
-                                   combine_hash, element_bits)
-from ._util import align, public_impl
-from .base import CODEC_NAMES, Payload, WeightCodec, check_body_length, span_of
-from .errors import CorruptPayloadError, HashMismatchError, ShapeMismatchError
+from ..kernels.sync.common import DEFAULT_SPAN_LOG2, bits_view, check_span_log2, combine_hash, element_bits
+from ._util import align, cut_runs, public_impl
+from .apply import apply_payload
+from .base import CODEC_NAMES, Payload, WeightCodec
 
 #: Names of the built-in codecs, which take the fused, bucketed fast path of ``SyncSender``.
 BUILTIN_CODECS = ("auto", "compact", "coo", "dense")
 
 
 # ---------------------------------------------------------------------------------------------------
-# the encode plan
+# the encode core: plan (scan, one host read, codec per slice), then write
 # ---------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -45,79 +45,34 @@ class SliceJob:
 
 
 @dataclass
-class EncodedSlice:
-    """One encoded slice as it goes into a bucket entry (the user-codec and dense paths)."""
-
-    codec: str  # built-in payload codec, or the user WeightCodec's name
-    nchanged: int
-    body: torch.Tensor  # uint8
-    target_hash: int | None  # hash of the slice's new bits at its tensor positions
-    sizes: dict[str, int] = field(default_factory=dict)  # body bytes of the codecs considered
-    payload: dict | None = None  # user codecs: the payload's own fields (see EntryMeta.payload)
-
-
-def dense_nbytes(bits: torch.Tensor) -> int:
-    return bits.numel() * bits.element_size()
-
-
-def coo_nbytes(nchanged: int, ebits: int) -> int:
-    return nchanged * (4 + ebits // 8)
-
-
-@dataclass
 class EncodePlan:
-    """The steps of one encode share this: the jobs grouped by element size (order kept), the device scans,
-    and after :func:`read_plan` every slice's change count and compact body words."""
+    """What :func:`plan_encode` decided and :func:`write_jobs` writes: the jobs grouped by element size (order
+    kept), their device scans, and per job the change count, the compact body words and the body kind."""
 
     jobs: Sequence[SliceJob]
     span_log2: int
     groups: dict[tuple[int, bool], list[int]]  # (element size, aligned) -> job indices, in order
     scans: dict[tuple[int, bool], K.BlockScan]
-    counts: list[int] = field(default_factory=list)
-    words: list[int] = field(default_factory=list)
-
-    def ebits(self, k: int) -> int:
-        return 8 * self.jobs[k].old.element_size()
+    counts: list[int]
+    words: list[int]
+    kinds: list[str]  # "compact", "coo" or "dense": the body each job gets
 
     def sizes(self, k: int) -> dict[str, int]:
-        """Body bytes of slice ``k`` under each built-in codec (after :func:`read_plan`)."""
-        n, eb = self.jobs[k].old.numel(), self.ebits(k)
+        """Body bytes of job ``k`` under each built-in codec."""
+        n, eb = self.jobs[k].old.numel(), 8 * self.jobs[k].old.element_size()
         return {c: K.body_nbytes(c, n, self.counts[k], self.words[k], eb) for c in CODEC_NAMES}
+
+    def nbytes(self, k: int) -> int:
+        """Body bytes of job ``k`` under its kind."""
+        return self.sizes(k)[self.kinds[k]]
 
 
 def _aligned(j: SliceJob) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.numel() % 8 == 0 for t in (j.old, j.new))
 
 
-def scan_jobs(jobs: Sequence[SliceJob], *, span_log2: int = DEFAULT_SPAN_LOG2, impl: Impl = "auto") -> EncodePlan:
-    """Step 1: group the jobs by element size (and by 16-byte alignment, so that one odd tensor does not take
-    the vector loads from the others) and scan them (one launch per group; no host sync)."""
-    check_span_log2(span_log2)
-    groups: dict = {}
-    for k, j in enumerate(jobs):
-        groups.setdefault((j.old.element_size(), _aligned(j)), []).append(k)
-    scans = {key: K.scan_blocks([jobs[k].old for k in idx], [jobs[k].new for k in idx], span_log2=span_log2,
-                                impl=impl)
-             for key, idx in groups.items()}
-    return EncodePlan(jobs, span_log2, groups, scans)
-
-
-def read_plan(plan: EncodePlan) -> None:
-    """Step 2, the host sync of an encode: every slice's change count and compact body words, in one read."""
-    stat = [t for key in plan.groups for t in (plan.scans[key].counts, plan.scans[key].words)]
-    host = torch.cat(stat).tolist() if stat else []  # host sync: the sizes of every body
-    plan.counts = [0] * len(plan.jobs)
-    plan.words = [0] * len(plan.jobs)
-    at = 0
-    for idx in plan.groups.values():
-        for r, k in enumerate(idx):
-            plan.counts[k] = int(host[at + r])
-            plan.words[k] = int(host[at + len(idx) + r])
-        at += 2 * len(idx)
-
-
 def pick_codec(codec: str, sizes: Mapping[str, int]) -> str:
-    """The payload codec of a slice: ``codec`` itself, or for ``"auto"`` the smallest body (ties: compact,
+    """The body kind of a slice: ``codec`` itself, or for ``"auto"`` the smallest body (ties: compact,
     then COO, then dense)."""
     if codec == "auto":
         return min(("compact", "coo", "dense"), key=lambda c: sizes[c])
@@ -126,11 +81,44 @@ def pick_codec(codec: str, sizes: Mapping[str, int]) -> str:
     return codec
 
 
-def write_jobs(plan: EncodePlan, idx: Sequence[int], kinds: Mapping[int, str], out: torch.Tensor,
-               offsets: Mapping[int, int], *, update_old: bool = False, hash_out: torch.Tensor | None = None,
+def plan_encode(jobs: Sequence[SliceJob], codec: str, *, span_log2: int = DEFAULT_SPAN_LOG2, impl: Impl = "auto",
+                before_read: Callable[[], object] | None = None) -> EncodePlan:
+    """Steps 1 and 2 of every built-in encode (:func:`encode` of one tensor, :class:`~sparrow.sync.SyncSender` of
+    a state): scan the jobs, grouped by element size and 16-byte alignment (so that one odd tensor does not take
+    the vector loads from the others), one launch per group and no host sync; call ``before_read`` (e.g. a timer
+    mark); then the encode's *one* host read: every job's change count and compact body words, which size the
+    buffers and pick each job's body kind (:func:`pick_codec` of ``codec``).
+
+    Raises ``ValueError``: ``codec`` not a built-in name, a bad ``span_log2``, jobs the scan refuses."""
+    if codec != "auto" and codec not in CODEC_NAMES:
+        raise ValueError(f"unknown codec {codec!r}; expected one of dense, coo, compact, auto")
+    check_span_log2(span_log2)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for k, j in enumerate(jobs):
+        groups.setdefault((j.old.element_size(), _aligned(j)), []).append(k)
+    scans = {key: K.scan_blocks([jobs[k].old for k in idx], [jobs[k].new for k in idx], span_log2=span_log2,
+                                impl=impl)
+             for key, idx in groups.items()}
+    if before_read is not None:
+        before_read()
+    stat = [t for key in groups for t in (scans[key].counts, scans[key].words)]
+    host = torch.cat(stat).tolist() if stat else []  # the host sync: the sizes of every body
+    counts, words = [0] * len(jobs), [0] * len(jobs)
+    at = 0
+    for idx in groups.values():
+        for r, k in enumerate(idx):
+            counts[k], words[k] = int(host[at + r]), int(host[at + len(idx) + r])
+        at += 2 * len(idx)
+    plan = EncodePlan(jobs, span_log2, groups, scans, counts, words, [])
+    plan.kinds = [pick_codec(codec, plan.sizes(k)) for k in range(len(jobs))]
+    return plan
+
+
+def write_jobs(plan: EncodePlan, idx: Sequence[int], out: torch.Tensor, offsets: Mapping[int, int], *,
+               update_old: bool = False, hash_out: torch.Tensor | None = None,
                hash_rows: Mapping[int, int] | None = None, max_changes: int | None = None) -> None:
-    """Step 3: write the bodies of the consecutive jobs ``idx`` (``kinds[k]`` at byte ``offsets[k]`` of ``out``),
-    with one launch per group and run of at most ``max_changes`` changes (the writer's scratch is 4
+    """Step 3: write the bodies of the consecutive jobs ``idx`` (job ``k``'s kind at byte ``offsets[k]`` of
+    ``out``), with one launch per group and run of at most ``max_changes`` changes (the writer's scratch is 4
     bytes per change). ``update_old`` moves each job's old bits to its new ones; ``hash_out`` (int32 ``[R, 2]``)
     row ``hash_rows[k]`` receives the hash change of job ``k``. No host sync."""
     want = set(idx)
@@ -145,33 +133,26 @@ def write_jobs(plan: EncodePlan, idx: Sequence[int], kinds: Mapping[int, str], o
         jobs = [plan.jobs[k] for k in gidx]
         counts = [plan.counts[k] for k in gidx]
         words = [plan.words[k] for k in gidx]
-        modes = [kinds.get(k, "compact") for k in gidx]
+        modes = [plan.kinds[k] for k in gidx]
         offs = [offsets.get(k, 0) for k in gidx]
         rows = [hash_rows.get(k, -1) if hash_rows is not None else -1 for k in gidx]
-        r0 = a
-        while r0 < b:  # runs of at most `cap` changes (at least one slice)
-            r1, tot = r0, 0
-            while r1 < b and (r1 == r0 or tot + counts[r1] <= cap):
-                tot += counts[r1]
-                r1 += 1
+        for r0, r1 in cut_runs(counts[a:b], cap):  # runs of at most `cap` changes (at least one slice)
             K.write_bodies([j.old for j in jobs], [j.new for j in jobs], plan.scans[key], counts, words, modes, out,
-                           offs, sub=(r0, r1), update_old=update_old,
+                           offs, sub=(a + r0, a + r1), update_old=update_old,
                            hash_starts=[j.start for j in jobs] if hash_out is not None else None,
                            hash_out=hash_out, hash_rows=rows if hash_out is not None else None)
-            r0 = r1
 
 
 def slice_sizes(jobs: Sequence[SliceJob], *, span_log2: int = DEFAULT_SPAN_LOG2,
                 impl: Impl = "auto") -> list[tuple[int, dict[str, int]]]:
     """Per job: the change count and the body bytes under each built-in codec (one scan, one host read;
     nothing is written)."""
-    plan = scan_jobs(jobs, span_log2=span_log2, impl=impl)
-    read_plan(plan)
+    plan = plan_encode(jobs, "auto", span_log2=span_log2, impl=impl)
     return [(plan.counts[k], plan.sizes(k)) for k in range(len(jobs))]
 
 
 # ---------------------------------------------------------------------------------------------------
-# one payload: encode / apply_
+# one payload: encode (its apply is apply.apply_payload)
 # ---------------------------------------------------------------------------------------------------
 
 def _check_pair(base: torch.Tensor, new: torch.Tensor) -> None:
@@ -189,94 +170,16 @@ def _encode(codec: str, base: torch.Tensor, new: torch.Tensor, with_hash: bool, 
     _check_pair(base, new)
     b = bits_view(base.detach().contiguous())
     x = bits_view(new.detach().contiguous())
-    plan = scan_jobs([SliceJob(b, x, 0)], span_log2=span_log2, impl=impl)
-    read_plan(plan)
-    sizes = plan.sizes(0)
-    kind = pick_codec(codec, sizes)
-    out = torch.zeros(max(16, align(sizes[kind])), dtype=torch.uint8, device=b.device)
-    write_jobs(plan, [0], {0: kind}, out, {0: 0})
-    extra: dict = {"sizes": sizes}
+    plan = plan_encode([SliceJob(b, x, 0)], codec, span_log2=span_log2, impl=impl)
+    kind, nbytes = plan.kinds[0], plan.nbytes(0)
+    out = torch.zeros(max(16, align(nbytes)), dtype=torch.uint8, device=b.device)
+    write_jobs(plan, [0], out, {0: 0})
+    extra: dict = {"sizes": plan.sizes(0)}
     if kind == "compact":
         extra["span_log2"] = span_log2
     target = combine_hash(K.hash_bits(x, 0, impl=impl)) if with_hash else None  # host sync: the target hash
     return Payload(codec=kind, dtype=base.dtype, shape=tuple(base.shape), nchanged=plan.counts[0],
-                   data=out[:sizes[kind]], target_hash=target, extra=extra)
-
-
-def coo_records(body: torch.Tensor, nchanged: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions (int32) and new bit patterns (zero-extended int32) of a COO body (length already checked)."""
-    ebits = element_bits(dtype)
-    pos = body[:4 * nchanged].view(torch.int32)
-    vals = body[4 * nchanged:].view(BITS_DTYPE[dtype]).to(torch.int32) & ((1 << ebits) - 1)
-    return pos, vals
-
-
-def apply_payload(base: torch.Tensor, payload: Payload, *, verify: bool = True, impl: Impl = "auto") -> None:
-    """Apply a built-in ``payload`` to ``base`` in place (see :func:`apply_`)."""
-    if not isinstance(payload, Payload):
-        raise TypeError(f"expected a Payload, got {type(payload).__name__}")
-    if payload.codec not in CODEC_NAMES:
-        raise CorruptPayloadError(f"payload codec {payload.codec!r} is not built in ({', '.join(CODEC_NAMES)}): "
-                                  "apply it with the apply_ of the WeightCodec that made it")
-    if base.dtype != payload.dtype or tuple(base.shape) != tuple(payload.shape):
-        raise ShapeMismatchError(f"payload is for {payload.dtype}{list(payload.shape)}, target is "
-                                 f"{base.dtype}{list(base.shape)}")
-    if not base.is_contiguous():
-        raise ShapeMismatchError("target tensor must be contiguous to be updated in place")
-    n, m = base.numel(), payload.nchanged
-    check_body_length(payload.codec, payload.dtype, n, m, payload.nbytes)
-    body = payload.data.to(base.device) if payload.data.device != base.device else payload.data
-    bits = bits_view(base.detach())
-    check = verify and payload.target_hash is not None
-    with torch.no_grad():
-        if payload.codec == "dense":
-            new = body.view(bits.dtype)
-            if check and combine_hash(K.hash_bits(new, 0, impl=impl)) != payload.target_hash:  # host sync
-                raise HashMismatchError("dense payload does not hash to its target hash: corrupt; nothing was written")
-            bits.copy_(new)
-            return
-        if payload.codec == "coo":
-            pos, vals = coo_records(body, m, payload.dtype)
-            if bool(K.positions_bad(pos, n)):  # host sync: bounds and order before any write
-                raise CorruptPayloadError(f"corrupt coo body: indices out of range [0, {n}) or not strictly "
-                                          "increasing; nothing was written")
-            undo = torch.empty_like(pos)
-            K.group_apply_records([bits], pos, vals, [m], values="new", impl=impl, undo_out=undo)
-
-            def restore() -> None:
-                K.group_apply_records([bits], pos, undo, [m], values="new", impl=impl)
-        else:
-            span = span_of(payload)
-            words = body.view(torch.int32) if body.numel() else torch.zeros(0, dtype=torch.int32, device=body.device)
-            entry = [(0, words.numel(), n, m)]
-            try:
-                K.check_compact_entries(words, entry, span)
-            except SyncFormatError as exc:
-                raise CorruptPayloadError(f"corrupt compact body: {exc}") from None
-            gate = torch.zeros(1, dtype=torch.int32, device=bits.device)
-            err = torch.zeros(1, dtype=torch.int32, device=bits.device)
-            K.apply_compact([bits], words, entry, span_log2=span, gate=gate, err=err, impl=impl)
-            closed, failed = torch.cat([gate, err]).tolist()  # host sync: the verdict of the decode
-            if closed:
-                raise CorruptPayloadError("corrupt compact body: block headers do not describe the body; nothing "
-                                          "was written")
-
-            def restore() -> None:
-                K.apply_compact([bits], words, entry, span_log2=span, gate=gate, err=torch.zeros_like(err),
-                                negate=True, check_headers=False, impl=impl)
-
-            if failed:
-                restore()
-                raise CorruptPayloadError(f"corrupt compact body: {failed} block(s) failed validation (positions out "
-                                          "of range or not increasing, bad bit counts or padding); the tensor was "
-                                          "restored")
-        if check:
-            got = combine_hash(K.hash_bits(bits, 0, impl=impl))  # host sync: the result's hash
-            if got != payload.target_hash:
-                restore()
-                raise HashMismatchError(f"target hash mismatch after apply ({got:016x} != "
-                                        f"{payload.target_hash:016x}): the base was not the sender's base; "
-                                        "the tensor was restored, ask for a dense resync")
+                   data=out[:nbytes], target_hash=target, extra=extra)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -445,4 +348,4 @@ def codec_bytes(old: Sequence[torch.Tensor], new: Sequence[torch.Tensor], *, ent
 
 __all__ = ["BUILTIN_CODECS", "AutoCodec", "CompactCodec", "CooCodec", "DenseCodec", "EncodePlan", "SliceJob",
            "apply_", "builtin_codec_name", "codec_bytes", "encode", "empirical_entropy_bits", "get_codec", "pick_codec",
-           "position_entropy_bits", "read_plan", "scan_jobs", "slice_sizes", "write_jobs"]
+           "plan_encode", "position_entropy_bits", "slice_sizes", "write_jobs"]

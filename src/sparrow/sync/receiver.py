@@ -1,9 +1,10 @@
 """Rollout side of SparseRL-Sync: check, apply (in place, per bucket all-or-nothing) and verify.
 
 Per bucket the receiver reads the device twice: the bucket's two ends when it arrives (header, hash table,
-manifest, trailer) and one verdict after the apply kernels (the pre-write gate, the count of blocks that
-failed validation and the hash changes). Everything between runs on the device: the body checksum, the base
-hashes that must be computed, the checks of dense bodies, COO indices and compact block headers go into a
+manifest, trailer) and one verdict after the apply kernels. Between the two, the bucket's checks of versions,
+entries, shapes, codecs and running hashes run on the host, and its entries go through the apply core
+(:func:`sparrow.sync.apply.apply_entries`, also behind :func:`~sparrow.sync.apply_`): the body checksum, the
+base hashes that must be computed, the checks of dense bodies, COO indices and compact block headers go into a
 gate that every writing kernel reads first, so a bucket failing any of them writes nothing; a compact block
 that fails its own validation writes nothing and the others are undone.
 """
@@ -11,19 +12,18 @@ that fails its own validation writes nothing and the others are undone.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
 from ..kernels.common.impl import Impl
-from ..kernels.sync import api as K
-from ..kernels.sync.common import (BITS_DTYPE, SyncFormatError, add_lanes, bits_view, element_bits, fold_lanes,
-                                   split_lanes)
+from ..kernels.sync.common import bits_view, element_bits, fold_lanes
 from ._util import hash_views, public_impl
-from .base import Payload, WeightCodec, user_codec_name
-from .bucket import BucketInfo, EntryMeta, ParsedBucket, parse_bucket
-from .codecs import BUILTIN_CODECS, builtin_codec_name, coo_records
+from .apply import apply_entries
+from .base import WeightCodec, user_codec_name
+from .bucket import BucketContents, BucketInfo, EntryMeta, parse_bucket
+from .codecs import BUILTIN_CODECS, builtin_codec_name
 from .errors import (
     CorruptPayloadError,
     HashMismatchError,
@@ -37,11 +37,7 @@ from .errors import (
 )
 from .stats import SyncStats
 from .transport import Transport
-from .user_codecs import apply_user_slice, payload_of, undo_user_slice
-
-# gate flags (int32 on the device): any set -> no kernel of the bucket writes
-_G_BODY, _G_FORMAT, _G_BASE, _G_DENSE = 0, 1, 2, 3
-_NGATE = 4
+from .user_codecs import payload_of
 
 
 @dataclass
@@ -50,40 +46,6 @@ class _Pending:
     target: int
     next_index: int
     anchor: bool
-
-
-@dataclass
-class _Bucket:
-    """One bucket on its way through :meth:`SyncReceiver._apply_bucket` (``k``: index of a manifest entry)."""
-
-    info: BucketInfo
-    ents: list[EntryMeta]
-    body: torch.Tensor  # uint8 entry bodies, on the receiver's device
-    body_bad: torch.Tensor  # 0-d bool: body checksum mismatch
-    views: list[torch.Tensor]  # bit views of the entries' ranges of the receiver's tensors
-    mode: str | None  # verification of this bucket: "full", "incremental" or None
-    checked: set[int]  # entries whose target hash is verified
-    gate: torch.Tensor  # int32 [_NGATE] pre-write flags
-    err: torch.Tensor  # int32 [1]: compact blocks that failed validation
-    dacc: torch.Tensor  # int32 [entries, 2]: hash change of the sparse built-in entries
-    compact: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (element size, span) -> entries
-    coo: list[int] = field(default_factory=list)
-    dense: list[int] = field(default_factory=list)
-    user: dict[int, Payload] = field(default_factory=dict)  # user codec entries
-    coo_recs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    hash_now: list[int] = field(default_factory=list)  # entries whose current bits are hashed on the device
-    base_lanes: torch.Tensor | None = None  # their lanes
-    dense_lanes: tuple[list[int], torch.Tensor] | None = None  # dense entries checked: lanes of their bodies
-    base_of: dict[int, int] = field(default_factory=dict)  # hash of the range's bits before writing
-    new_of: dict[int, int] = field(default_factory=dict)  # verified hash of the range's bits after writing
-    want: set[int] = field(default_factory=set)  # sparse built-in entries verified by base + change
-    user_lanes: dict[int, torch.Tensor] = field(default_factory=dict)  # full hash of checked user ranges
-    applied: list[tuple[str, object]] = field(default_factory=list)  # ("coo" | "compact" | "user", key), in order
-    undo: dict[int, object] = field(default_factory=dict)
-
-    def label(self, k: int) -> str:
-        e = self.ents[k]
-        return f"{e.name}[{e.start}:{e.start + e.length}]"
 
 
 class SyncReceiver:
@@ -220,52 +182,55 @@ class SyncReceiver:
             raise
 
     def _apply_bucket(self, bucket, last, stats) -> BucketInfo:
-        """Parse (host read 1), check on the host, check on the device into the gate, apply the sparse entries
-        (gated; undone on any failure), read the verdict (host read 2), write the dense entries, commit."""
+        """Parse (host read 1) and check on the host, then the apply core (device checks into the gate, sparse
+        entries gated and undone on any failure, the verdict: host read 2, dense entries last), then commit."""
         t0 = time.perf_counter()
-        pb = self._parse(bucket, last)
-        self._validate_entries(pb)
-        b = self._start(pb)
-        self._check_known_bases(b)
+        contents = self._parse(bucket, last)
+        self._validate_entries(contents)
+        info, ents = contents.info, contents.entries
+        body = contents.body if contents.body.device == (dev := self._device()) else contents.body.to(dev)
+        mode = self._mode(info)
+        checked = {k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None}
+        base_of, check_base = self._known_bases(info, ents, checked, mode)
+        user = {k: (self.codecs[e.codec], payload_of(e, body[e.offset:e.offset + e.nbytes], info))
+                for k, e in enumerate(ents) if e.is_user}
         self._mark("parse")
-        with torch.no_grad():
-            self._gate(b)
-            self._mark("check")
-            try:
-                self._apply_sparse(b)
-                self._mark("apply")
-                self._verdict(b)  # host sync: gate, validation count, hash changes
-            except BaseException:
-                self._undo(b)
-                raise
-            self._write_dense(b)
-        self._commit(b)
+        try:
+            new_of = apply_entries(ents, [self._bits[e.name][e.start:e.start + e.length] for e in ents], body,
+                                   what=f"bucket {info.index}", checked=checked, base_of=base_of,
+                                   check_base=check_base, body_bad=contents.body_bad.to(dev), user=user,
+                                   keep_records=self.keep_records, impl=self.impl, mark=self._mark)
+        except BaseException:
+            for e in ents:  # running hashes of these ranges are no longer trusted
+                self._drop_hash(e.name, e.start, e.length, keep_exact=False)
+            raise
+        self._commit(info, ents, new_of)
         if stats is not None:
-            self._record(stats, b, bucket, t0)
+            self._record(stats, info, ents, bucket, t0)
         self._mark("finish")
-        return b.info
+        return info
 
     def _mark(self, stage: str) -> None:
         if self.timer is not None:
             self.timer.mark(stage)
 
-    def _parse(self, bucket, last: bool | None) -> ParsedBucket:
+    def _parse(self, bucket, last: bool | None) -> BucketContents:
         """Bytes, checksums and manifest of the bucket (one host read), then its place in the sequence."""
         if isinstance(bucket, torch.Tensor) and bucket.dtype == torch.uint8:
             dev = self._device() if self._bits else bucket.device
             if bucket.device != dev:
                 bucket = bucket.to(dev)
-        pb = parse_bucket(bucket)
-        if last is not None and last != pb.info.last:
-            raise CorruptPayloadError(f"bucket {pb.info.index}: transport says last={last}, manifest says "
-                                      f"{pb.info.last}")
-        self._check_sequence(pb.info)
-        return pb
+        contents = parse_bucket(bucket)
+        if last is not None and last != contents.info.last:
+            raise CorruptPayloadError(f"bucket {contents.info.index}: transport says last={last}, manifest says "
+                                      f"{contents.info.last}")
+        self._check_sequence(contents.info)
+        return contents
 
-    def _validate_entries(self, pb: ParsedBucket) -> None:
+    def _validate_entries(self, contents: BucketContents) -> None:
         """Entries against the local tensors (name, dtype, shape), against each other (no overlapping
         ranges) and against the codecs this receiver knows."""
-        for e in pb.entries:
+        for e in contents.entries:
             t = self.tensors.get(e.name)
             if t is None:
                 raise ShapeMismatchError(f"bucket entry {e.name!r}: no such tensor on the receiver")
@@ -273,15 +238,15 @@ class SyncReceiver:
                 raise ShapeMismatchError(f"{e.name}: payload is {e.dtype}{list(e.shape)}, receiver has "
                                          f"{t.dtype}{list(t.shape)}")
             self._follow(e.name)
-        ranges = sorted((e.name, e.start, e.start + e.length) for e in pb.entries)
+        ranges = sorted((e.name, e.start, e.start + e.length) for e in contents.entries)
         for (n0, _, end0), (n1, s1, _) in zip(ranges, ranges[1:]):
             if n0 == n1 and s1 < end0:
-                raise CorruptPayloadError(f"bucket {pb.info.index}: overlapping entries for {n0!r}")
-        for e in pb.entries:
+                raise CorruptPayloadError(f"bucket {contents.info.index}: overlapping entries for {n0!r}")
+        for e in contents.entries:
             if e.is_user and e.codec not in self.codecs:
                 known = ", ".join([*BUILTIN_CODECS[1:], *sorted(self.codecs)])
                 raise UnknownCodecError(
-                    f"bucket {pb.info.index}: entry {e.name}[{e.start}:{e.start + e.length}] uses codec "
+                    f"bucket {contents.info.index}: entry {e.name}[{e.start}:{e.start + e.length}] uses codec "
                     f"{e.codec!r}, which this receiver does not know (it knows {known}): pass it as "
                     "SyncReceiver(..., codecs=[...]). Nothing was written; a dense resync is needed")
 
@@ -299,250 +264,38 @@ class SyncReceiver:
         self._bits[name] = bits_view(t.detach())
         self._hashes.pop(name, None)
 
-    def _start(self, pb: ParsedBucket) -> _Bucket:
-        """The per-bucket state: body on the receiver's device, views of the target ranges, the groups, the
-        device flags (one allocation: gate, validation count, hash changes)."""
-        body = pb.body
-        if body.device != (dev := self._device()):
-            body = body.to(dev)
-        ents = pb.entries
-        mode = self._mode(pb.info)
-        flags = torch.zeros(_NGATE + 1 + 2 * len(ents), dtype=torch.int32, device=dev)
-        b = _Bucket(info=pb.info, ents=ents, body=body, body_bad=pb.body_bad.to(dev),
-                    views=[self._bits[e.name][e.start:e.start + e.length] for e in ents], mode=mode,
-                    checked={k for k, e in enumerate(ents) if mode is not None and e.target_hash is not None},
-                    gate=flags[:_NGATE], err=flags[_NGATE:_NGATE + 1], dacc=flags[_NGATE + 1:].view(len(ents), 2))
+    def _known_bases(self, info: BucketInfo, ents: Sequence[EntryMeta], checked: set[int],
+                     mode: str | None) -> tuple[dict[int, int], list[int]]:
+        """Which entries' ranges must hold the sender's base bits: the checked ones, except in an anchor (a dense
+        entry is checked too). With ``verify="incremental"`` the running hash of a range the receiver has seen is
+        compared with the sender's base hash here, on the host, before anything is launched; the other ranges are
+        hashed on the device by the apply. Returns ``({entry: known base hash}, [entries to hash on the device])``.
+        """
+        base_of: dict[int, int] = {}
+        check_base: list[int] = []
         for k, e in enumerate(ents):
-            if e.codec == "compact":
-                b.compact.setdefault((e.dtype.itemsize, e.span_log2), []).append(k)
-            elif e.codec == "coo":
-                b.coo.append(k)
-            elif e.codec == "dense":
-                b.dense.append(k)
-            else:
-                b.user[k] = payload_of(e, body[e.offset:e.offset + e.nbytes], pb.info)
-        b.want = {k for k in b.checked if ents[k].codec in ("coo", "compact")}
-        return b
-
-    def _needs_base(self, b: _Bucket, k: int) -> bool:
-        """Entry ``k``'s base hash is checked: not in an anchor, hashes sent, verification on (a dense entry is
-        checked too: the receiver's bits must still be the sender's base)."""
-        e = b.ents[k]
-        return k in b.checked and not b.info.anchor and e.base_hash is not None
-
-    def _check_known_bases(self, b: _Bucket) -> None:
-        """Incremental verification, before anything is launched: the running hash of a range the receiver
-        has seen is compared with the sender's base hash on the host. Other ranges are hashed on the device
-        (:meth:`_gate`)."""
-        for k in range(len(b.ents)):
-            if not self._needs_base(b, k):
+            if k not in checked or info.anchor or e.base_hash is None:
                 continue
-            e = b.ents[k]
-            known = self._hashes.get(e.name, {}).get((e.start, e.length)) if b.mode == "incremental" else None
+            known = self._hashes.get(e.name, {}).get((e.start, e.length)) if mode == "incremental" else None
             if known is None:
-                b.hash_now.append(k)
+                check_base.append(k)
                 continue
-            b.base_of[k] = known
+            base_of[k] = known
             if known != e.base_hash:
                 self._drop_hash(e.name, e.start, e.length, keep_exact=True)
                 raise HashMismatchError(
-                    f"{b.label(k)}: the receiver's bits hash to {known:016x}, the sender's base to "
-                    f"{e.base_hash:016x}: the receiver's base differs from the sender's. Nothing was written; a "
-                    "dense resync is needed")
+                    f"{e.name}[{e.start}:{e.start + e.length}]: the receiver's bits hash to {known:016x}, the "
+                    f"sender's base to {e.base_hash:016x}: the receiver's base differs from the sender's. Nothing was "
+                    "written; a dense resync is needed")
+        return base_of, check_base
 
-    def _lanes_of(self, hashes: Sequence[int]) -> torch.Tensor:
-        """int64 [N, 2] device lanes of 64-bit host hashes (non-blocking upload)."""
-        t = torch.tensor([v for h in hashes for v in split_lanes(h)], dtype=torch.int64).view(-1, 2)
-        dev = self._device()
-        return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
-
-    def _gate(self, b: _Bucket) -> None:
-        """The pre-write checks that need the device, each into a gate flag (no host sync): the body checksum,
-        base hashes of the ranges not known on the host (``verify="full"``: all), dense bodies against their
-        target hashes, COO indices and compact block headers."""
-        b.gate[_G_BODY:_G_BODY + 1].copy_(b.body_bad.view(1))
-        if b.hash_now:
-            lanes = hash_views([b.views[k] for k in b.hash_now], [b.ents[k].start for k in b.hash_now],
-                               impl=self.impl)
-            b.base_lanes = lanes
-            want = self._lanes_of([b.ents[k].base_hash for k in b.hash_now])
-            b.gate[_G_BASE:_G_BASE + 1].copy_((lanes != want).any().view(1))
-        dense = [k for k in b.dense if k in b.checked]
-        if dense:
-            lanes = hash_views([self._dense_bits(b, k) for k in dense], [b.ents[k].start for k in dense],
-                               impl=self.impl)
-            b.dense_lanes = (dense, lanes)
-            want = self._lanes_of([b.ents[k].target_hash for k in dense])
-            b.gate[_G_DENSE:_G_DENSE + 1].copy_((lanes != want).any().view(1))
-        for k in b.coo:
-            e = b.ents[k]
-            pos, vals = coo_records(b.body[e.offset:e.offset + e.nbytes], e.nchanged, e.dtype)
-            b.coo_recs[k] = (pos, vals, torch.empty_like(pos))
-            fmt = b.gate[_G_FORMAT:_G_FORMAT + 1]
-            torch.maximum(fmt, K.positions_bad(pos, e.length).view(1).to(torch.int32), out=fmt)
-        for (esize, span), idx in b.compact.items():
-            try:
-                K.check_compact_headers(self._words(b), self._entries(b, idx), ebits=8 * esize, span_log2=span,
-                                        gate=b.gate, gate_slot=_G_FORMAT, impl=self.impl)
-            except SyncFormatError as exc:
-                raise CorruptPayloadError(f"bucket {b.info.index}: {exc}") from None
-
-    def _words(self, b: _Bucket) -> torch.Tensor:
-        return b.body.view(torch.int32) if b.body.numel() else torch.zeros(0, dtype=torch.int32, device=b.body.device)
-
-    def _entries(self, b: _Bucket, idx: Sequence[int]) -> list[tuple[int, int, int, int]]:
-        return [(b.ents[k].offset // 4, b.ents[k].nbytes // 4, b.ents[k].length, b.ents[k].nchanged) for k in idx]
-
-    def _dense_bits(self, b: _Bucket, k: int) -> torch.Tensor:
-        e = b.ents[k]
-        return b.body[e.offset:e.offset + e.nbytes].view(BITS_DTYPE[e.dtype])
-
-    def _runs(self, b: _Bucket, idx: list[int]) -> list[list[int]]:
-        """The compact entries of a group in runs of at most ``keep_records`` changes (decode scratch)."""
-        runs, cur, tot = [], [], 0
-        for k in idx:
-            m = b.ents[k].nchanged
-            if cur and tot + m > self.keep_records:
-                runs.append(cur)
-                cur, tot = [], 0
-            cur.append(k)
-            tot += m
-        return runs + ([cur] if cur else [])
-
-    def _apply_compact(self, b: _Bucket, key, run: list[int], negate: bool) -> None:
-        esize, span = key
-        hashed = not negate and any(k in b.want for k in run)
-        contiguous = run == list(range(run[0], run[0] + len(run)))
-        hacc = None
-        if hashed:  # the kernel adds the hash changes into the rows of b.dacc (a view when the run is contiguous)
-            hacc = b.dacc[run[0]:run[0] + len(run)] if contiguous else K.hash_zeros(len(run), b.body.device)
-        K.apply_compact([b.views[k] for k in run], self._words(b), self._entries(b, run), span_log2=span,
-                        gate=b.gate, err=b.err if not negate else torch.zeros_like(b.err), check_headers=False,
-                        negate=negate, hash_starts=[b.ents[k].start for k in run], hash_out=hacc, impl=self.impl)
-        if hacc is not None and not contiguous:
-            b.dacc[torch.tensor(run)] = hacc
-
-    def _apply_sparse(self, b: _Bucket) -> None:
-        """Write the COO entries and the compact groups (gated on the device: nothing is written when a pre-write
-        check failed; hash changes fused in), then the user codec entries, recording in ``b.applied`` what
-        :meth:`_undo` must restore."""
-        for k in b.coo:
-            pos, vals, undo = b.coo_recs[k]
-            hashed = k in b.want
-            K.group_apply_records([b.views[k]], pos, vals, [b.ents[k].nchanged], values="new", impl=self.impl,
-                                  hash_starts=[b.ents[k].start], hash_out=b.dacc[k:k + 1] if hashed else None,
-                                  gate=b.gate, undo_out=undo)
-            b.applied.append(("coo", k))
-        for key, idx in b.compact.items():
-            for run in self._runs(b, idx):
-                self._apply_compact(b, key, run, negate=False)
-                b.applied.append(("compact", (key, tuple(run))))
-        if b.user:
-            if any(b.gate.tolist()):  # host sync: a user codec's apply_ runs on the host, only past the gate
-                return
-            for k, p in b.user.items():
-                e = b.ents[k]
-                b.undo[k] = apply_user_slice(self.codecs[e.codec], b.views[k], e.dtype, p, b.label(k),
-                                             impl=self.impl)
-                b.applied.append(("user", k))
-                if k in b.checked:
-                    b.user_lanes[k] = K.hash_bits(b.views[k], e.start, impl=self.impl)
-
-    def _verdict(self, b: _Bucket) -> None:
-        """One host sync for every device-side result; raises what failed (the caller undoes what was written:
-        nothing when a gate flag is set)."""
-        rows = [b.gate, b.err, b.dacc.reshape(-1)]
-        if b.base_lanes is not None:
-            rows.append(b.base_lanes.reshape(-1).to(torch.int32))
-        if b.dense_lanes is not None:
-            rows.append(b.dense_lanes[1].reshape(-1).to(torch.int32))
-        rows += [ln.reshape(-1).to(torch.int32) for ln in b.user_lanes.values()]
-        host = torch.cat(rows).tolist()  # the verdict sync
-        gate, nerr = host[:_NGATE], host[_NGATE]
-        at = _NGATE + 1
-        dacc = [(host[at + 2 * k], host[at + 2 * k + 1]) for k in range(len(b.ents))]
-        at += 2 * len(b.ents)
-        tag = f"bucket {b.info.index}"
-        if gate[_G_BODY]:
-            raise CorruptPayloadError(f"{tag}: body checksum mismatch. Nothing was written")
-        if gate[_G_FORMAT]:
-            raise CorruptPayloadError(f"{tag}: an entry failed validation (indices out of range or unordered, or "
-                                      "compact block headers that do not describe the body). Nothing was written")
-        if b.base_lanes is not None:
-            for r, k in enumerate(b.hash_now):
-                b.base_of[k] = fold_lanes(host[at + 2 * r], host[at + 2 * r + 1])
-            at += 2 * len(b.hash_now)
-        if gate[_G_BASE]:
-            k = next(k for k in b.hash_now if b.base_of[k] != b.ents[k].base_hash)
-            e = b.ents[k]
-            self._drop_hash(e.name, e.start, e.length, keep_exact=False)
-            raise HashMismatchError(
-                f"{b.label(k)}: the receiver's bits hash to {b.base_of[k]:016x}, the sender's base to "
-                f"{e.base_hash:016x}: the receiver's base differs from the sender's. Nothing was written; a dense "
-                "resync is needed")
-        if b.dense_lanes is not None:
-            dense = b.dense_lanes[0]
-            got = {k: fold_lanes(host[at + 2 * r], host[at + 2 * r + 1]) for r, k in enumerate(dense)}
-            at += 2 * len(dense)
-            for k in dense:
-                if got[k] != b.ents[k].target_hash:
-                    raise HashMismatchError(f"{b.label(k)}: dense body hashes to {got[k]:016x}, target "
-                                            f"{b.ents[k].target_hash:016x}. Nothing was written; a dense resync "
-                                            "is needed")
-                b.new_of[k] = got[k]
-        if nerr:
-            raise CorruptPayloadError(f"{tag}: {nerr} compact block(s) failed validation (positions out of range or "
-                                      "not increasing, bit counts or padding). The bucket was undone; a dense "
-                                      "resync is needed")
-        for k in sorted(b.want):
-            e = b.ents[k]
-            got = add_lanes(b.base_of.get(k, e.base_hash), *dacc[k])
-            if got != e.target_hash:
-                raise HashMismatchError(
-                    f"{b.label(k)}: target hash mismatch after apply ({got:016x} != {e.target_hash:016x}); the "
-                    "receiver's base differs from the sender's. The bucket was undone; a dense resync is needed")
-            b.new_of[k] = got
-        for r, k in enumerate(b.user_lanes):
-            e = b.ents[k]
-            got = fold_lanes(host[at + 2 * r], host[at + 2 * r + 1])
-            if got != e.target_hash:
-                raise HashMismatchError(
-                    f"{b.label(k)}: after codec {e.codec!r} applied its payload the range hashes to {got:016x}, "
-                    f"the sender's target is {e.target_hash:016x}: the codec's apply_ does not reproduce what its "
-                    "encode saw, or the receiver's base differs from the sender's. The bucket was undone; a "
-                    "dense resync is needed")
-            b.new_of[k] = got
-        self._mark("verify")
-
-    def _undo(self, b: _Bucket) -> None:
-        """Restore, newest first, every range :meth:`_apply_sparse` wrote (bit-exact; gated like the writes, so
-        nothing moves when nothing was written); forget their hashes."""
-        for kind, key in reversed(b.applied):
-            if kind == "user":
-                undo_user_slice(b.views[key], b.undo[key], impl=self.impl)  # type: ignore[arg-type]
-            elif kind == "coo":
-                pos, _, undo = b.coo_recs[key]
-                K.group_apply_records([b.views[key]], pos, undo, [b.ents[key].nchanged], values="new",
-                                      impl=self.impl, gate=b.gate)
-            else:
-                gkey, run = key
-                self._apply_compact(b, gkey, list(run), negate=True)
-        for e in b.ents:  # running hashes of these ranges are no longer trusted
-            self._drop_hash(e.name, e.start, e.length, keep_exact=False)
-
-    def _write_dense(self, b: _Bucket) -> None:
-        """Dense entries last: verified before writing, so they never need an undo copy."""
-        for k in b.dense:
-            b.views[k].copy_(self._dense_bits(b, k))
-
-    def _commit(self, b: _Bucket) -> None:
+    def _commit(self, info: BucketInfo, ents: Sequence[EntryMeta], new_of: Mapping[int, int]) -> None:
         """Running hashes (the verified target hash of every written range; unknown ranges are dropped)
         and the receiver's place in the version sequence."""
-        for k, e in enumerate(b.ents):
+        for k, e in enumerate(ents):
             self._drop_hash(e.name, e.start, e.length, keep_exact=False)
-            if k in b.new_of:
-                self._hashes.setdefault(e.name, {})[(e.start, e.length)] = b.new_of[k]
-        info = b.info
+            if k in new_of:
+                self._hashes.setdefault(e.name, {})[(e.start, e.length)] = new_of[k]
         if info.last:
             self.version = info.target_version
             self._pending = None
@@ -554,13 +307,12 @@ class SyncReceiver:
         else:
             self._pending = _Pending(info.base_version, info.target_version, info.index + 1, info.anchor)
 
-    def _record(self, stats: SyncStats, b: _Bucket, bucket, t0: float) -> None:
-        info = b.info
+    def _record(self, stats: SyncStats, info: BucketInfo, ents: Sequence[EntryMeta], bucket, t0: float) -> None:
         stats.run_id, stats.base_version, stats.target_version = info.run_id, info.base_version, info.target_version
         stats.anchor = info.anchor
-        stats.add_bucket(b.ents, bucket.numel() if isinstance(bucket, torch.Tensor) else len(bucket))
-        dev = b.body.device
-        if dev.type == "cuda" and b.dense:
+        stats.add_bucket(ents, bucket.numel() if isinstance(bucket, torch.Tensor) else len(bucket))
+        dev = self._device()
+        if dev.type == "cuda" and any(e.codec == "dense" for e in ents):
             torch.cuda.synchronize(dev)  # the dense copies were queued after the verdict
         stats.apply_s += time.perf_counter() - t0
 

@@ -11,10 +11,10 @@ import torch
 from ..kernels.common.impl import Impl
 from ..kernels.sync.common import (DEFAULT_SPAN_LOG2, MAX_SLICE_ELEMS, bits_view, check_span_log2, element_bits,
                                    fold_lanes, lanes_i32)
-from ._util import align, hash_views, public_impl
+from ._util import align, cut_runs, hash_views, public_impl
 from .base import WeightCodec, user_codec_name
 from .bucket import BucketInfo, EntryMeta, build_bucket, finish_bucket, plan_bucket, table_view
-from .codecs import BUILTIN_CODECS, SliceJob, builtin_codec_name, pick_codec, read_plan, scan_jobs, write_jobs
+from .codecs import BUILTIN_CODECS, SliceJob, builtin_codec_name, plan_encode, write_jobs
 from .errors import ShapeMismatchError
 from .stats import SyncStats
 from .transport import Transport
@@ -214,16 +214,9 @@ class SyncSender:
             self.timer.mark(stage)
 
     def _cuts(self, nbytes: Sequence[int]) -> list[tuple[int, int]]:
-        """Consecutive runs of slices whose bodies fit ``bucket_bytes`` (a run holds at least one slice)."""
-        runs, a = [], 0
-        while a < len(nbytes):
-            b, tot = a, 0
-            while b < len(nbytes) and (b == a or tot + align(nbytes[b]) <= self.bucket_bytes):
-                tot += align(nbytes[b])
-                b += 1
-            runs.append((a, b))
-            a = b
-        return runs or [(0, 0)]
+        """Consecutive runs of slices whose bodies fit ``bucket_bytes`` (a run holds at least one slice; a state
+        without slices is one empty bucket)."""
+        return cut_runs([align(n) for n in nbytes], self.bucket_bytes) or [(0, 0)]
 
     def _meta(self, k: int, codec: str, nbytes: int, nchanged: int, payload: dict | None = None) -> EntryMeta:
         name, s, n = self._slices[k]
@@ -242,41 +235,39 @@ class SyncSender:
         self._reserve(target)
         dev = self._device()
         with torch.no_grad():
-            plan = scan_jobs(jobs, span_log2=self.span_log2, impl=self.impl)
             full = None
             if anchor and self.with_hash and jobs:
                 full = lanes_i32(hash_views([j.new for j in jobs], [j.start for j in jobs], impl=self.impl))
-            self._mark("scan")
-            read_plan(plan)  # the host sync of this sync: every slice's change count and body size
+            # the host sync of this sync: every slice's change count and body size
+            plan = plan_encode(jobs, codec, span_log2=self.span_log2, impl=self.impl,
+                               before_read=lambda: self._mark("scan"))
             self._mark("sync_sizes")
-        kinds = [pick_codec(codec, plan.sizes(k)) for k in range(len(jobs))]
-        nbytes = [plan.sizes(k)[kinds[k]] for k in range(len(jobs))]
+        nbytes = [plan.nbytes(k) for k in range(len(jobs))]
         cuts = self._cuts(nbytes)
         stats.encode_s += time.perf_counter() - t0
         for index, (a, b) in enumerate(cuts):
             t0 = time.perf_counter()
             info = BucketInfo(self.run_id, base, target, index, index == len(cuts) - 1, anchor)
-            metas = [self._meta(k, kinds[k], nbytes[k], plan.counts[k]) for k in range(a, b)]
+            metas = [self._meta(k, plan.kinds[k], nbytes[k], plan.counts[k]) for k in range(a, b)]
             layout = plan_bucket(info, metas, hashes=self.with_hash)
-            buf = torch.zeros(layout.total, dtype=torch.uint8, device=dev)
+            bucket = torch.zeros(layout.total, dtype=torch.uint8, device=dev)
             tab = None
             if self.with_hash and b > a:
-                tab = table_view(buf, layout)
+                tab = table_view(bucket, layout)
                 tab[:, :2] = self._lanes[a:b]
                 tab[:, 2:] = self._lanes[a:b] if full is None else full[a:b]
             with torch.no_grad():
-                write_jobs(plan, range(a, b), {k: kinds[k] for k in range(a, b)}, buf,
-                           {k: layout.body_start + metas[k - a].offset for k in range(a, b)}, update_old=True,
-                           hash_out=tab[:, 2:] if tab is not None and full is None else None,
+                write_jobs(plan, range(a, b), bucket, {k: layout.body_start + metas[k - a].offset for k in range(a, b)},
+                           update_old=True, hash_out=tab[:, 2:] if tab is not None and full is None else None,
                            hash_rows={k: k - a for k in range(a, b)}, max_changes=self.max_group_changes)
             self._mark("write")
             if tab is not None:
                 self._lanes[a:b] = tab[:, 2:]
-            finish_bucket(buf, layout)
+            finish_bucket(bucket, layout)
             self._mark("bucket")
-            stats.add_bucket(metas, buf.numel())
+            stats.add_bucket(metas, bucket.numel())
             stats.encode_s += time.perf_counter() - t0
-            yield buf, info
+            yield bucket, info
 
     def _encode_anchor(self, new_bits: dict[str, torch.Tensor], base: int, target: int,
                        stats: SyncStats) -> Iterator[tuple[torch.Tensor, BucketInfo]]:
@@ -305,7 +296,7 @@ class SyncSender:
             for j in jobs:
                 j.old.copy_(j.new)
         self._mark("user_hash_update")
-        enc = [encoded_slice(name, p, None) for p in payloads]
+        enc = [encoded_slice(name, p) for p in payloads]
         cuts = self._cuts([e.body.numel() for e in enc])
         stats.encode_s += time.perf_counter() - t0
         for index, (a, b) in enumerate(cuts):

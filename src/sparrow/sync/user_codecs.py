@@ -11,6 +11,7 @@ undo record of what ``apply_`` changed, so a later failure in the bucket restore
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +20,20 @@ from ..kernels.common.impl import Impl
 from ..kernels.sync import api as K
 from .base import Payload, WeightCodec
 from .bucket import BucketInfo, EntryMeta
-from .codecs import EncodedSlice
 from .errors import CorruptPayloadError, SyncError
 
 #: A sparse undo record of one slice: positions (int32) and the bit patterns they held before.
 Undo = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class EncodedSlice:
+    """One slice a user codec encoded, as it goes into a bucket entry."""
+
+    codec: str  # the user WeightCodec's name
+    nchanged: int
+    body: torch.Tensor  # uint8
+    payload: dict[str, Any]  # the payload's own fields (see EntryMeta.payload)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -73,11 +83,11 @@ def check_payload(name: str, p: object, base: torch.Tensor, label: str) -> Paylo
     return p
 
 
-def encoded_slice(name: str, p: Payload, target_hash: int | None) -> EncodedSlice:
-    """The bucket entry of a checked user payload; ``target_hash``: the sender's hash of the slice's new bits."""
+def encoded_slice(name: str, p: Payload) -> EncodedSlice:
+    """The bucket entry of a checked user payload of codec ``name``."""
     fields = {"codec": p.codec, "target_hash": None if p.target_hash is None else f"{p.target_hash:016x}",
               "extra": p.extra}
-    return EncodedSlice(name, p.nchanged, p.data.contiguous(), target_hash, {name: p.nbytes}, fields)
+    return EncodedSlice(name, p.nchanged, p.data.contiguous(), fields)
 
 
 # ---------------------------------------------------------------------------------------------------

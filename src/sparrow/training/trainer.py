@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from sparrow._transfer import to_device
 from sparrow.rl.logprobs import hidden_states
 from sparrow.training.curriculum import Curriculum, CurriculumConfig
 from sparrow.training.data import ANSWER, EOS, IGNORED, PROMPT, Batch, BatchSource
@@ -277,9 +278,7 @@ class Trainer:
 
     def train_step(self, batch: Batch, lr: float) -> LossParts:
         """One optimizer step on ``batch`` at learning rate ``lr``."""
-        cuda = self.device.type == "cuda"
-        x, roles = (t.pin_memory().to(self.device, non_blocking=True) if cuda and t.device.type == "cpu"
-                    else t.to(self.device) for t in (batch.tokens, batch.roles))
+        x, roles = (to_device(t, self.device) for t in (batch.tokens, batch.roles))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_cfg = self.config.loss

@@ -30,6 +30,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from ..._transfer import to_device
 from ..common.impl import Impl, resolve_impl
 from .common import (
     DEFAULT_SPAN_LOG2,
@@ -87,19 +88,9 @@ def _steps(nslices: int) -> int:
     return -(-(nslices.bit_length() + 1) // 8) * 8
 
 
-def _dev_i64(values: Sequence[int], dev: torch.device) -> torch.Tensor:
-    """A small int64 device array from host ints without a stream sync (pinned, non-blocking copy)."""
-    t = torch.tensor(list(values), dtype=torch.int64)
-    if dev.type == "cuda":
-        return t.pin_memory().to(dev, non_blocking=True)
-    return t.to(dev)
-
-
-def _dev_i32(values: Sequence[int], dev: torch.device) -> torch.Tensor:
-    t = torch.tensor(list(values), dtype=torch.int32)
-    if dev.type == "cuda":
-        return t.pin_memory().to(dev, non_blocking=True)
-    return t.to(dev)
+def _dev_ints(values: Sequence[int], dev: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A small integer device array from host ints without a host sync (pinned, non-blocking copy)."""
+    return to_device(torch.tensor(list(values), dtype=dtype), dev)
 
 
 def _cum(counts: Sequence[int]) -> list[int]:
@@ -214,10 +205,9 @@ def _hash_layout(ns: Sequence[int], dev: torch.device) -> _HashLayout:
         progs = [_cdiv(t, TPP) for t in tiles]
         tile_cum, prog_cum = _cum(tiles), _cum(progs)
         S = len(ns)
-        table = _dev_i64(list(ns) + tile_cum + prog_cum, dev)
+        table = _dev_ints(list(ns) + tile_cum + prog_cum, dev)
         slice_of = torch.repeat_interleave(torch.arange(S, dtype=torch.int32), torch.tensor(progs, dtype=torch.int64))
-        return _HashLayout(prog_cum, table[:S], table[S:2 * S + 1], table[2 * S + 1:],
-                           slice_of.to(dev) if dev.type != "cuda" else slice_of.pin_memory().to(dev, non_blocking=True))
+        return _HashLayout(prog_cum, table[:S], table[S:2 * S + 1], table[2 * S + 1:], to_device(slice_of, dev))
 
     return _cached(_HASH_LAYOUTS, (str(dev), tuple(int(n) for n in ns)), make)
 
@@ -238,7 +228,7 @@ def group_hash_bits(bits: Sequence[torch.Tensor], starts: Sequence[int], *, impl
     lay = _hash_layout([b.numel() for b in bits], dev)
     out = hash_zeros(len(bits), dev)
     if lay.programs:
-        meta = _dev_i64([b.data_ptr() for b in bits] + [int(st) for st in starts], dev)
+        meta = _dev_ints([b.data_ptr() for b in bits] + [int(st) for st in starts], dev)
         S = len(bits)
         _tk()._hash_group_kernel[(lay.programs,)](meta[:S], lay.n_d, meta[S:], lay.tile_cum_d, lay.prog_cum_d,
                                                   lay.prog_slice_d, out, EBITS=ebits, TILE=_HASH_TILE, TPP=TPP,
@@ -283,11 +273,10 @@ def _block_layout(ns: Sequence[int], span_log2: int, dev: torch.device) -> _Bloc
         block_cum = _cum(nbs)
         mask_off = _cum([_cdiv(n, 32) for n in ns])
         S = len(ns)
-        table = _dev_i64(list(ns) + block_cum + mask_off[:-1] + [HEADER_WORDS * b for b in nbs], dev)
+        table = _dev_ints(list(ns) + block_cum + mask_off[:-1] + [HEADER_WORDS * b for b in nbs], dev)
         blk = torch.repeat_interleave(torch.arange(S, dtype=torch.int32), torch.tensor(nbs, dtype=torch.int64))
-        blk_d = blk.to(dev) if dev.type != "cuda" else blk.pin_memory().to(dev, non_blocking=True)
-        return _BlockLayout(block_cum, mask_off[-1], table[:S], table[S:2 * S + 1], table[2 * S + 1:3 * S + 1], blk_d,
-                            table[3 * S + 1:])
+        return _BlockLayout(block_cum, mask_off[-1], table[:S], table[S:2 * S + 1], table[2 * S + 1:3 * S + 1],
+                            to_device(blk, dev), table[3 * S + 1:])
 
     return _cached(_BLOCK_LAYOUTS, (str(dev), int(span_log2), tuple(int(n) for n in ns)), make)
 
@@ -344,7 +333,7 @@ def scan_blocks(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], *,
     bwords = torch.zeros(max(NB, 1), dtype=torch.int64, device=dev)
     acc = torch.zeros(2 * S, dtype=torch.int64, device=dev)
     if NB:
-        meta = _dev_i64([o.data_ptr() for o in olds] + [x.data_ptr() for x in news], dev)
+        meta = _dev_ints([o.data_ptr() for o in olds] + [x.data_ptr() for x in news], dev)
         tile = min(4096, 1 << span_log2)
         _tk()._scan_kernel[(NB,)](meta[:S], meta[S:], lay.n_d, lay.block_cum_d, lay.blk_slice_d, lay.mask_off_d,
                                   mask, cnt, kbits, bwords, acc, S, EBITS=ebits, SPAN=1 << span_log2, TILE=tile,
@@ -412,10 +401,10 @@ def write_bodies(olds: Sequence[torch.Tensor], news: Sequence[torch.Tensor], sca
         return
     dev = olds[0].device
     scratch = torch.empty(max(1, sum(counts[a:b])), dtype=torch.int32, device=dev)
-    meta = _dev_i64([o.data_ptr() for o in olds] + [x.data_ptr() for x in news]
-                    + (list(hash_starts) if do_hash else [0] * S) + list(offsets), dev)
-    per = _dev_i32([MODES[m] if a <= s < b else -1 for s, m in enumerate(modes)]
-                   + (list(hash_rows) if do_hash else [-1] * S), dev)
+    meta = _dev_ints([o.data_ptr() for o in olds] + [x.data_ptr() for x in news]
+                     + (list(hash_starts) if do_hash else [0] * S) + list(offsets), dev)
+    per = _dev_ints([MODES[m] if a <= s < b else -1 for s, m in enumerate(modes)]
+                    + (list(hash_rows) if do_hash else [-1] * S), dev, torch.int32)
     _tk()._encode_kernel[(b1 - b0,)](
         meta[:S], meta[S:2 * S], lay.n_d, meta[2 * S:3 * S], lay.block_cum_d, lay.blk_slice_d, lay.mask_off_d,
         scan.mask, scan.cnt, scan.kbits, scan.cnt_cum, scan.bwords, scan.words_cum, b0, per[:S], meta[3 * S:],
@@ -475,10 +464,10 @@ def _compact_tables(targets, entries, live, span_log2, hash_starts, dev):
     bcum = _cum(nbs)
     E = len(live)
     rank_base = _cum([entries[s][3] for s in live])
-    meta = _dev_i64([entries[s][0] for s in live] + [entries[s][1] for s in live] + [entries[s][2] for s in live]
-                    + [entries[s][3] for s in live] + bcum + rank_base[:-1]
-                    + ([targets[s].data_ptr() for s in live] if targets is not None else [0] * E)
-                    + [int(hash_starts[s]) if hash_starts is not None else 0 for s in live], dev)
+    meta = _dev_ints([entries[s][0] for s in live] + [entries[s][1] for s in live] + [entries[s][2] for s in live]
+                     + [entries[s][3] for s in live] + bcum + rank_base[:-1]
+                     + ([targets[s].data_ptr() for s in live] if targets is not None else [0] * E)
+                     + [int(hash_starts[s]) if hash_starts is not None else 0 for s in live], dev)
     t = {"woff": meta[:E], "nwords": meta[E:2 * E], "n": meta[2 * E:3 * E], "m": meta[3 * E:4 * E],
          "bcum": meta[4 * E:5 * E + 1], "rank_base": meta[5 * E + 1:6 * E + 1], "addr": meta[6 * E + 1:7 * E + 1],
          "start": meta[7 * E + 1:]}
@@ -568,7 +557,7 @@ def apply_compact(targets: Sequence[torch.Tensor], words: torch.Tensor, entries:
                                TB=2048, CH=1024, STEPS=_steps(E), NEGATE=negate, HASH=hash_out is not None,
                                num_warps=8)
     if hash_out is not None and not every:
-        idx = _dev_i64(live, dev)
+        idx = _dev_ints(live, dev)
         hash_out[idx] = lanes_i32(hash_out[idx].to(torch.int64) + hacc.to(torch.int64))
 
 
@@ -692,8 +681,8 @@ def group_apply_records(targets: Sequence[torch.Tensor], pos: torch.Tensor, val:
     if cum[-1] == 0:
         return
     S = len(targets)
-    meta = _dev_i64([t.data_ptr() for t in targets] + rec_off[:-1] + list(counts) + cum
-                    + (list(hash_starts) if do_hash else [0] * S), dev)
+    meta = _dev_ints([t.data_ptr() for t in targets] + rec_off[:-1] + list(counts) + cum
+                     + (list(hash_starts) if do_hash else [0] * S), dev)
     g = gate if gate is not None else torch.zeros(1, dtype=torch.int32, device=dev)
     _tk()._apply_records_kernel[(cum[-1],)](
         meta[:S], meta[S:2 * S], meta[2 * S:3 * S], meta[3 * S:4 * S + 1], S, pos, val, meta[4 * S + 1:],
