@@ -15,6 +15,7 @@ from sparrow.attention.rtpurbo import (
 from sparrow.models import load_model_state, use_attention
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.rollout.forward import decode_hidden, logits_from_hidden, prefill_hidden
+from sparrow.rollout.steps import decode_step
 from tests.helpers import DEVICE, random_tiny
 
 SMALL = dict(decode_block=16, prefill_block=16, ret_window=16, ring_slack=4)
@@ -228,7 +229,7 @@ def test_engine_greedy_equals_dense_at_p1_and_compiles_without_graph_breaks():
     eng = _engine(sparse, compile=True, compile_backend="eager", max_rows=8)
     out = eng.generate(_prompts(), 2, params)
     assert [s.tokens.tolist() for s in out] == [s.tokens.tolist() for s in ref]
-    explain = torch._dynamo.explain(eng._decode_step)(torch.tensor([0, 1, 2, eng.scratch]))
+    explain = torch._dynamo.explain(decode_step)(eng.state, torch.tensor([0, 1, 2, eng.scratch]))
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 
@@ -257,7 +258,7 @@ def test_gpu_engine_with_triton_kernels_compiled_and_graphed():
     # fp32 tl.dot runs in tf32 on the GPU: allow rare greedy flips at near-ties
     same = sum(a == b for x, y in zip(out, ref) for a, b in zip(x.tokens.tolist(), y.tokens.tolist()))
     assert same >= 0.9 * sum(s.length for s in ref)
-    explain = torch._dynamo.explain(eng._decode_step)(torch.tensor([0, 1, 2, eng.scratch], device="cuda"))
+    explain = torch._dynamo.explain(decode_step)(eng.state, torch.tensor([0, 1, 2, eng.scratch], device="cuda"))
     assert explain.graph_break_count == 0
     sparse2 = use_attention(copy.deepcopy(dense), rtpurbo_attention(prof, None, RTPurboConfig(**SMALL, top_p=0.9,
                                                                                              window=16))).cuda()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch._dynamo.utils import counters
 
-from sparrow.rollout.engine import _bounded_unbacked
+from sparrow.rollout.compiler import _bounded_unbacked
 from tests.recipes.test_grpo_recipe import in_process
 
 STARTUP = ["engine.compile=true", "engine.compile_backend=eager", "engine.max_rows=4", "total_steps=2",

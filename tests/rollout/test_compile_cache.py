@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparrow
-import sparrow.rollout.engine as engine_module
+import sparrow.rollout.compiler as compiler_module
+import sparrow.rollout.steps as steps_module
 from sparrow.compile_cache import CompileCache, digest, module_signature
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.speculative.drafter import DrafterConfig, QuantizedSelfDrafter
@@ -65,7 +66,7 @@ def _spec_engine(model, **kw) -> RolloutEngine:
 
 
 # ------------------------------------------------------------------------------------------ compile counts
-UNBACKED = pytest.mark.skipif(not engine_module._bounded_unbacked(),
+UNBACKED = pytest.mark.skipif(not compiler_module._bounded_unbacked(),
                               reason="this torch's mark_unbacked takes no bounds (min/max/shape_id, torch >= 2.13): "
                                      "the steps compile with backed dynamic sizes")
 
@@ -88,7 +89,7 @@ def test_backed_sizes_specialise_bucket_one_and_generate_what_the_eager_engine_d
     """Negative control of the test above, and what a torch without bounded unbacked sizes gets: backed dynamic
     sizes specialise bucket 1 (0/1) and compile a graph of its own."""
     model = random_tiny("qwen2", num_layers=1, std=0.1)
-    monkeypatch.setattr(engine_module, "_bounded_unbacked", lambda: False)
+    monkeypatch.setattr(compiler_module, "_bounded_unbacked", lambda: False)
     backed = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=16, max_new_tokens=8, compile=True,
                                                compile_backend="eager"))
     backed.prepare(PARAMS)
@@ -103,7 +104,7 @@ def test_backed_sizes_specialise_bucket_one_and_generate_what_the_eager_engine_d
 def test_a_step_that_cannot_trace_unbacked_sizes_falls_back_to_backed_ones(monkeypatch):
     """Model code that branches on the batch size cannot be traced with an unbacked size: the step warns and
     compiles with backed dynamic sizes (bucket 1 on its own), and generates what the eager engine does."""
-    real = engine_module.decode_hidden
+    real = steps_module.decode_hidden
 
     def branching(model, tokens, caches, meta):
         h = real(model, tokens, caches, meta)
@@ -113,7 +114,7 @@ def test_a_step_that_cannot_trace_unbacked_sizes_falls_back_to_backed_ones(monke
     params = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(1, 2, 3))
     ref = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=16, max_new_tokens=8, compile=False)).generate(
         PROMPTS, 1, params)
-    monkeypatch.setattr(engine_module, "decode_hidden", branching)
+    monkeypatch.setattr(steps_module, "decode_hidden", branching)
     eng = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=16, max_new_tokens=8, compile=True,
                                             compile_backend="eager"))
     with pytest.warns(RuntimeWarning, match="cannot be compiled with unbacked"):
@@ -146,7 +147,7 @@ def test_a_second_process_loads_compiled_code_and_static_compiles_give_the_same_
     cold = _worker(cache, "dynamic,static", tmp_path / "cold.json")
     dyn, static = cold["dynamic"], cold["static"]
     assert dyn["buckets"] == [1, 2] and static["buckets"] == [1, 2]  # both buckets ran
-    one = 1 if engine_module._bounded_unbacked() else 2  # backed sizes: bucket 1 specialises
+    one = 1 if compiler_module._bounded_unbacked() else 2  # backed sizes: bucket 1 specialises
     assert dyn["compiled_graphs"] == {"decode": one} and static["compiled_graphs"] == {"decode": 2}
     for r in (dyn, static):
         assert r["lookups"]["fxgraph_cache_miss"] >= 1 and r["lookups"]["fxgraph_cache_hit"] == 0
@@ -296,8 +297,8 @@ def test_engines_of_other_shapes_in_one_process_compile_past_dynamos_default_lim
     engine's limit covers them: here two engines of 2 decode graphs each (backed sizes) under a default of 2, each
     sampling what its eager twin does. Negative control: with the engine's limit at 2 the second engine fails."""
     model = random_tiny("qwen2", num_layers=1)
-    monkeypatch.setattr(engine_module, "_bounded_unbacked", lambda: False)  # 2 graphs: bucket 1, buckets 2 and 4
-    monkeypatch.setattr(engine_module, "RECOMPILE_LIMIT", engine_module.RECOMPILE_LIMIT)  # restored after
+    monkeypatch.setattr(compiler_module, "_bounded_unbacked", lambda: False)  # 2 graphs: bucket 1, buckets 2 and 4
+    monkeypatch.setattr(compiler_module, "RECOMPILE_LIMIT", compiler_module.RECOMPILE_LIMIT)  # restored after
 
     def engine(prompt_len: int, compile: bool = True) -> RolloutEngine:
         return RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=prompt_len, max_new_tokens=8,
@@ -312,7 +313,7 @@ def test_engines_of_other_shapes_in_one_process_compile_past_dynamos_default_lim
             assert [s.tokens.tolist() for s in eng.generate(PROMPTS, 2, PARAMS)] == [s.tokens.tolist() for s in ref]
 
         torch._dynamo.reset()
-        engine_module.RECOMPILE_LIMIT = 2
+        compiler_module.RECOMPILE_LIMIT = 2
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             for prompt_len in (16, 24):
                 engine(prompt_len).prepare(PARAMS)

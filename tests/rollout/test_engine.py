@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
-from sparrow.rollout.engine import STOP_SLOTS, is_stop, stop_slots
+from sparrow.rollout.steps import STOP_SLOTS, decode_step, is_stop, stop_slots
 from tests.helpers import DEVICE, random_tiny
 
 PROMPT_LENS = [5, 17, 3, 30, 9]
@@ -100,7 +100,7 @@ def test_decode_step_compiles_without_graph_breaks(impl):
     out = eng.generate(_prompts(), 2, params)
     _assert_same(out.samples, _engine(model, max_rows=8).generate(_prompts(), 2, params).samples)
     slots = torch.tensor([0, 1, 2, eng.scratch], device=eng.device)
-    explain = torch._dynamo.explain(eng._decode_step)(slots)
+    explain = torch._dynamo.explain(decode_step)(eng.state, slots)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 
@@ -142,7 +142,8 @@ def test_compiled_step_ignores_the_callers_grad_mode():
     eng = _engine(model, compile=True, compile_backend="aot_eager", max_rows=4)
     eng.generate(_prompts(lens=[5]), 2, SamplingParams(temperature=0.0, max_new_tokens=4))
     assert torch.is_grad_enabled()
-    eng._step("decode")(torch.tensor([0, 1, eng.scratch, eng.scratch], device=eng.device))  # outside no_grad
+    slots = torch.tensor([0, 1, eng.scratch, eng.scratch], device=eng.device)
+    eng.compiler.step("decode")(eng.state, slots)  # outside no_grad
 
 
 def test_alternating_sampling_modes_keep_each_modes_compiled_step():
@@ -153,14 +154,14 @@ def test_alternating_sampling_modes_keep_each_modes_compiled_step():
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=(2, 5))
     eng = _engine(model, max_rows=8, compile=True, compile_backend="eager")
     first = eng.generate(_prompts(), 2, sampled).samples
-    step_sampled = eng._step("decode")
+    step_sampled = eng.compiler.step("decode")
     g1 = eng.generate(_prompts(), 1, greedy).samples
-    step_greedy = eng._step("decode")
+    step_greedy = eng.compiler.step("decode")
     again = eng.generate(_prompts(), 2, sampled).samples
-    assert eng._step("decode") is step_sampled and step_greedy is not step_sampled
-    assert eng._mode.stop_ids.tolist() == [1] + [-1] * 7
+    assert eng.compiler.step("decode") is step_sampled and step_greedy is not step_sampled
+    assert eng.state.stop_ids.tolist() == [1] + [-1] * 7
     g2 = eng.generate(_prompts(), 1, greedy).samples
-    assert eng._step("decode") is step_greedy and eng._mode.stop_ids.tolist() == [2, 5] + [-1] * 6
+    assert eng.compiler.step("decode") is step_greedy and eng.state.stop_ids.tolist() == [2, 5] + [-1] * 6
     assert eng.sampling_modes == 2 and eng.captured_graphs == 0  # no CUDA graphs off the GPU
     _assert_same(first, _engine(model, max_rows=8).generate(_prompts(), 2, sampled).samples)
     _assert_same(again, first)
@@ -176,20 +177,21 @@ def test_stop_sets_share_a_modes_compiled_step():
     eng = _engine(model, max_rows=8, compile=True, compile_backend="eager")
     base = dict(temperature=0.0, max_new_tokens=8)
     free = eng.generate(_prompts(), 1, SamplingParams(**base)).samples  # no stop ids
-    step = eng._step("decode")
+    step = eng.compiler.step("decode")
     # stop on a token greedy decoding emits after the first one, so the stop set visibly changes the output
     stop = int(free[0].tokens[2])
     stopped = eng.generate(_prompts(), 1, SamplingParams(**base, stop_token_ids=(stop,))).samples
-    assert eng._step("decode") is step and eng._mode.stop_ids.tolist() == [stop] + [-1] * (STOP_SLOTS - 1)
+    assert eng.compiler.step("decode") is step and eng.state.stop_ids.tolist() == [stop] + [-1] * (STOP_SLOTS - 1)
     assert stopped[0].tokens.numel() <= 3 and stopped[0].finish_reason == "stop"
     _assert_same(stopped, _engine(model, max_rows=8).generate(
         _prompts(), 1, SamplingParams(**base, stop_token_ids=(stop,))).samples)
     again = eng.generate(_prompts(), 1, SamplingParams(**base)).samples
-    assert eng._step("decode") is step
+    assert eng.compiler.step("decode") is step
     _assert_same(again, free)
     many = tuple(range(40, 40 + STOP_SLOTS + 1))
     eng.generate(_prompts(), 1, SamplingParams(**base, stop_token_ids=many))
-    assert eng._step("decode") is not step and eng._mode.stop_ids.numel() == stop_slots(len(many)) == 2 * STOP_SLOTS
+    assert eng.compiler.step("decode") is not step
+    assert eng.state.stop_ids.numel() == stop_slots(len(many)) == 2 * STOP_SLOTS
 
 
 def test_prepare_compiles_ahead_and_changes_no_result():

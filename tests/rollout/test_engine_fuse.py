@@ -15,6 +15,7 @@ import torch
 
 from sparrow.models import fused_projections, policy_parameters
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, generate_reference
+from sparrow.rollout.steps import decode_step
 from sparrow.speculative import DrafterConfig, QuantizedSelfDrafter
 from sparrow.speculative.toggle import AlwaysOn
 from sparrow.sync import InProcessTransport, SyncReceiver, SyncSender
@@ -183,9 +184,9 @@ def _decode_graph_counts(family, fuse, num_layers=3):
         return aot_autograd(fw_compiler=count_aten)(gm, inputs)
 
     torch._dynamo.reset()
-    step = torch.compile(eng._decode_step, backend=backend, fullgraph=True)  # fullgraph: no graph break
+    step = torch.compile(decode_step, backend=backend, fullgraph=True)  # fullgraph: no graph break
     with torch.no_grad():
-        step(torch.tensor([0, 1, eng.scratch, eng.scratch]))
+        step(eng.state, torch.tensor([0, 1, eng.scratch, eng.scratch]))
     return per_layer, aten["aten.mm.default"] + aten["aten.addmm.default"]
 
 
@@ -203,7 +204,7 @@ def test_fused_decode_step_compiles_without_graph_breaks():
     model = random_tiny("qwen2")
     eng = _engine(model, compile=True, compile_backend="eager", max_rows=8)
     eng.generate(_prompts(), 2, SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=4))
-    explain = torch._dynamo.explain(eng._decode_step)(torch.tensor([0, 1, 2, eng.scratch]))
+    explain = torch._dynamo.explain(decode_step)(eng.state, torch.tensor([0, 1, 2, eng.scratch]))
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 
@@ -221,9 +222,9 @@ def test_inductor_fuses_each_residual_add_with_the_next_rms_norm():
     eng.generate(_prompts(lens=(4,)), 2, SamplingParams(temperature=0.0, max_new_tokens=2))
     torch._dynamo.reset()
     with inductor_config.patch({"triton.descriptive_names": "original_aten", "fx_graph_cache": False}):
-        step = torch.compile(eng._decode_step, fullgraph=True, backend="inductor")
+        step = torch.compile(decode_step, fullgraph=True, backend="inductor")
         with torch.no_grad():
-            _, codes = run_and_get_code(step, torch.tensor([0, 1, eng.scratch, eng.scratch]))
+            _, codes = run_and_get_code(step, eng.state, torch.tensor([0, 1, eng.scratch, eng.scratch]))
     call = codes[-1][codes[-1].index("def call("):]
     launches = re.findall(r"^\s+(?:\w+ = )?(extern_kernels\.(?:mm|addmm)|cpp_fused_\w+|torch\.ops\.aten\.\w+)\(",
                           call, re.M)

@@ -68,7 +68,7 @@ def test_a_session_run_in_pieces_draws_what_one_generate_draws(plan, upfront):
     got.sort(key=lambda s: (s.prompt_index, s.sample_index))
     _same_tokens(got, _FULL.samples, bitwise=upfront)
     assert all(torch.equal(s.versions, torch.zeros_like(s.versions)) for s in got)
-    assert _ENGINE._free_rows == list(range(6)) and len(_ENGINE._free_prefixes) == 6  # every slot given back
+    assert _ENGINE.slots.free_rows == list(range(6)) and len(_ENGINE.slots.free_prefixes) == 6  # every slot given back
 
 
 def test_negative_control_groups_renumbered_per_call_draw_other_tokens():
@@ -110,15 +110,15 @@ def test_run_stops_when_enough_groups_have_finished_and_keeps_the_rest():
     session.close()
     got = sorted(first.samples + out.samples + rest.samples, key=lambda s: (s.prompt_index, s.sample_index))
     _same_tokens(got, [s for s in _FULL.samples if s.prompt_index != drop], bitwise=False)
-    assert _ENGINE._free_rows == list(range(6))
+    assert _ENGINE.slots.free_rows == list(range(6))
 
 
 def test_sessions_share_the_engines_slots_and_check_their_arguments():
     session = _ENGINE.start(2, PARAMS)
     session.add(_prompts())
-    assert session.run(0).samples == [] and len(_ENGINE._free_rows) == 6  # nothing to finish: nothing admitted
+    assert session.run(0).samples == [] and len(_ENGINE.slots.free_rows) == 6  # nothing to finish: nothing admitted
     first = session.run(1)  # three groups admitted (all six slots); returns once one has finished
-    assert len(first) == 2 and len(_ENGINE._free_rows) == 2
+    assert len(first) == 2 and len(_ENGINE.slots.free_rows) == 2
     with pytest.raises(RuntimeError, match="other open rollout sessions hold the rest"):
         _ENGINE.generate(_prompts()[:1], 3, PARAMS)
     beside = _ENGINE.generate(_prompts()[:3], 2, PARAMS)  # in the two free slots, beside the session's rows

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rollout.steps import draft_step, verify_step
 from sparrow.sampling import process_logits
 from sparrow.speculative import rejection
 from sparrow.speculative.drafter import DrafterConfig, QuantizedSelfDrafter
@@ -181,9 +182,9 @@ def test_spec_steps_compile_without_graph_breaks(target):
     d = eng.drafts
     slots = torch.tensor([0, 1, 2, eng.scratch])
     d.cursor.zero_()
-    explain = torch._dynamo.explain(eng._draft_step)(slots)
+    explain = torch._dynamo.explain(draft_step)(eng.state, slots)
     assert explain.graph_break_count == 0 and explain.graph_count == 1
-    explain = torch._dynamo.explain(eng._verify_step)(slots, d.tokens[:, :3], d.probs[:, :3])
+    explain = torch._dynamo.explain(verify_step)(eng.state, slots, d.tokens[:, :3], d.probs[:, :3])
     assert explain.graph_break_count == 0 and explain.graph_count == 1
 
 

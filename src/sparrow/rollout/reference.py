@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torchtune.modules import TransformerDecoder
 
-from sparrow.rollout.engine import Sample
+from sparrow.rollout.results import Sample
 from sparrow.sampling import SamplingParams, process_logits, row_keys, sample_from_logprobs
 
 

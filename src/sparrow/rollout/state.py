@@ -62,6 +62,16 @@ class RowState:
         with the rows grouped by prompt (on the device, static shapes) for the backends' shared-prefix decode."""
         return DecodeMeta(row_slot, self.prefix_slot[row_slot], self.prefix_len[row_slot], cached_len).grouped()
 
+    def stand_in(self, rows: torch.Tensor, prefix_slot: torch.Tensor, prefix_len: int, n_gen: int) -> None:
+        """Rows ``rows`` [A] as rows at context ``prefix_len + n_gen`` reading ``prefix_slot`` [A] (their own noise
+        streams, last token 0), done: steps run on them change no length (for timing them)."""
+        self.prefix_slot[rows] = prefix_slot
+        self.prefix_len[rows] = prefix_len
+        self.n_gen[rows] = n_gen
+        self.sample_id[rows] = rows
+        self.last_token[rows] = 0
+        self.done[rows] = True
+
     def idle(self, rows: torch.Tensor | slice = slice(None)) -> None:
         """Rows back to the state of a fresh allocation: nothing cached, done."""
         self.n_gen[rows] = 1

@@ -9,7 +9,7 @@ Use it through the engine::
     drafter.refresh()  # after every weight sync
 """
 
-from sparrow.speculative.base import AlwaysOff, Drafter, SpecDecision, StepStats, ToggleController
+from sparrow.speculative.base import AlwaysOff, Drafter, SpecDecision, StepStats, StepTimer, ToggleController
 from sparrow.speculative.costs import CostModel, expected_tokens_per_cycle
 from sparrow.speculative.drafter import DrafterConfig, QuantizedSelfDrafter
 from sparrow.speculative.rejection import rejection_sample
@@ -18,6 +18,6 @@ from sparrow.speculative.toggle import (AdaptiveDraft, AlwaysOn, CostModelToggle
 from sparrow.speculative.window import WindowedDraftAttention
 
 __all__ = ["AdaptiveDraft", "AlwaysOff", "AlwaysOn", "CostModel", "CostModelToggle", "Drafter",
-           "DrafterConfig", "QuantizedSelfDrafter", "SpecDecision", "StepStats", "ThresholdToggle",
+           "DrafterConfig", "QuantizedSelfDrafter", "SpecDecision", "StepStats", "StepTimer", "ThresholdToggle",
            "ToggleController", "WindowedDraftAttention", "always_on", "cost_model", "expected_tokens_per_cycle",
            "rejection_sample", "threshold"]

@@ -26,16 +26,14 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 from tqdm import tqdm
 
 from sparrow.compile_cache import environment_key
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparrow.rollout.engine import RolloutEngine
-    from sparrow.sampling import SamplingParams
+from sparrow.sampling import SamplingParams
+from sparrow.speculative.base import StepTimer
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("SPARROW_CACHE_DIR", Path.home() / ".cache" / "sparrow")) / "spec_costs"
 
@@ -177,8 +175,8 @@ class CostModel:
     @classmethod
     def calibrate(
         cls,
-        engine: "RolloutEngine",
-        params: "SamplingParams | None" = None,
+        engine: StepTimer,
+        params: SamplingParams | None = None,
         *,
         contexts: tuple[int, int] | None = None,
         draft_lengths: tuple[int, int] | None = None,
@@ -188,11 +186,13 @@ class CostModel:
         refresh: bool = False,
         progress: bool | None = None,
     ) -> "CostModel":
-        """Measure (or load from ``cache_dir``) the step costs of ``engine`` with its drafter, through
-        :meth:`RolloutEngine.time_step` (the engine's own compiled steps and CUDA graphs).
+        """Measure (or load from ``cache_dir``) the step costs of ``engine`` with its drafter, through its
+        :meth:`~sparrow.speculative.base.StepTimer.time_step` (for a :class:`~sparrow.rollout.RolloutEngine`: its own
+        compiled steps and CUDA graphs).
 
         Args:
-            engine: a :class:`RolloutEngine` built with a drafter; not generating.
+            engine: a :class:`~sparrow.speculative.base.StepTimer` (a rollout engine) built with a drafter; not
+                generating.
             params: sampling parameters whose processing the steps use (default ``SamplingParams()``).
             contexts: two mean context lengths to measure at (default: about 1/16 and 3/4 of the engine's
                 ``max_prompt_len + max_new_tokens``).
@@ -210,8 +210,6 @@ class CostModel:
         Raises:
             ValueError: the engine has no drafter, or contexts / draft lengths out of the engine's range.
         """
-        from sparrow.sampling import SamplingParams
-
         if engine.drafter is None:
             raise ValueError("calibrate needs an engine built with a drafter")
         params = params or SamplingParams(max_new_tokens=1)
@@ -286,16 +284,16 @@ def _fit(xs: tuple[int, int], ys: list[float]) -> tuple[float, float]:
     return (y0 - slope * x0, slope)
 
 
-def cost_key(engine: "RolloutEngine", params: "SamplingParams") -> str:
+def cost_key(engine: StepTimer, params: SamplingParams) -> str:
     """Identity of what a cost model measures: the engine's compile key (model architecture and shape, every
     layer's attention backend with its configuration, drafter, dtype, the engine options that shape a step and its
-    batch buckets: :meth:`RolloutEngine.compile_key`), the device and the library versions, and the sampling
-    processing (temperature, top-p, top-k, vocabulary limit, greedy, the number of stop ids)."""
+    batch buckets: :meth:`~sparrow.speculative.base.StepTimer.compile_key`), the device and the library versions,
+    and the sampling processing (temperature, top-p, top-k, vocabulary limit, greedy, the number of stop ids)."""
     m = engine.model
     a = m.layers[0].attn
     parts = {
         "model": f"L{len(m.layers)}-E{m.tok_embeddings.embedding_dim}-H{a.num_heads}/{a.num_kv_heads}x{a.head_dim}"
-                 f"-V{engine.vocab_size}-{type(a.backend).__name__}",
+                 f"-V{m.tok_embeddings.num_embeddings}-{type(a.backend).__name__}",
         **environment_key(engine.device),
         "processing": f"t{params.temperature}-p{params.top_p}-k{params.top_k}-v{params.vocab_limit}"
                       f"-greedy{params.greedy}-stops{len(params.stop_token_ids)}",

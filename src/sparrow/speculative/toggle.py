@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-from sparrow.speculative.base import SpecDecision, StepStats, ToggleController
+from sparrow.sampling import SamplingParams
+from sparrow.speculative.base import SpecDecision, StepStats, StepTimer, ToggleController
 from sparrow.speculative.costs import CostModel, expected_tokens_per_cycle
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparrow.rollout.engine import RolloutEngine
-    from sparrow.sampling import SamplingParams
 
 
 class AlwaysOn(ToggleController):
@@ -170,7 +167,7 @@ class CostModelToggle(ToggleController):
     ``1 + margin``.
 
     Measured block times: the calibration times the steps alone, on rows set up for it; a rollout's blocks
-    also pay the host sync and bookkeeping, on rows whose contexts and acceptance vary. Each block's
+    also pay the host read and bookkeeping, on rows whose contexts and acceptance vary. Each block's
     wall-clock time is compared with what the cost model predicts for it (``steps`` target steps, or
     ``steps`` cycles of ``k`` drafts), and an exponential average of that ratio is kept per batch bucket and
     mode (plain / speculative; ``ema_blocks`` blocks' memory, each ratio clamped to ``[1/4, 4]`` so a block
@@ -302,12 +299,12 @@ def _bucket(stats: StepStats) -> int:
 # max_active: 32}``. Each takes the engine it will steer and the sampling parameters it will run with (the cost
 # model measures that engine in that sampling mode), then its own settings.
 
-def always_on(engine: "RolloutEngine", params: "SamplingParams", *, num_draft: int = 4) -> AlwaysOn:
+def always_on(engine: StepTimer, params: SamplingParams, *, num_draft: int = 4) -> AlwaysOn:
     """Speculate at every block with ``num_draft`` draft tokens (:class:`AlwaysOn`)."""
     return AlwaysOn(num_draft)
 
 
-def threshold(engine: "RolloutEngine", params: "SamplingParams", *, max_active: int, num_draft: int = 4,
+def threshold(engine: StepTimer, params: SamplingParams, *, max_active: int, num_draft: int = 4,
               draft_lengths: Sequence[int] = ()) -> ThresholdToggle:
     """Speculate while at most ``max_active`` rows are active (:class:`ThresholdToggle`); with several
     ``draft_lengths`` the length follows the measured acceptance (:class:`AdaptiveDraft`), else ``num_draft``."""
@@ -315,9 +312,9 @@ def threshold(engine: "RolloutEngine", params: "SamplingParams", *, max_active: 
     return ThresholdToggle(max_active, num_draft, adaptive=AdaptiveDraft(lengths=lengths) if len(lengths) > 1 else None)
 
 
-def cost_model(engine: "RolloutEngine", params: "SamplingParams", *, draft_lengths: Sequence[int] = (),
+def cost_model(engine: StepTimer, params: SamplingParams, *, draft_lengths: Sequence[int] = (),
                margin: float = 0.05, hysteresis: float = 0.03, probe_every: int = 8,
-               correct_costs: bool = True) -> "CostModelToggle":
+               correct_costs: bool = True) -> CostModelToggle:
     """Speculate where the cost model, measured now on ``engine`` (or loaded from its cache), predicts a speedup
     (:class:`CostModelToggle`), at the draft length of :class:`AdaptiveDraft` over ``draft_lengths`` (default:
     its own ladder, clamped to the engine's ``max_draft``)."""
