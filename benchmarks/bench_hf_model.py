@@ -19,7 +19,11 @@ the steps: start, loading, compiling and capturing, calibration of the cost mode
 (:func:`sparrow.rl.runs.run_summary`: medians over the steps after the first). With random weights the rewards mean nothing: this shows the path works and
 what the phases cost at the shape.
 
-Usage (GPU): ``python benchmarks/bench_hf_model.py --model DIR --steps 10 --set prompts_per_step=8``.
+Usage (GPU): ``python benchmarks/bench_hf_model.py --model DIR --steps 10 --set prompts_per_step=8`` (with
+``--compile-cache WORK``, a ``bench_startup.py --work`` folder, the launches start from the compiled steps there:
+the step times are the same, the setup is a warm one).
+Where one call cannot hold both configurations: ``--configs all_off`` and ``--configs all_on`` in two calls
+(``--out A``, ``--out B``), then ``--merge A/hf_model.json B/hf_model.json``.
 CPU smoke run on a tiny directory: ``--quick`` (2 steps; the caller gives ``--model``, e.g. a tiny Qwen2.5
 directory, and ``--config`` a CPU config).
 """
@@ -31,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import REPO, base_parser, print_table, triton_interpreter_without_cuda, write_json
+from sparrow.bench import REPO, base_parser, merge_results, print_table, triton_interpreter_without_cuda, write_json
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -39,12 +43,13 @@ from sparrow.rl.launch import TOGGLES, calibrate, launch_options, launch_recipe,
 from sparrow.rl.runs import mean, plot_runs, run_summary, step_rows
 
 CONFIG = REPO / "recipes" / "configs" / "qwen2_5_0_5b_long_context.yaml"
-DRAFT_LENGTHS = {"always_on": (4,), "threshold": (4,), "cost_model": (2, 4)}
+DRAFT_LENGTHS = {"always_on": (4,), "threshold": (4,), "cost_model": (2, 4, 8)}  # cost_model: the shipped config's
 
 
 def tune_run(args, name: str, work: Path, calibration: Path | None) -> dict[str, Any]:
     out = work / name
-    run = launch_recipe(args.config, [f"model_dir={args.model}", *log_overrides(out, args.steps),
+    cache = [f"engine.compile_cache={args.compile_cache / (name + '_compile_cache')}"] if args.compile_cache else []
+    run = launch_recipe(args.config, [f"model_dir={args.model}", *log_overrides(out, args.steps), *cache,
                                       *technique_overrides(name, calibration, toggle=args.toggle,
                                                            lengths=DRAFT_LENGTHS[args.toggle]), *args.set], out=out)
     print("$", run.command, flush=True)
@@ -57,19 +62,36 @@ def tune_run(args, name: str, work: Path, calibration: Path | None) -> dict[str,
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
-    plot_runs([s for r in doc["rows"] for s in r["step_records"]], png, title=doc["config"].get("title", ""))
+    devices = ", ".join(dict.fromkeys(r.get("device") or doc["environment"].get("device") for r in doc["rows"]))
+    plot_runs([s for r in doc["rows"] for s in r["step_records"]], png,
+              title=f"{doc['config'].get('title', '')} ({devices})")
 
 
 def main() -> None:
-    p = base_parser(__doc__.split("\n\n")[0], launch_options(CONFIG, 10) + [
-        ("--toggle", list(TOGGLES), "threshold", None), ("--name", str, "hf_model", None)])
+    options = [(flag, kw | {"required": False}) if flag == "--model" else (flag, kw)
+               for flag, kw in launch_options(CONFIG, 10)]  # not needed by --merge
+    p = base_parser(__doc__.split("\n\n")[0], options + [
+        ("--toggle", list(TOGGLES), "cost_model", None), ("--name", str, "hf_model", None),
+        ("--compile-cache", dict(type=Path, default=None, help="a bench_startup.py --work folder: each configuration "
+                                                               "starts from the compile cache its launches left there "
+                                                               "(default: the run's own, empty)")),
+        ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON",
+                         help="join results of this script over other configurations into one"))])
     args = p.parse_args()
+    if args.merge:
+        out = merge_results(args.name, args.merge, identity=("config",), parts=("configs",), out_dir=args.out)
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        print(out)
+        return
+    if args.model is None:
+        p.error("--model is required (except with --merge)")
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
     names = args.configs.split(",")
-    config = {"model": json.loads((args.model / "config.json").read_text()), "steps": args.steps,
+    config = {"model": json.loads((args.model / "config.json").read_text()), "configs": names, "steps": args.steps,
               "overrides": args.set, "toggle": args.toggle, "calib_seq_len": args.calib_seq_len,
-              "calib_steps": args.calib_steps, "title": f"{args.name}: the shipped recipe on a Hugging Face directory"}
+              "calib_steps": args.calib_steps, "compile_cache": "bench_startup's" if args.compile_cache else "empty",
+              "title": f"{args.name}: the shipped recipe on a Hugging Face directory"}
     rows, extra = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

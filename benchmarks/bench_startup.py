@@ -9,26 +9,31 @@ Per configuration, two launches of the real command line sharing one ``engine.co
 dense sync codec. ``all_on``: RTPurbo attention from a ``sparrow calibrate`` of the model (done once, before, not
 timed in the launches), an int8 self-drafter with the cost-model toggle over draft lengths 2, 4, 8, and the sparse
 sync codec. Every launch gets empty Inductor and Triton cache directories of its own, so nothing but Sparrow's
-compile cache carries over. ``first_step_s``: from the launch to the moment the first step's record appears in the
+compile cache carries over; the Triton directory lies inside the Inductor one, as Inductor itself places it, so the
+compile cache takes the Triton kernels over as it does for a user who set no ``TRITON_CACHE_DIR``.
+``first_step_s``: from the launch to the moment the first step's record appears in the
 run's metric log (polled); the ``setup/*`` phases come from that record; ``steady_step_s`` is the median step time
 after the first.
 
 Usage (GPU): ``python benchmarks/bench_startup.py --model DIR`` (a Qwen2.5-0.5B-shaped Hugging Face directory) ->
 ``docs/benchmarks/startup.json``. Where one call cannot hold all four launches: ``--configs all_off`` and
-``--configs all_on`` in two calls, then ``--merge A/startup.json B/startup.json``. CPU smoke run: ``--quick`` with
+``--configs all_on`` in two calls, then ``--merge A/startup.json B/startup.json``; where one call cannot hold
+a configuration's two launches: ``--caches cold`` and ``--caches warm`` in two calls on the same machine with the same
+``--work DIR`` (the compile cache survives between them), then ``--merge``. CPU smoke run: ``--quick`` with
 ``--model`` a tiny directory and ``--set`` the overrides of a CPU run (device, precision, sizes); its JSON goes to a temporary folder unless ``--out`` is given.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import (REPO, bar_groups, base_parser, log, out_or_temp, pick, print_table, save_figure,
-                           stacked_bars, subplots, triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (REPO, bar_groups, base_parser, log, merge_results, out_or_temp, pick, print_table,
+                           save_figure, stacked_bars, subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
@@ -41,15 +46,21 @@ PHASES = ["compile_decode", "compile_draft", "compile_verify", "capture", "warmu
 TARGETS = {("all_on", "cold"): 60.0, ("all_on", "warm"): 15.0, ("all_off", "cold"): 30.0}  # seconds (DESIGN.md)
 
 
+def compile_cache(work: Path, name: str) -> Path:
+    """The compile-cache root of configuration ``name``'s launches in ``work`` (one per configuration, so a cold
+    launch of one never empties another's)."""
+    return work / f"{name}_compile_cache"
+
+
 def launch(args, name: str, cache: str, work: Path, calibration: Path | None) -> dict[str, Any]:
     """One launch of the recipe; returns its row."""
     out = work / f"{name}_{cache}"
     scratch = Path(tempfile.mkdtemp(prefix="startup_", dir=work))  # nothing cached outside the compile cache
     run = launch_recipe(args.config, [f"model_dir={args.model}", *log_overrides(out, args.steps),
-                                      f"engine.compile_cache={work / (name + '_compile_cache')}",
+                                      f"engine.compile_cache={compile_cache(work, name)}",
                                       *technique_overrides(name, calibration), *args.set],
                         out=out, env=recipe_env(TORCHINDUCTOR_CACHE_DIR=str(scratch / "inductor"),
-                                                TRITON_CACHE_DIR=str(scratch / "triton")))
+                                                TRITON_CACHE_DIR=str(scratch / "inductor" / "triton")))
     steps = run.steps
     rec = steps[0]
     row: dict[str, Any] = {"config": name, "cache": cache, "first_step_s": run.first_step_s,
@@ -62,6 +73,9 @@ def launch(args, name: str, cache: str, work: Path, calibration: Path | None) ->
     row.update({k[len("setup/"):]: v for k, v in rec.items() if k.startswith("setup/") and not k.endswith("_s")})
     row["rollout_setup_s"] = rec.get("setup/rollout_s")
     row["target_s"] = TARGETS.get((name, cache))
+    if bool(row.get("cache_warm")) != (cache == "warm"):  # e.g. --caches warm without a cold launch in --work before
+        raise SystemExit(f"{name} ({cache}): the recipe found its compile cache "
+                         f"{'warm' if row.get('cache_warm') else 'empty'}")
     return row
 
 
@@ -83,31 +97,14 @@ def plot(doc: dict[str, Any], png: Path) -> None:
                           for c in ("cold", "warm")})
     b.set(ylabel="median seconds per step after the first", title="steady-state step")
     b.legend(fontsize=8)
-    save_figure(fig, png, title=f"start-up of the shipped recipe ({doc['environment'].get('device')})")
+    devices = ", ".join(dict.fromkeys(r.get("device") or doc["environment"].get("device") for r in rows))
+    save_figure(fig, png, title=f"start-up of the shipped recipe ({devices})")
 
 
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
-    """One result from runs of this script over disjoint configurations with the same settings (a call's time limit
-    may hold only some launches). A launch's figures stand alone, so each row keeps the device and the revision of
-    the run that made it."""
-    docs = [json.loads(Path(p).read_text()) for p in paths]
-    settings = [{k: v for k, v in d["config"].items() if k != "configs"} for d in docs]
-    for path, s in zip(paths, settings):
-        if s != settings[0]:
-            raise SystemExit(f"{path}: other settings than {paths[0]}: "
-                             f"{sorted(k for k in s.keys() | settings[0].keys() if s.get(k) != settings[0].get(k))}")
-    rows, seen, extra = [], set(), {}
-    for path, d in zip(paths, docs):
-        env = d["environment"]
-        for r in d["rows"]:
-            if (r["config"], r["cache"]) in seen:
-                raise SystemExit(f"{path}: the launch {r['config']} ({r['cache']}) is in an earlier file too")
-            seen.add((r["config"], r["cache"]))
-            rows.append({**r, "device": r.get("device", env.get("device")),
-                         "git_revision": r.get("git_revision", env.get("git_revision"))})
-        extra.update({k: v for k, v in d.items() if k not in ("benchmark", "environment", "config", "rows")})
-    config = docs[0]["config"] | {"configs": list(dict.fromkeys(r["config"] for r in rows))}
-    out = write_json("startup", config, rows, out_dir=out_dir, extra=extra)
+    """One result from runs of this script over disjoint configurations or caches with the same settings
+    (:func:`~sparrow.bench.merge_results`), and its plot."""
+    out = merge_results("startup", paths, identity=("config", "cache"), parts=("configs", "caches"), out_dir=out_dir)
     plot(json.loads(out.read_text()), out.with_suffix(".png"))
     return out
 
@@ -116,8 +113,13 @@ def main() -> None:
     options = [(flag, kw | {"required": False}) if flag == "--model" else (flag, kw) for flag, kw in launch_options(
         CONFIG, 4, "GRPO steps per launch (the first one is the timed start)")]  # not needed by --merge
     p = base_parser(__doc__.split("\n\n")[0], options + [
+        ("--caches", dict(default="cold,warm", help="the launches per configuration: cold (an empty compile cache, "
+                                                    "emptied first), warm (the cache of --work as an earlier launch "
+                                                    "left it), or both in that order")),
+        ("--work", dict(type=Path, default=None, help="the launches' folder (compile cache, calibration, logs), kept "
+                                                      "for a later call's --caches warm (default: a temporary one)")),
         ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON",
-                         help="join results of this script over other configurations (--configs) into one"))])
+                         help="join results of this script over other configurations or caches into one"))])
     args = p.parse_args()
     if args.merge:
         print(merge(args.merge, args.out))
@@ -127,12 +129,15 @@ def main() -> None:
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
         args.out = out_or_temp(args.out, "startup_quick_")  # never the committed results
-    names = args.configs.split(",")
+    names, caches = args.configs.split(","), args.caches.split(",")
+    if not caches or any(c not in ("cold", "warm") for c in caches) or caches != sorted(set(caches)):
+        p.error(f"--caches {args.caches!r}: cold, warm or cold,warm")
     config = {"model": json.loads((args.model / "config.json").read_text()), "config_file": args.config.name,
-              "configs": names, "steps": args.steps, "overrides": args.set, "quick": args.quick}
+              "configs": names, "caches": caches, "steps": args.steps, "overrides": args.set, "quick": args.quick}
     rows, extra = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = args.work if args.work is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         calibration = args.calibration
         if "all_on" in names and calibration is None:
             calibration = work / "rtpurbo"
@@ -140,7 +145,9 @@ def main() -> None:
             extra["rtpurbo_calibrate_s"] = calibrate(args.model, calibration, seq_len=args.calib_seq_len,
                                                      steps=args.calib_steps)
         for name in names:
-            for cache in ("cold", "warm"):
+            for cache in caches:
+                if cache == "cold":  # nothing an earlier launch of this configuration compiled
+                    shutil.rmtree(compile_cache(work, name), ignore_errors=True)
                 rows.append(launch(args, name, cache, work, calibration))
                 path = write_json("startup", config, rows, out_dir=args.out, extra=extra)  # after every launch
     plot(json.loads(path.read_text()), path.with_suffix(".png"))

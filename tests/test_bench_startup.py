@@ -1,4 +1,4 @@
-"""``bench_startup.py --merge``: launches measured in separate calls joined into one result, refused when the runs'
+"""``bench_startup.py --merge`` and ``bench_hf_model.py --merge``: launches measured in separate calls joined into one result, refused when the runs'
 settings differ or a launch appears twice."""
 
 from __future__ import annotations
@@ -53,3 +53,33 @@ def test_merge_refuses_other_settings_and_a_launch_twice(tmp_path):
     r = _merge(a, twice, out=tmp_path / "out")
     assert r.returncode != 0 and "all_off (cold)" in r.stderr
     assert not (tmp_path / "out" / "startup.json").exists()
+
+
+HF_SCRIPT = REPO / "benchmarks" / "bench_hf_model.py"
+
+
+def _hf_result(path: Path, config: str, toggle: str = "cost_model") -> Path:
+    steps = [{"config": config, "seed": 0, "step": s, "timed": s > 1, "timed_wall_s": 2.0 * (s - 1),
+              "time/step_s": 2.0, "time/train_s": 1.5, "reward/mean": 0.5} for s in (1, 2)]
+    doc = {"benchmark": "hf_model", "environment": {"device": "NVIDIA H100 80GB HBM3", "git_revision": "abc123"},
+           "config": {"steps": 2, "toggle": toggle, "configs": [config], "title": "t"},
+           "rows": [{"config": config, "median_step_s": 2.0, "step_records": steps}]}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "hf_model.json").write_text(json.dumps(doc))
+    return path / "hf_model.json"
+
+
+def test_hf_model_merge_joins_two_calls_and_refuses_other_settings(tmp_path):
+    off, on = _hf_result(tmp_path / "a", "all_off"), _hf_result(tmp_path / "b", "all_on")
+    r = subprocess.run([sys.executable, str(HF_SCRIPT), "--merge", str(off), str(on), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "out" / "hf_model.json").read_text())
+    assert [row["config"] for row in doc["rows"]] == ["all_off", "all_on"]
+    assert doc["config"]["configs"] == ["all_off", "all_on"] and doc["environment"]["device"].startswith("NVIDIA")
+    assert (tmp_path / "out" / "hf_model.png").stat().st_size > 0
+    other = _hf_result(tmp_path / "c", "all_on", toggle="threshold")
+    r = subprocess.run([sys.executable, str(HF_SCRIPT), "--merge", str(off), str(other), "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode != 0 and "other settings" in r.stderr and "toggle" in r.stderr
+    assert not (tmp_path / "x" / "hf_model.json").exists()

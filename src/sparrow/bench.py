@@ -7,7 +7,8 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
   :func:`graphed` replays a callable as a CUDA graph, :func:`copy_bandwidth_gbs` measures the device's copy speed.
 * :func:`environment` records device, library versions, git revision and time; :func:`write_json` writes
   ``{"benchmark", "environment", "config", "rows", ...}`` with no path of the machine in it
-  (:func:`scrub_paths`), :func:`load_json` reads it back.
+  (:func:`scrub_paths`), :func:`load_json` reads it back, :func:`merge_results` joins the results of one script
+  run over parts of its rows in several calls.
 * :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`fill_defaults` (an option's
   ``--quick`` and full values), :func:`keyword_args` (options passed to the library function they configure),
   :func:`int_or_auto` and :func:`device_arg` (option types), :func:`out_or_temp` (a smoke run's JSON folder);
@@ -332,6 +333,41 @@ def write_json(name: str, config: dict[str, Any], rows: list[dict[str, Any]], ou
 def load_json(path: Path | str) -> dict[str, Any]:
     """A result :func:`write_json` wrote."""
     return json.loads(Path(path).read_text())
+
+
+def merge_results(name: str, paths: Sequence[Path | str], identity: Sequence[str], parts: Sequence[str] = (),
+                  out_dir: Path | None = None) -> Path:
+    """One result ``<out_dir>/<name>.json`` (:func:`write_json`) from results of one script run in several calls,
+    each over a part of its rows (a call's time limit may hold only some runs). Their settings must be equal but for
+    the ``config`` keys ``parts`` (which name the part: they become the lists of the rows' values of the same name
+    without the plural ``s``), and no row may appear twice (its ``identity`` fields). A row's figures stand alone,
+    so each keeps the device and the revision of the run that made it; the result's ``environment`` is the first
+file's. Keys beside ``rows`` join (later files win).
+
+    Raises:
+        SystemExit: naming the file whose settings differ (and the keys), or the row found twice.
+    """
+    docs = [load_json(p) for p in paths]
+    settings = [{k: v for k, v in d["config"].items() if k not in parts} for d in docs]
+    for path, s in zip(paths, settings):
+        if s != settings[0]:
+            raise SystemExit(f"{path}: other settings than {paths[0]}: "
+                             f"{sorted(k for k in s.keys() | settings[0].keys() if s.get(k) != settings[0].get(k))}")
+    rows, seen, extra = [], set(), {}
+    for path, d in zip(paths, docs):
+        env = d["environment"]
+        for r in d["rows"]:
+            key = tuple(r.get(k) for k in identity)
+            if key in seen:
+                label = f"{key[0]} ({', '.join(map(str, key[1:]))})" if len(key) > 1 else str(key[0])
+                raise SystemExit(f"{path}: the row {label} is in an earlier file too")
+            seen.add(key)
+            rows.append({**r, "device": r.get("device", env.get("device")),
+                         "git_revision": r.get("git_revision", env.get("git_revision"))})
+        extra.update({k: v for k, v in d.items() if k not in ("benchmark", "environment", "config", "rows")})
+    config = docs[0]["config"] | {k: list(dict.fromkeys(r.get(k[:-1]) for r in rows)) for k in parts}
+    extra["environment"] = docs[0]["environment"]  # where the runs were made (the first's), not where they were joined
+    return write_json(name, config, rows, out_dir=out_dir, extra=extra)
 
 
 def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
