@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sparrow.sync as ssync
 from sparrow.kernels.sync import api
 from sparrow.kernels.sync.common import bits_view
+from sparrow.sync.warmup import flip_lowest_bits
 
 from .conftest import TRITON_DEVICE
 
 IMPLS = ["reference"] + (["triton"] if api.triton_available() else [])
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def _state(device):
@@ -72,3 +76,42 @@ def test_warmup_catches_a_receiver_that_does_not_apply(monkeypatch):
     monkeypatch.setattr(ssync.SyncReceiver, "receive", drop)
     with pytest.raises(RuntimeError, match="does not hold the sender's bits"):
         ssync.warmup(_state("cpu"))
+
+
+def _changed_lowest_bits(before: torch.Tensor, after: torch.Tensor) -> tuple[int, bool]:
+    """How many elements differ, and whether every difference is the lowest bit alone."""
+    x = bits_view(before) ^ bits_view(after)
+    return int((x != 0).sum()), bool(((x == 0) | (x == 1)).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 700), density=st.floats(1e-4, 1.0), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 99))
+def test_flip_lowest_bits_changes_the_lowest_bit_of_about_density_of_the_elements(n, density, dtype, seed):
+    t = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    before = t.clone()
+    k = flip_lowest_bits(t, density, host=torch.Generator().manual_seed(seed),
+                         device=torch.Generator().manual_seed(seed))
+    changed, lowest_only = _changed_lowest_bits(before, t)
+    assert lowest_only
+    if n == 0:
+        assert k == 0 and changed == 0
+    elif 2 * k <= n:  # random positions: a repeat flips one fewer
+        assert 1 <= changed <= k == max(1, int(density * n))
+    else:  # most: exactly k in one wrapped run
+        assert changed == k
+
+
+def test_flip_lowest_bits_negative_control():
+    # a version that draws the run's positions at random (the old repeat problem) changes far fewer than k
+    t = torch.randn(10_000).to(torch.bfloat16)
+    before = t.clone()
+    k = int(0.9 * t.numel())
+    idx = torch.randint(0, t.numel(), (k,), generator=torch.Generator().manual_seed(0))
+    bits = bits_view(t)
+    bits[idx] = bits[idx] ^ 1
+    changed, _ = _changed_lowest_bits(before, t)
+    assert changed < 0.7 * k  # what the exact-count check above would refuse
+    t = before.clone()
+    assert _changed_lowest_bits(before, t)[0] == 0
+    flip_lowest_bits(t, 0.9, host=torch.Generator().manual_seed(0), device=torch.Generator().manual_seed(0))
+    assert _changed_lowest_bits(before, t)[0] == k

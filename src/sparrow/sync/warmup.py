@@ -55,19 +55,11 @@ def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str | WeightCode
     new = {n: t.clone(memory_format=torch.contiguous_format) for n, t in chosen.items()}
     transport = InProcessTransport()
     g = torch.Generator().manual_seed(seed)
+    devices: dict[torch.device, torch.Generator] = {}
     for density in densities:
         for t in new.values():
-            n = t.numel()
-            if n == 0:
-                continue
-            k = max(1, min(n, int(density * n)))
-            if 2 * k <= n:  # a few: random positions (a repeat now and then changes nothing that matters)
-                idx = torch.randint(0, n, (k,), generator=g)
-            else:  # most: exactly k (random draws would repeat: 90% drawn is 59% changed), a run that wraps
-                idx = (torch.randint(0, n, (1,), generator=g) + torch.arange(k)) % n
-            idx = idx.to(t.device)
-            bits = bits_view(t)
-            bits[idx] = bits[idx] ^ 1
+            dev = devices.setdefault(t.device, torch.Generator(device=t.device).manual_seed(seed))
+            flip_lowest_bits(t, density, host=g, device=dev)
         sender.send(new, transport)
         receiver.receive(transport)
     if not all(torch.equal(bits_view(held[n]), bits_view(new[n])) for n in new):
@@ -75,3 +67,25 @@ def warmup(named_tensors: Mapping[str, torch.Tensor], *, codec: str | WeightCode
     if any(t.is_cuda for t in new.values()):
         torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def flip_lowest_bits(t: torch.Tensor, density: float, *, host: torch.Generator, device: torch.Generator) -> int:
+    """Flip the lowest bit of about ``density`` of the contiguous tensor ``t``'s elements, in place; returns how many
+    positions were drawn (``k``). A few (``2k <= numel``): ``k`` random positions drawn on ``t``'s device with the
+    generator ``device`` (a repeat now and then flips one position fewer, which matters to no code path); most:
+    exactly ``k`` in one run from a random start (``host``, on the CPU) that wraps at the end (random draws repeat:
+    90% drawn is 59% changed). No index is made on the host, so a gigabyte of weights costs the host nothing."""
+    bits = bits_view(t)
+    n = bits.numel()
+    if n == 0:
+        return 0
+    k = max(1, min(n, int(density * n)))
+    if 2 * k <= n:
+        idx = torch.randint(0, n, (k,), generator=device, device=t.device)
+        bits[idx] = bits[idx] ^ 1
+    else:
+        start = int(torch.randint(0, n, (1,), generator=host))
+        head = min(k, n - start)
+        bits[start:start + head] ^= 1
+        bits[: k - head] ^= 1
+    return k
