@@ -1,7 +1,8 @@
 """The package's import graph has no circles: every module of ``src/sparrow`` reaches others only downwards, and so
 does every package reach its sibling packages (``sparrow.a.*`` never imports ``sparrow.b.*`` when ``sparrow.b.*``
 imports ``sparrow.a.*``). Every import counts: inside functions, and inside ``if TYPE_CHECKING:`` blocks (which never
-run, but a type named in a signature is still a dependency of the design)."""
+run, but a type named in a signature is still a dependency of the design). Library modules never import the benchmark
+harness ``sparrow.bench``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+HARNESS = "sparrow.bench"
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -150,6 +152,26 @@ def test_the_check_finds_a_package_circle(tmp_path):
     assert find_circle(graph) is None
     circle = find_circle(package_graph(graph))
     assert circle is not None and set(circle) == {"sparrow.x", "sparrow.y"}, circle
+
+
+def harness_importers(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of ``graph`` other than the harness that import the benchmark harness."""
+    return sorted(n for n, deps in graph.items() if HARNESS in deps and n != HARNESS)
+
+
+def test_library_never_imports_the_benchmark_harness(tmp_path):
+    """``sparrow.bench`` (timing, JSON results, option tables, figures of the benchmarks) may import the library; no
+    library module imports it (what the library measures or draws with lives in the library). Negative controls: a
+    library module importing it, in any spelling, in a function or for annotations only, is reported."""
+    graph = import_graph()
+    assert HARNESS in graph and harness_importers(graph) == []
+    text = (SRC / "sparrow" / "sync" / "roundtrip.py").read_text()
+    probes = ("from sparrow.bench import measure\n", "import sparrow.bench as b\n", "from sparrow import bench\n",
+              "def _probe():\n    from ..bench import measure\n",
+              "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sparrow.bench import measure\n")
+    for k, extra in enumerate(probes):
+        root = _write_package(tmp_path / str(k), {"bench.py": "", "sync/roundtrip.py": text + extra})
+        assert harness_importers(import_graph(root)) == ["sparrow.sync.roundtrip"], extra
 
 
 def _imported_names(path: Path) -> set[str]:
