@@ -468,7 +468,7 @@ class GRPORecipe:
     def _train_on(self, rb, version: int | None = None) -> dict[str, float]:
         """The step's updates on ``rb``; ``version``: π_old's policy version (the staleness metrics of partial
         rollout measure token ages from it)."""
-        cfg, model = self.cfg, self.model
+        cfg = self.cfg
         if int(rb.tokens.max()) >= self.vocab_limit:  # host tensors: a sample from outside the engine's support
             raise ValueError(f"step {self.step}: token id {int(rb.tokens.max())} is past the tokenizer's "
                              f"{self.vocab_limit} ids")
@@ -477,7 +477,7 @@ class GRPORecipe:
         lp_kwargs = dict(max_response_len=rb.max_response_len, sampling=self._sampling_params(),
                          chunk_size=cfg.logprob_chunk)
         updates = cfg.ppo_epochs * cfg.minibatches
-        t0 = time.perf_counter()
+        t0, old = time.perf_counter(), None
         if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)
             # in the training forward's precision: at the first update π_θ / π_old is then exactly 1 (an fp32
             # π_old against a bf16-autocast π_θ made it noise, and ran the pass in fp32 matmuls)
@@ -488,39 +488,13 @@ class GRPORecipe:
         t_logprob = time.perf_counter() - t0
         pi_old = old if updates > 1 else torch.zeros_like(rb.behaviour_logprobs)  # every token's: the tail statistic
         sums: dict[str, torch.Tensor] = {}  # on the device: one host sync per step, not per micro-batch
-        mb_size = N // cfg.minibatches
-        T, r = self.trainers, self.rank
+        mb_size, T = N // cfg.minibatches, self.trainers
         for epoch in range(cfg.ppo_epochs):
             perm = self._permutation(N)
             if T > 1 and cfg.ppo_epochs > 1:  # every trainer walks the same permutation
                 dist.broadcast(perm, src=0, group=self.mesh.get_group())
             for m in range(cfg.minibatches):
-                idx = perm[m * mb_size:(m + 1) * mb_size]
-                weights = aggregation_weights(rb.mask[idx], self.grpo)  # normalised over the whole minibatch
-                if T > 1:  # this trainer's share of the minibatch (FSDP sums the shares' gradients)
-                    part = slice(r * mb_size // T, (r + 1) * mb_size // T)
-                    idx, weights = idx[part], weights[part]
-                self.optimizer.zero_grad(set_to_none=True)
-                for s in self._micro(range(len(idx))):
-                    ids = idx[s]
-                    sub = rb.select(ids)
-                    with self._autocast():
-                        lp = self._logprobs(sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
-                    o = old[ids] if updates > 1 else lp.detach()
-                    if updates == 1:
-                        pi_old[ids] = o
-                    loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s],
-                                           self.grpo)
-                    # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's
-                    # weights, and the minibatch's gradient is their sum
-                    (loss * T).backward()
-                    for k, v in mets.items():
-                        sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
-                    sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
-                sums["grad_norm"] = gn.detach() / T  # the last update's (summed over the trainers below)
-                self.optimizer.step()
+                self._update(rb, perm[m * mb_size:(m + 1) * mb_size], old, pi_old, lp_kwargs, sums)
         sums.update(self._tail_sums(rb, pi_old, gather=updates == 1))
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in sums.values()])
         if T > 1:  # every trainer holds its rows' share of each metric
@@ -532,6 +506,38 @@ class GRPORecipe:
         if version is not None and self.partial_cfg.enabled:  # pi_old is whole on every trainer here
             metrics.update(self._staleness_metrics(rb, pi_old, version))
         return metrics
+
+    def _update(self, rb, idx: torch.Tensor, old: torch.Tensor | None, pi_old: torch.Tensor, lp_kwargs: dict[str, Any],
+                sums: dict[str, torch.Tensor]) -> None:
+        """One optimizer step on the minibatch ``idx`` of ``rb`` (this trainer's share of it when several train). Its
+        metrics are summed into ``sums`` (on the device); ``old``: π_old of the batch, None with a single update
+        (π_old is then π_θ, written into ``pi_old``)."""
+        cfg, T, r = self.cfg, self.trainers, self.rank
+        N, mb_size, updates = rb.tokens.shape[0], len(idx), cfg.ppo_epochs * cfg.minibatches
+        weights = aggregation_weights(rb.mask[idx], self.grpo)  # normalised over the whole minibatch
+        if T > 1:  # this trainer's share of the minibatch (FSDP sums the shares' gradients)
+            part = slice(r * mb_size // T, (r + 1) * mb_size // T)
+            idx, weights = idx[part], weights[part]
+        self.optimizer.zero_grad(set_to_none=True)
+        for s in self._micro(range(len(idx))):
+            ids = idx[s]
+            sub = rb.select(ids)
+            with self._autocast():
+                lp = self._logprobs(sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
+            o = old[ids] if updates > 1 else lp.detach()
+            if updates == 1:
+                pi_old[ids] = o
+            loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s], self.grpo)
+            # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's weights, and
+            # the minibatch's gradient is their sum
+            (loss * T).backward()
+            for k, v in mets.items():
+                sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
+        sums["grad_norm"] = gn.detach() / T  # the last update's (summed over the trainers below)
+        self.optimizer.step()
 
     def _staleness_metrics(self, rb, pi_old: torch.Tensor, version: int) -> dict[str, float]:
         """Partial rollout: the response tokens by version age (π_old's version minus the one that sampled them):
@@ -689,33 +695,12 @@ class GRPORecipe:
             version = self.step  # of the weights that sampled this step's newest tokens, and of π_old
             self.step += 1
             if self.is_trainer:
-                adv = group_advantages(rewards.view(-1, self.group), self.grpo.advantage_scale).flatten()
-                rb = build_rollout_batch(prompts, samples, self.group, rewards, adv, pad_id=self.tokenizer.pad_id)
-                metrics.update(self._train_on(rb, version))
-                lengths = rb.response_len.float()
-                n_tokens = int(rb.response_len.sum())
-                metrics.update({
-                    "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
-                    "reward/success_rate": float((rewards >= 1.0).float().mean()),
-                    "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
-                    "rollout/tokens_per_s": n_tokens / max(metrics["time/rollout_s"], 1e-9),
-                })
+                metrics.update(self._learn(prompts, samples, rewards, version, metrics["time/rollout_s"]))
             t0 = time.perf_counter()
             metrics.update(self._sync())
             self._wait_device()
             metrics["time/sync_total_s"] = time.perf_counter() - t0  # gather, send, apply (and check), on device
-            if self.is_rollout and self.drafter is not None:  # the drafter follows the new weights
-                t0 = time.perf_counter()
-                self.drafter.refresh()
-                metrics["time/drafter_refresh_s"] = time.perf_counter() - t0
-            if self.is_rollout:  # tokens sampled from here on carry the new version (rows in flight keep theirs)
-                self.engine.set_policy_version(self.step)
-            if self.schedule is not None:  # RTPurbo's top-p follows the tail agreement, between steps
-                metrics.update(self._schedule_step(metrics))
-            rc = cfg.get("indexer_refresh")
-            if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
-                local_prompts, local_samples = (local[0], local[1].samples)
-                metrics.update(self._refresh_indexer(local_prompts, local_samples))
+            metrics.update(self._follow_sync(metrics, local))
             self._wait_device()
             metrics["time/step_s"] = time.perf_counter() - t_step
             # compilation inside the step shows as growth of these counts (the recipe prepares the engine)
@@ -725,19 +710,58 @@ class GRPORecipe:
             if cfg.eval.every and self.step % cfg.eval.every == 0:
                 metrics.update(self._log_eval(log=False))
             if self.is_main:
-                self.history.append({"step": self.step, "reward": metrics["reward/mean"],
-                                     "wall_s": metrics["time/step_s"], **({"eval": metrics["eval/accuracy"]}
-                                                                          if "eval/accuracy" in metrics else {})})
-                metrics.update(self._take_setup_metrics())  # the first step's record carries the setup phases
-                self.metric_logger.log_dict(metrics, step=self.step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}",
-                                roll=f"{metrics['time/rollout_s']:.1f}s", train=f"{metrics['time/train_s']:.1f}s",
-                                sync=f"{metrics['time/sync_s']:.2f}s")
+                self._log_step(metrics, bar)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
             _maybe_inject_fault(self.rank, self.step)
         bar.close()
+
+    def _follow_sync(self, metrics: dict[str, float], local) -> dict[str, float]:
+        """After the sync, between steps: the drafter re-quantized, the engine's policy version moved on, RTPurbo's
+        top-p moved by the tail agreement in ``metrics`` and its indexer refreshed on this rank's rollouts ``local``
+        (every ``indexer_refresh.every`` steps); returns their metrics."""
+        out: dict[str, float] = {}
+        if self.is_rollout and self.drafter is not None:  # the drafter follows the new weights
+            t0 = time.perf_counter()
+            self.drafter.refresh()
+            out["time/drafter_refresh_s"] = time.perf_counter() - t0
+        if self.is_rollout:  # tokens sampled from here on carry the new version (rows in flight keep theirs)
+            self.engine.set_policy_version(self.step)
+        if self.schedule is not None:  # RTPurbo's top-p follows the tail agreement, between steps
+            out.update(self._schedule_step(metrics))
+        rc = self.cfg.get("indexer_refresh")
+        if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
+            local_prompts, local_samples = (local[0], local[1].samples)
+            out.update(self._refresh_indexer(local_prompts, local_samples))
+        return out
+
+    def _learn(self, prompts, samples, rewards: torch.Tensor, version: int, rollout_s: float) -> dict[str, float]:
+        """The trainer's part of a step: group advantages, the rollout batch, its updates (:meth:`_train_on`); returns
+        their metrics and the step's reward and response-length ones."""
+        adv = group_advantages(rewards.view(-1, self.group), self.grpo.advantage_scale).flatten()
+        rb = build_rollout_batch(prompts, samples, self.group, rewards, adv, pad_id=self.tokenizer.pad_id)
+        metrics = self._train_on(rb, version)
+        lengths = rb.response_len.float()
+        n_tokens = int(rb.response_len.sum())
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            "reward/success_rate": float((rewards >= 1.0).float().mean()),
+            "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
+            "rollout/tokens_per_s": n_tokens / max(rollout_s, 1e-9),
+        })
+        return metrics
+
+    def _log_step(self, metrics: dict[str, float], bar: tqdm) -> None:
+        """Rank 0: the step into the history and the metric log (the first step's record also carries the setup
+        phases), the progress bar moved on."""
+        self.history.append({"step": self.step, "reward": metrics["reward/mean"], "wall_s": metrics["time/step_s"],
+                             **({"eval": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {})})
+        metrics.update(self._take_setup_metrics())
+        self.metric_logger.log_dict(metrics, step=self.step)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}",
+                        roll=f"{metrics['time/rollout_s']:.1f}s", train=f"{metrics['time/train_s']:.1f}s",
+                        sync=f"{metrics['time/sync_s']:.2f}s")
 
     def _log_eval(self, log: bool = True) -> dict[str, float]:
         acc = self.evaluate() if self.is_rollout else 0.0
