@@ -32,7 +32,7 @@ import time
 import types
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,31 @@ from sparrow.rl.recipe_config import check_config, check_values, parse
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
 from sparrow.speculative import QuantizedSelfDrafter
 from sparrow.training import init_weights
+
+
+class _Trainer(NamedTuple):
+    """What :meth:`GRPORecipe._setup_trainer` builds on a trainer rank."""
+
+    model: torch.nn.Module  # fp32 master weights on the device (FSDP2-sharded over several trainer ranks)
+    logprobs: Callable[..., torch.Tensor]  # the model's response log-probs (one FSDP forward when sharded)
+    optimizer: torch.optim.Optimizer
+
+
+class _Rollout(NamedTuple):
+    """What :meth:`GRPORecipe._setup_rollout` builds on a rollout rank."""
+
+    model: torch.nn.Module  # the bf16 rollout copy with the configured attention
+    drafter: QuantizedSelfDrafter | None  # with a ``speculative`` section
+    engine: RolloutEngine  # prepared: compiled and captured for every batch size, its toggle built
+    rtpurbo: bool  # the copy runs RTPurbo attention
+
+
+class _Sync(NamedTuple):
+    """What :meth:`GRPORecipe._setup_sync` builds: both ends of the weight sync."""
+
+    sender: ssync.SyncSender | None  # rank 0's
+    receiver: ssync.SyncReceiver | None  # every rollout rank's
+    transport: Any  # None on a rank outside the sync (a trainer other than rank 0)
 
 
 class GRPORecipe:
@@ -126,51 +151,60 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------------------------------- setup
     def setup(self, cfg: DictConfig) -> None:
-        self._setup_distributed(cfg)
+        self.device, self.mesh, self.sync_group = self._setup_distributed(cfg)
         torch.manual_seed(cfg.seed)  # every rank draws the same batches and initial weights
-        self._setup_tokenizer(cfg)
-        self._setup_data(cfg)
-        model, ckpt = self._setup_model(cfg)
+        self.tokenizer, self.stop_ids, self.vocab_limit = self._setup_tokenizer(cfg)
+        self.reward_fn = config.instantiate(cfg.reward)
+        self.loader, self.eval_set = self._setup_data(cfg)
+        self.data_iter = iter(self.loader)
+        model = self._setup_model(cfg)
+        ckpt = latest_checkpoint(self.output_dir / "checkpoints") if cfg.resume_from_checkpoint else None
+        if ckpt is not None:
+            self.step, self.history = self._resume(ckpt, model)
+            self.data_iter = iter(self.loader)
         if self.is_rollout:  # before the trainer moves and shards the model: the rollout copy is a bf16 cast of it
-            self._setup_rollout(cfg, model)
+            self.rollout_model, self.drafter, self.engine, self.rtpurbo = self._setup_rollout(cfg, model)
         if self.is_trainer:
-            self._setup_trainer(cfg, model, ckpt)
+            self.model, self._logprobs, self.optimizer = self._setup_trainer(cfg, model, ckpt)
         del model
-        self._setup_sync(cfg)
-        self._setup_partial_rollout(cfg, ckpt)
+        self.sender, self.receiver, self.transport = self._setup_sync(cfg)
+        if self.is_rollout:  # the engine stamps tokens with the step's policy version
+            self.engine.set_policy_version(self.step)
+            self.partial = self._setup_partial_rollout(cfg, ckpt)
         if ckpt is not None:  # last: restore the random state the checkpointed run had at this step
             restore_rng_state(ckpt)
         if self.is_main:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
 
-    def _setup_distributed(self, cfg: DictConfig) -> None:
+    def _setup_distributed(self, cfg: DictConfig) -> tuple[torch.device, Any, Any]:
+        """The process group, when distributed; returns this rank's device, the trainers' FSDP mesh (None with one
+        trainer) and the sync group (rank 0 and the rollout ranks; None in one process)."""
         if self.world == 1:
-            return
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(self.device)
+            return self.device, None, None
+        device = self.device
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.dist_timeout_s))
         # collectives every rank takes part in, in this order: the trainers' FSDP mesh, the sync group
-        self.mesh = None
+        mesh = None
         if self.trainers > 1:
             from torch.distributed.device_mesh import DeviceMesh
 
-            self.mesh = DeviceMesh(self.device.type, list(range(self.trainers)))
-        self.sync_group = dist.new_group([0] + list(range(self.trainers, self.world)))
+            mesh = DeviceMesh(device.type, list(range(self.trainers)))
+        return device, mesh, dist.new_group([0] + list(range(self.trainers, self.world)))
 
-    def _setup_tokenizer(self, cfg: DictConfig) -> None:
-        """The tokenizer, the reward, the ids that stop a response and the ids a response may use."""
-        self.tokenizer = config.instantiate(cfg.tokenizer)
-        self.reward_fn = config.instantiate(cfg.reward)
-        self.stop_ids = stop_ids(self.tokenizer)
+    def _setup_tokenizer(self, cfg: DictConfig) -> tuple[Any, tuple[int, ...], int]:
+        """The tokenizer, the ids that stop a response and how many ids a response may use."""
+        tokenizer = config.instantiate(cfg.tokenizer)
         # a checkpoint's embedding often has rows past the tokenizer (Qwen2.5: 271): never sampled, never trained
-        self.vocab_limit = emittable_ids(self.tokenizer)
+        return tokenizer, stop_ids(tokenizer), emittable_ids(tokenizer)
 
-    def _setup_data(self, cfg: DictConfig) -> None:
-        """Training prompts (every rank draws the same batches; rollout ranks take disjoint slices) and the
-        held-out set, tokenized the same way."""
+    def _setup_data(self, cfg: DictConfig) -> tuple[Any, list[tuple[list[int], str]]]:
+        """The training prompts' loader (every rank draws the same batches; rollout ranks take disjoint slices) and the
+        held-out set, tokenized the same way: ``(prompt ids, answer)`` pairs."""
         max_prompt = cfg.engine.max_prompt_len
         if cfg.get("dataset") is not None:
             rows = read_jsonl(cfg.dataset)
@@ -179,21 +213,20 @@ class GRPORecipe:
             task = config.instantiate(cfg.task)
             source = TaskSource(task, seed=cfg.seed)
             eval_rows = [task.example(cfg.seed + 10_007, i) for i in range(cfg.eval.prompts)]
-        self.loader = prompt_loader(source, self.tokenizer, batch_size=self.prompts_per_step,
-                                    max_prompt_len=max_prompt, prompt_format=self.prompt_format)
-        self.data_iter = iter(self.loader)
-        self.eval_set = [(self.prompt_format.encode(self.tokenizer, e.prompt), e.answer) for e in eval_rows]
+        loader = prompt_loader(source, self.tokenizer, batch_size=self.prompts_per_step, max_prompt_len=max_prompt,
+                               prompt_format=self.prompt_format)
+        eval_set = [(self.prompt_format.encode(self.tokenizer, e.prompt), e.answer) for e in eval_rows]
         # the held-out prompts measured with this run's tokenizer and format, before anything is built or compiled
-        lengths = PromptLengths([len(p) for p, _ in self.eval_set], [len(e.prompt) for e in eval_rows])
+        lengths = PromptLengths([len(p) for p, _ in eval_set], [len(e.prompt) for e in eval_rows])
         lengths.check(max_prompt_len=max_prompt, max_new_tokens=cfg.sampling.max_new_tokens,
                       max_seq_len=cfg.model.get("max_seq_len"),
                       where="the dataset's prompts" if cfg.get("dataset") is not None else "the task's prompts")
         self._add_setup_metrics({"setup/prompt_tokens_max": float(max(lengths.tokens)),
                                  "setup/prompt_tokens_mean": sum(lengths.tokens) / len(lengths.tokens)})
+        return loader, eval_set
 
-    def _setup_model(self, cfg: DictConfig):
-        """The policy's weights on the CPU in fp32 (built, initialised or loaded, resumed); returns it and the
-        checkpoint resumed from (None for a fresh run)."""
+    def _setup_model(self, cfg: DictConfig) -> torch.nn.Module:
+        """The policy's weights on the CPU in fp32: built, then initialised or loaded."""
         model = config.instantiate(cfg.model)
         rows = model.tok_embeddings.num_embeddings
         if self.vocab_limit > rows:
@@ -202,17 +235,16 @@ class GRPORecipe:
             init_weights(model, cfg.init_std)
         if cfg.get("checkpoint") is not None:  # a Sparrow / torchtune state dict (safetensors)
             load_model_state(model, _read_weights(Path(cfg.checkpoint), "starting checkpoint"))
-        ckpt = None
-        if cfg.resume_from_checkpoint:  # weights before sharding; a sharded optimizer's state after it
-            ckpt = latest_checkpoint(self.output_dir / "checkpoints")
-            state = load_checkpoint(ckpt, model=model, optimizer=None, restore_rng=False)
-            self.step = state["step"]
-            self.history = state.get("history", [])
-            self.loader.load_state_dict(state["data"])
-            self.data_iter = iter(self.loader)
-        return model, ckpt
+        return model
 
-    def _setup_trainer(self, cfg: DictConfig, model, ckpt: Path | None) -> None:
+    def _resume(self, ckpt: Path, model) -> tuple[int, list[dict[str, float]]]:
+        """The checkpoint's weights into ``model`` (before sharding; a sharded optimizer's state comes after it) and its
+        data position into the loader; returns its step and history."""
+        state = load_checkpoint(ckpt, model=model, optimizer=None, restore_rng=False)
+        self.loader.load_state_dict(state["data"])
+        return state["step"], state.get("history", [])
+
+    def _setup_trainer(self, cfg: DictConfig, model, ckpt: Path | None) -> _Trainer:
         """The fp32 trainer (dense attention; FSDP2 over the trainer ranks), its log-prob pass and optimizer."""
         model = model.to(self.device)
         if self.trainers > 1:
@@ -225,29 +257,28 @@ class GRPORecipe:
             # the root's parameters (embeddings, final norm, lm_head) are gathered for it
             model.response_logprobs = types.MethodType(self._logprob_fn(), model)
             register_fsdp_forward_method(model, "response_logprobs")
-            self._logprobs = model.response_logprobs
+            logprobs = model.response_logprobs
         else:
-            self._logprobs = functools.partial(self._logprob_fn(), model)
-        self.model = model
-        self.optimizer = config.instantiate(cfg.optimizer, self.model.parameters())
+            logprobs = functools.partial(self._logprob_fn(), model)
+        optimizer = config.instantiate(cfg.optimizer, model.parameters())
         if ckpt is not None:
-            self._load_optimizer(ckpt)
+            _load_optimizer(ckpt, model, optimizer, sharded=self.trainers > 1)
+        return _Trainer(model, logprobs, optimizer)
 
-    def _setup_rollout(self, cfg: DictConfig, model) -> None:
+    def _setup_rollout(self, cfg: DictConfig, model) -> _Rollout:
         """The bf16 rollout copy (configured attention), the drafter, the engine compiled and captured for every
-        batch size, and the sync receiver. Version 0 of the sync: the copy holds the trainer's bf16 bits. Its phases
-        (compilation per kind of step, graph capture, calibration) show as progress bars and are logged as
-        ``setup/*`` with the first step's metrics."""
+        batch size (:meth:`_prepare_engine`). Its phases (compilation per kind of step, graph capture, calibration)
+        show as progress bars and are logged as ``setup/*`` with the first step's metrics."""
         t_setup = time.perf_counter()
-        self.rollout_model = copy.deepcopy(model)
-        use_attention(self.rollout_model, config.instantiate(cfg.attention))
-        self.rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
+        rollout_model = copy.deepcopy(model)
+        use_attention(rollout_model, config.instantiate(cfg.attention))
+        rollout_model.to(device=self.device, dtype=torch.bfloat16).eval().requires_grad_(False)
         # optional self-speculative decoding: a quantized drafter sharing the rollout copy's KV cache, and the
         # toggle that decides when and how far to draft (built on the engine: a cost model measures it)
-        spec, self.drafter, engine_cfg = cfg.get("speculative"), None, dict(cfg.engine)
+        spec, drafter, engine_cfg = cfg.get("speculative"), None, dict(cfg.engine)
         lengths: list[int] = []
         if spec is not None:
-            self.drafter = QuantizedSelfDrafter(self.rollout_model, config.instantiate(spec.drafter))
+            drafter = QuantizedSelfDrafter(rollout_model, config.instantiate(spec.drafter))
             # scratch for the longest draft the toggle can ask for: its ladder and / or its fixed length
             lengths = list(spec.toggle.get("draft_lengths") or []) + [spec.toggle.get("num_draft") or 4]
             engine_cfg["max_draft"] = max(lengths)
@@ -255,31 +286,37 @@ class GRPORecipe:
         # next run of this configuration starts warm
         engine_cfg.setdefault("compile_cache", str(self.output_dir / "compile_cache"))
         engine_cfg.setdefault("progress", self.rank == (0 if self.world == 1 else self.trainers))
-        self.engine = RolloutEngine(self.rollout_model, EngineConfig(**engine_cfg), drafter=self.drafter)
-        compiled, params = cfg.engine.get("compile", True), self._sampling_params()
-        cache = self.engine.compile_cache
-        warm = compiled and cache is not None and cache.warm  # an earlier run compiled this configuration
-        if compiled:  # every batch size compiled and captured now, not in a step; the draft lengths of the config
-            self.engine.prepare(params, draft_lengths=lengths)  # first, so a calibration only measures
+        engine = RolloutEngine(rollout_model, EngineConfig(**engine_cfg), drafter=drafter)
+        warm = self._prepare_engine(cfg, engine, rollout_model, lengths)
+        # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
+        rtpurbo = _uses_rtpurbo(rollout_model, record=not cfg.engine.get("compile", True))
+        self._add_setup_metrics(engine.setup_seconds)
+        self._add_setup_metrics({f"setup/graphs_{k}": float(n) for k, n in engine.compiled_graphs.items()})
+        self._add_setup_metrics({"setup/rollout_s": time.perf_counter() - t_setup, "setup/cache_warm": float(warm)})
+        return _Rollout(rollout_model, drafter, engine, rtpurbo)
+
+    def _prepare_engine(self, cfg: DictConfig, engine: RolloutEngine, rollout_model, draft_lengths: list[int]) -> bool:
+        """With ``engine.compile``, every batch size compiled and captured now, not in a step; the toggle built on the
+        engine (a cost model measures it: ``setup/calibrate_s``); the sparsity schedule's first tiers. Returns whether
+        the compile cache was warm (an earlier run compiled this configuration)."""
+        spec, compiled, params = cfg.get("speculative"), cfg.engine.get("compile", True), self._sampling_params()
+        cache = engine.compile_cache
+        warm = compiled and cache is not None and cache.warm
+        if compiled:  # the draft lengths of the config first, so a calibration only measures
+            engine.prepare(params, draft_lengths=draft_lengths)
         if spec is not None:
-            t0, before = time.perf_counter(), _seconds(self.engine.setup_seconds)
-            self.engine.toggle = config.instantiate(spec.toggle, engine=self.engine, params=params)
+            t0, before = time.perf_counter(), _seconds(engine.setup_seconds)
+            engine.toggle = config.instantiate(spec.toggle, engine=engine, params=params)
             # the cost model's measurement (or its load from the cache), without what it compiled or captured
-            spent = time.perf_counter() - t0 - (_seconds(self.engine.setup_seconds) - before)
+            spent = time.perf_counter() - t0 - (_seconds(engine.setup_seconds) - before)
             self._add_setup_metrics({"setup/calibrate_s": max(0.0, spent)})
-        self._setup_rtpurbo_schedule()
+        self._apply_rtpurbo_schedule(rollout_model)
         if compiled:
             if spec is not None:
-                self.engine.prepare(params)  # whatever else the toggle can ask for
+                engine.prepare(params)  # whatever else the toggle can ask for
             if cfg.eval.every:  # the greedy evaluation is a sampling mode of its own
-                self.engine.prepare(self._eval_params())
-        # RTPurbo selection statistics need host syncs: recorded only when the decode step is not compiled
-        self.rtpurbo = _uses_rtpurbo(self.rollout_model, record=not compiled)
-        self.receiver = ssync.SyncReceiver(policy_parameters(self.rollout_model), verify=cfg.sync.verify)
-        self._add_setup_metrics(self.engine.setup_seconds)
-        self._add_setup_metrics({f"setup/graphs_{k}": float(n) for k, n in self.engine.compiled_graphs.items()})
-        self._add_setup_metrics({"setup/rollout_s": time.perf_counter() - t_setup,
-                                 "setup/cache_warm": float(warm)})
+                engine.prepare(self._eval_params())
+        return warm
 
     # ------------------------------------------------------------------------------- setup phases
     def _add_setup_metrics(self, values: dict[str, float]) -> None:
@@ -305,22 +342,26 @@ class GRPORecipe:
         sec = self.cfg.get("rtpurbo_schedule")
         return None if sec is None else SparsitySchedule(config.instantiate(sec))
 
-    def _setup_rtpurbo_schedule(self) -> None:
+    def _apply_rtpurbo_schedule(self, rollout_model) -> None:
         """The schedule's first top-p tiers into the rollout copy's RTPurbo buffers (in place: graphs stay valid)."""
         if self.schedule is not None:
             try:
-                self.schedule.apply(self.rollout_model)
+                self.schedule.apply(rollout_model)
             except ValueError as e:
                 raise ValueError(f"rtpurbo_schedule needs RTPurbo rollout attention: {e}") from None
 
-    def _setup_sync(self, cfg: DictConfig) -> None:
-        """The sender on rank 0 (from the trainer's bf16 weights), codec warm-up, the transport."""
-        weights = None
+    def _setup_sync(self, cfg: DictConfig) -> _Sync:
+        """Both ends of the weight sync: the sender on rank 0 (from the trainer's bf16 weights), the receiver on every
+        rollout rank (over the rollout copy: version 0 of the sync, the trainer's bf16 bits), the codec's warm-up, the
+        transport."""
+        weights, sender, receiver = None, None, None
         if self.is_trainer:
             weights = self._trainer_bf16()  # a collective over the trainers when sharded
             if self.is_main:
-                self.sender = ssync.SyncSender(weights, codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes,
-                                               anchor_every=cfg.sync.anchor_every)
+                sender = ssync.SyncSender(weights, codec=cfg.sync.codec, bucket_bytes=cfg.sync.bucket_bytes,
+                                          anchor_every=cfg.sync.anchor_every)
+        if self.is_rollout:
+            receiver = ssync.SyncReceiver(policy_parameters(self.rollout_model), verify=cfg.sync.verify)
         if cfg.sync.codec != "dense" and self.device.type == "cuda" and (self.is_main or self.is_rollout):
             # the sparse codec's Triton kernels compile now, not inside the first sync that carries changes
             t0 = time.perf_counter()
@@ -328,21 +369,19 @@ class GRPORecipe:
                          bucket_bytes=cfg.sync.bucket_bytes)
             self._wait_device()
             self._add_setup_metrics({"setup/sync_warmup_s": time.perf_counter() - t0})
-        self.transport = None
+        transport = None
         if self.world == 1:
-            self.transport = ssync.InProcessTransport()
+            transport = ssync.InProcessTransport()
         elif self.is_main or self.is_rollout:
-            self.transport = ssync.DistributedTransport(src=0, group=self.sync_group, device=self.device)
+            transport = ssync.DistributedTransport(src=0, group=self.sync_group, device=self.device)
+        return _Sync(sender, receiver, transport)
 
-    def _setup_partial_rollout(self, cfg: DictConfig, ckpt: Path | None) -> None:
-        """The engine stamps tokens with the step's policy version; with ``partial_rollout.enabled`` each rollout
-        rank keeps its share of the groups in flight (:class:`sparrow.rl.PartialRollout`, drawing its share of each
-        batch). On resume the checkpointed groups are queued first and restart (``docs/grpo.md``)."""
-        if not self.is_rollout:
-            return
-        self.engine.set_policy_version(self.step)
+    def _setup_partial_rollout(self, cfg: DictConfig, ckpt: Path | None) -> PartialRollout | None:
+        """With ``partial_rollout.enabled``, this rollout rank's share of the groups in flight
+        (:class:`sparrow.rl.PartialRollout`, drawing its share of each batch); else None. On resume the checkpointed
+        groups are queued first and restart (``docs/grpo.md``)."""
         if not self.partial_cfg.enabled:
-            return
+            return None
         n_roll = max(1, self.world - self.trainers)
         share = self.prompts_per_step // n_roll
         lo = 0 if self.world == 1 else (self.rank - self.trainers) * share
@@ -350,19 +389,27 @@ class GRPORecipe:
         def score(row: dict[str, Any], s) -> float:
             return self.reward_fn(row["answer"], decode_response(self.tokenizer, s.tokens, self.stop_ids))
 
-        self.partial = PartialRollout(self.engine, self.partial_cfg, prompts_per_step=share,
-                                      overprovision=self.partial_cfg.overprovision // n_roll, group=self.group,
-                                      draw=lambda: next(self.data_iter)[lo: lo + share], score=score)
-        saved = json.loads((ckpt / "state.json").read_text()).get("partial") if ckpt is not None else None
-        if saved is not None:  # a synchronous run's checkpoint has none: start from its data position
-            ranks = saved["ranks"]
-            if len(ranks) != n_roll:
-                raise ValueError(f"the checkpoint {ckpt} holds the in-flight groups of {len(ranks)} rollout ranks; "
-                                 f"this run has {n_roll}")
-            mine = ranks[0 if self.world == 1 else self.rank - self.trainers]
-            self.loader.load_state_dict(mine["loader"])
-            self.data_iter = iter(self.loader)
-            self.partial.load_state_dict(mine)
+        partial = PartialRollout(self.engine, self.partial_cfg, prompts_per_step=share,
+                                 overprovision=self.partial_cfg.overprovision // n_roll, group=self.group,
+                                 draw=lambda: next(self.data_iter)[lo: lo + share], score=score)
+        if ckpt is not None:
+            self._resume_partial(ckpt, partial, n_roll)
+        return partial
+
+    def _resume_partial(self, ckpt: Path, partial: PartialRollout, n_roll: int) -> None:
+        """This rollout rank's data position and held groups from the checkpoint ``ckpt``, into the loader and
+        ``partial``; a synchronous run's checkpoint has none: its data position stands."""
+        saved = json.loads((ckpt / "state.json").read_text()).get("partial")
+        if saved is None:
+            return
+        ranks = saved["ranks"]
+        if len(ranks) != n_roll:
+            raise ValueError(f"the checkpoint {ckpt} holds the in-flight groups of {len(ranks)} rollout ranks; "
+                             f"this run has {n_roll}")
+        mine = ranks[0 if self.world == 1 else self.rank - self.trainers]
+        self.loader.load_state_dict(mine["loader"])
+        self.data_iter = iter(self.loader)
+        partial.load_state_dict(mine)
 
     # ------------------------------------------------------------------------------------------- train
     def _rollout(self, batch: list[dict[str, Any]] | None):
@@ -421,7 +468,7 @@ class GRPORecipe:
     def _train_on(self, rb, version: int | None = None) -> dict[str, float]:
         """The step's updates on ``rb``; ``version``: π_old's policy version (the staleness metrics of partial
         rollout measure token ages from it)."""
-        cfg, model = self.cfg, self.model
+        cfg = self.cfg
         if int(rb.tokens.max()) >= self.vocab_limit:  # host tensors: a sample from outside the engine's support
             raise ValueError(f"step {self.step}: token id {int(rb.tokens.max())} is past the tokenizer's "
                              f"{self.vocab_limit} ids")
@@ -430,7 +477,7 @@ class GRPORecipe:
         lp_kwargs = dict(max_response_len=rb.max_response_len, sampling=self._sampling_params(),
                          chunk_size=cfg.logprob_chunk)
         updates = cfg.ppo_epochs * cfg.minibatches
-        t0 = time.perf_counter()
+        t0, old = time.perf_counter(), None
         if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)
             # in the training forward's precision: at the first update π_θ / π_old is then exactly 1 (an fp32
             # π_old against a bf16-autocast π_θ made it noise, and ran the pass in fp32 matmuls)
@@ -441,39 +488,13 @@ class GRPORecipe:
         t_logprob = time.perf_counter() - t0
         pi_old = old if updates > 1 else torch.zeros_like(rb.behaviour_logprobs)  # every token's: the tail statistic
         sums: dict[str, torch.Tensor] = {}  # on the device: one host sync per step, not per micro-batch
-        mb_size = N // cfg.minibatches
-        T, r = self.trainers, self.rank
+        mb_size, T = N // cfg.minibatches, self.trainers
         for epoch in range(cfg.ppo_epochs):
             perm = self._permutation(N)
             if T > 1 and cfg.ppo_epochs > 1:  # every trainer walks the same permutation
                 dist.broadcast(perm, src=0, group=self.mesh.get_group())
             for m in range(cfg.minibatches):
-                idx = perm[m * mb_size:(m + 1) * mb_size]
-                weights = aggregation_weights(rb.mask[idx], self.grpo)  # normalised over the whole minibatch
-                if T > 1:  # this trainer's share of the minibatch (FSDP sums the shares' gradients)
-                    part = slice(r * mb_size // T, (r + 1) * mb_size // T)
-                    idx, weights = idx[part], weights[part]
-                self.optimizer.zero_grad(set_to_none=True)
-                for s in self._micro(range(len(idx))):
-                    ids = idx[s]
-                    sub = rb.select(ids)
-                    with self._autocast():
-                        lp = self._logprobs(sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
-                    o = old[ids] if updates > 1 else lp.detach()
-                    if updates == 1:
-                        pi_old[ids] = o
-                    loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s],
-                                           self.grpo)
-                    # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's
-                    # weights, and the minibatch's gradient is their sum
-                    (loss * T).backward()
-                    for k, v in mets.items():
-                        sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
-                    sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
-                sums["grad_norm"] = gn.detach() / T  # the last update's (summed over the trainers below)
-                self.optimizer.step()
+                self._update(rb, perm[m * mb_size:(m + 1) * mb_size], old, pi_old, lp_kwargs, sums)
         sums.update(self._tail_sums(rb, pi_old, gather=updates == 1))
         values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in sums.values()])
         if T > 1:  # every trainer holds its rows' share of each metric
@@ -485,6 +506,38 @@ class GRPORecipe:
         if version is not None and self.partial_cfg.enabled:  # pi_old is whole on every trainer here
             metrics.update(self._staleness_metrics(rb, pi_old, version))
         return metrics
+
+    def _update(self, rb, idx: torch.Tensor, old: torch.Tensor | None, pi_old: torch.Tensor, lp_kwargs: dict[str, Any],
+                sums: dict[str, torch.Tensor]) -> None:
+        """One optimizer step on the minibatch ``idx`` of ``rb`` (this trainer's share of it when several train). Its
+        metrics are summed into ``sums`` (on the device); ``old``: π_old of the batch, None with a single update
+        (π_old is then π_θ, written into ``pi_old``)."""
+        cfg, T, r = self.cfg, self.trainers, self.rank
+        N, mb_size, updates = rb.tokens.shape[0], len(idx), cfg.ppo_epochs * cfg.minibatches
+        weights = aggregation_weights(rb.mask[idx], self.grpo)  # normalised over the whole minibatch
+        if T > 1:  # this trainer's share of the minibatch (FSDP sums the shares' gradients)
+            part = slice(r * mb_size // T, (r + 1) * mb_size // T)
+            idx, weights = idx[part], weights[part]
+        self.optimizer.zero_grad(set_to_none=True)
+        for s in self._micro(range(len(idx))):
+            ids = idx[s]
+            sub = rb.select(ids)
+            with self._autocast():
+                lp = self._logprobs(sub.tokens, sub.prompt_len, sub.response_len, **lp_kwargs)
+            o = old[ids] if updates > 1 else lp.detach()
+            if updates == 1:
+                pi_old[ids] = o
+            loss, mets = grpo_loss(lp, o, sub.behaviour_logprobs, sub.advantages, sub.mask, weights[s], self.grpo)
+            # FSDP averages the trainers' gradients; each loss holds its rows' share of the minibatch's weights, and
+            # the minibatch's gradient is their sum
+            (loss * T).backward()
+            for k, v in mets.items():
+                sums[k] = sums.get(k, 0.0) + v * (len(ids) / (N * cfg.ppo_epochs))
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach() / updates
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+        gn = gn.full_tensor() if hasattr(gn, "full_tensor") else gn  # the norm over every shard
+        sums["grad_norm"] = gn.detach() / T  # the last update's (summed over the trainers below)
+        self.optimizer.step()
 
     def _staleness_metrics(self, rb, pi_old: torch.Tensor, version: int) -> dict[str, float]:
         """Partial rollout: the response tokens by version age (π_old's version minus the one that sampled them):
@@ -642,33 +695,12 @@ class GRPORecipe:
             version = self.step  # of the weights that sampled this step's newest tokens, and of π_old
             self.step += 1
             if self.is_trainer:
-                adv = group_advantages(rewards.view(-1, self.group), self.grpo.advantage_scale).flatten()
-                rb = build_rollout_batch(prompts, samples, self.group, rewards, adv, pad_id=self.tokenizer.pad_id)
-                metrics.update(self._train_on(rb, version))
-                lengths = rb.response_len.float()
-                n_tokens = int(rb.response_len.sum())
-                metrics.update({
-                    "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
-                    "reward/success_rate": float((rewards >= 1.0).float().mean()),
-                    "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
-                    "rollout/tokens_per_s": n_tokens / max(metrics["time/rollout_s"], 1e-9),
-                })
+                metrics.update(self._learn(prompts, samples, rewards, version, metrics["time/rollout_s"]))
             t0 = time.perf_counter()
             metrics.update(self._sync())
             self._wait_device()
             metrics["time/sync_total_s"] = time.perf_counter() - t0  # gather, send, apply (and check), on device
-            if self.is_rollout and self.drafter is not None:  # the drafter follows the new weights
-                t0 = time.perf_counter()
-                self.drafter.refresh()
-                metrics["time/drafter_refresh_s"] = time.perf_counter() - t0
-            if self.is_rollout:  # tokens sampled from here on carry the new version (rows in flight keep theirs)
-                self.engine.set_policy_version(self.step)
-            if self.schedule is not None:  # RTPurbo's top-p follows the tail agreement, between steps
-                metrics.update(self._schedule_step(metrics))
-            rc = cfg.get("indexer_refresh")
-            if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
-                local_prompts, local_samples = (local[0], local[1].samples)
-                metrics.update(self._refresh_indexer(local_prompts, local_samples))
+            metrics.update(self._follow_sync(metrics, local))
             self._wait_device()
             metrics["time/step_s"] = time.perf_counter() - t_step
             # compilation inside the step shows as growth of these counts (the recipe prepares the engine)
@@ -678,19 +710,58 @@ class GRPORecipe:
             if cfg.eval.every and self.step % cfg.eval.every == 0:
                 metrics.update(self._log_eval(log=False))
             if self.is_main:
-                self.history.append({"step": self.step, "reward": metrics["reward/mean"],
-                                     "wall_s": metrics["time/step_s"], **({"eval": metrics["eval/accuracy"]}
-                                                                          if "eval/accuracy" in metrics else {})})
-                metrics.update(self._take_setup_metrics())  # the first step's record carries the setup phases
-                self.metric_logger.log_dict(metrics, step=self.step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}",
-                                roll=f"{metrics['time/rollout_s']:.1f}s", train=f"{metrics['time/train_s']:.1f}s",
-                                sync=f"{metrics['time/sync_s']:.2f}s")
+                self._log_step(metrics, bar)
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
             _maybe_inject_fault(self.rank, self.step)
         bar.close()
+
+    def _follow_sync(self, metrics: dict[str, float], local) -> dict[str, float]:
+        """After the sync, between steps: the drafter re-quantized, the engine's policy version moved on, RTPurbo's
+        top-p moved by the tail agreement in ``metrics`` and its indexer refreshed on this rank's rollouts ``local``
+        (every ``indexer_refresh.every`` steps); returns their metrics."""
+        out: dict[str, float] = {}
+        if self.is_rollout and self.drafter is not None:  # the drafter follows the new weights
+            t0 = time.perf_counter()
+            self.drafter.refresh()
+            out["time/drafter_refresh_s"] = time.perf_counter() - t0
+        if self.is_rollout:  # tokens sampled from here on carry the new version (rows in flight keep theirs)
+            self.engine.set_policy_version(self.step)
+        if self.schedule is not None:  # RTPurbo's top-p follows the tail agreement, between steps
+            out.update(self._schedule_step(metrics))
+        rc = self.cfg.get("indexer_refresh")
+        if self.is_rollout and self.rtpurbo and rc and rc.every and self.step % rc.every == 0:
+            local_prompts, local_samples = (local[0], local[1].samples)
+            out.update(self._refresh_indexer(local_prompts, local_samples))
+        return out
+
+    def _learn(self, prompts, samples, rewards: torch.Tensor, version: int, rollout_s: float) -> dict[str, float]:
+        """The trainer's part of a step: group advantages, the rollout batch, its updates (:meth:`_train_on`); returns
+        their metrics and the step's reward and response-length ones."""
+        adv = group_advantages(rewards.view(-1, self.group), self.grpo.advantage_scale).flatten()
+        rb = build_rollout_batch(prompts, samples, self.group, rewards, adv, pad_id=self.tokenizer.pad_id)
+        metrics = self._train_on(rb, version)
+        lengths = rb.response_len.float()
+        n_tokens = int(rb.response_len.sum())
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+            "reward/success_rate": float((rewards >= 1.0).float().mean()),
+            "response/len_mean": float(lengths.mean()), "response/len_max": float(lengths.max()),
+            "rollout/tokens_per_s": n_tokens / max(rollout_s, 1e-9),
+        })
+        return metrics
+
+    def _log_step(self, metrics: dict[str, float], bar: tqdm) -> None:
+        """Rank 0: the step into the history and the metric log (the first step's record also carries the setup
+        phases), the progress bar moved on."""
+        self.history.append({"step": self.step, "reward": metrics["reward/mean"], "wall_s": metrics["time/step_s"],
+                             **({"eval": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {})})
+        metrics.update(self._take_setup_metrics())
+        self.metric_logger.log_dict(metrics, step=self.step)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{metrics['rollout/tokens_per_s']:.0f}",
+                        roll=f"{metrics['time/rollout_s']:.1f}s", train=f"{metrics['time/train_s']:.1f}s",
+                        sync=f"{metrics['time/sync_s']:.2f}s")
 
     def _log_eval(self, log: bool = True) -> dict[str, float]:
         acc = self.evaluate() if self.is_rollout else 0.0
@@ -731,7 +802,7 @@ class GRPORecipe:
         optim = get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         if self.is_main:
             save_checkpoint(self.output_dir / "checkpoints", self.step, model_state=weights,
-                            optimizer_state=_rekey_optimizer_state(optim, self._param_position()), state=state)
+                            optimizer_state=_rekey_optimizer_state(optim, _param_position(self.model)), state=state)
 
     def _partial_state(self) -> dict[str, Any] | None:
         """Per rollout rank: its loader state and the data rows of its held groups (restarted on resume)."""
@@ -744,21 +815,6 @@ class GRPORecipe:
         dist.all_gather_object(every, mine)
         return {"ranks": every[self.trainers:]}
 
-    def _load_optimizer(self, ckpt: Path) -> None:
-        saved = read_optimizer_state(ckpt)
-        if self.trainers == 1:
-            self.optimizer.load_state_dict(saved)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        names = {i: n for n, i in self._param_position().items()}
-        set_optimizer_state_dict(self.model, self.optimizer, _rekey_optimizer_state(saved, names),
-                                 options=StateDictOptions(full_state_dict=True))
-
-    def _param_position(self) -> dict[str, int]:
-        """Parameter name -> position in ``model.parameters()`` (the optimizer's numbering)."""
-        return {n: i for i, (n, _) in enumerate(self.model.named_parameters())}
-
     def cleanup(self) -> None:
         if self.is_main:
             self.metric_logger.close()
@@ -766,6 +822,24 @@ class GRPORecipe:
                 plot_history(self.history, self.output_dir / "reward_curve.png", title=str(self.cfg.get("name", "")))
         if self.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _load_optimizer(ckpt: Path, model, optimizer, sharded: bool) -> None:
+    """The checkpoint's optimizer state into ``optimizer`` (of ``model``, FSDP2-sharded when ``sharded``)."""
+    saved = read_optimizer_state(ckpt)
+    if not sharded:
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = {i: n for n, i in _param_position(model).items()}
+    set_optimizer_state_dict(model, optimizer, _rekey_optimizer_state(saved, names),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+def _param_position(model) -> dict[str, int]:
+    """Parameter name -> position in ``model.parameters()`` (the optimizer's numbering)."""
+    return {n: i for i, (n, _) in enumerate(model.named_parameters())}
 
 
 def _rekey_optimizer_state(sd: dict[str, Any], key: dict) -> dict[str, Any]:

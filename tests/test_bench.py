@@ -37,11 +37,18 @@ def test_write_json_round_trip(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
-def test_batch_buckets():
-    assert bench.batch_buckets(64, 2) == [1, 2, 4, 8, 16, 32, 64]
-    assert bench.batch_buckets(64, 4) == [1, 4, 16, 64]
+def test_the_library_helpers_it_re_exports():
+    """What the library measures and draws with lives in the library; the harness hands out the same objects (and
+    ``batch_buckets``, imported from ``sparrow.rollout`` when called)."""
+    from sparrow import _checkout, _device, _numerics, _report
+    from sparrow.rollout import batch_buckets
+
+    for module, names in ((_device, ("synchronize", "free_memory", "quantiles", "measure")), (_numerics, ("rel_err",)),
+                          (_report, ("format_table", "subplots", "save_figure")), (_checkout, ("REPO",))):
+        for name in names:
+            assert getattr(bench, name) is getattr(module, name), name
+    assert bench.batch_buckets(64, 4) == batch_buckets(64, 4) == [1, 4, 16, 64]
     assert bench.batch_buckets(8, 2, smallest=2) == [2, 4, 8]
-    assert bench.batch_buckets(1, 2) == [1]
 
 
 def test_density_arg(tmp_path):
@@ -172,9 +179,10 @@ def test_first_working_tries_variants_in_order(capsys):
 
 def test_triton_interpreter_only_when_asked(monkeypatch):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "import os, sparrow.bench; print(os.environ.get('TRITON_INTERPRET'))"
+    code = "import os, sys, sparrow.bench; print(os.environ.get('TRITON_INTERPRET'), 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "None"  # importing the harness leaves the environment alone
+    assert out.split()[-2:] == ["None", "False"]  # importing the harness leaves the environment alone, and Triton
+    # unimported: a script imports the harness, then points Triton at its interpreter
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     bench.triton_interpreter_without_cuda()

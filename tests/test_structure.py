@@ -1,5 +1,8 @@
-"""The package's import graph has no circles: every module of ``src/sparrow`` reaches others only downwards
-(imports inside functions count too; only ``if TYPE_CHECKING:`` blocks, which never run, do not)."""
+"""The package's import graph has no circles: every module of ``src/sparrow`` reaches others only downwards, and so
+does every package reach its sibling packages (``sparrow.a.*`` never imports ``sparrow.b.*`` when ``sparrow.b.*``
+imports ``sparrow.a.*``). Every import counts: inside functions, and inside ``if TYPE_CHECKING:`` blocks (which never
+run, but a type named in a signature is still a dependency of the design). Library modules never import the benchmark
+harness ``sparrow.bench``."""
 
 from __future__ import annotations
 
@@ -7,24 +10,21 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+HARNESS = "sparrow.bench"
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(SRC).with_suffix("").parts)
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
-    """The sparrow modules ``path`` imports, resolved to modules that exist (``from pkg import mod`` names
-    the submodule when there is one)."""
+    """The sparrow modules ``path`` imports anywhere in it, resolved to modules that exist (``from pkg import mod``
+    names the submodule when there is one)."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -43,8 +43,9 @@ def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
-    files = {_module_name(p): p for p in SRC.rglob("*.py")}
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """Module -> the modules it imports, over the ``sparrow`` package under ``root``."""
+    files = {_module_name(p, root): p for p in (root / "sparrow").rglob("*.py")}
     names = set(files)
     graph: dict[str, set[str]] = {}
     for n, p in files.items():
@@ -59,6 +60,20 @@ def import_graph() -> dict[str, set[str]]:
                     deps.add(pkg)
         graph[n] = deps
     return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Sibling -> sibling: each import ``a -> b`` of ``graph`` as an edge between the two children of their deepest
+    common package that contain them (``sparrow.rl.launch -> sparrow.rollout.config``: ``sparrow.rl ->
+    sparrow.rollout``); a circle here is one between packages, even where no two modules import each other."""
+    out: dict[str, set[str]] = {}
+    for a, deps in graph.items():
+        for b in deps:
+            pa, pb = a.split("."), b.split(".")
+            i = next(i for i in range(min(len(pa), len(pb)) + 1) if i == min(len(pa), len(pb)) or pa[i] != pb[i])
+            if i < len(pa) and i < len(pb):
+                out.setdefault(".".join(pa[: i + 1]), set()).add(".".join(pb[: i + 1]))
+    return out
 
 
 def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -88,6 +103,11 @@ def test_no_import_circles():
     assert circle is None, " -> ".join(circle)
 
 
+def test_no_package_circles():
+    circle = find_circle(package_graph(import_graph()))
+    assert circle is None, " -> ".join(circle)
+
+
 def test_the_check_finds_a_circle():
     """Negative control: the rollout and speculative packages, circle-free, get one back edge (the model
     forward passes import the engine): the check finds the circle through it."""
@@ -97,6 +117,61 @@ def test_the_check_finds_a_circle():
     graph["sparrow.rollout.forward"] = graph["sparrow.rollout.forward"] | {"sparrow.rollout.engine"}
     circle = find_circle(graph)
     assert circle is not None and circle[0] == circle[-1] and "sparrow.rollout.engine" in circle
+
+
+def _write_package(root: Path, files: dict[str, str]) -> Path:
+    """``files`` (paths under ``root/sparrow``, their text) written, every folder a package; returns ``root``."""
+    base = root / "sparrow"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        for folder in Path(rel).parents:
+            (base / folder / "__init__.py").touch()
+        (base / rel).write_text(text)
+    return root
+
+
+def test_type_only_imports_make_circles(tmp_path):
+    """Negative control: two modules that import each other only for their annotations (``if TYPE_CHECKING:``, in
+    both spellings) form a circle the check reports; a check that skips those blocks fails this."""
+    root = _write_package(tmp_path, {
+        "a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sparrow.b import B\nclass A: ...\n",
+        "b.py": "import typing\nif typing.TYPE_CHECKING:\n    from .a import A\nclass B: ...\n",
+    })
+    circle = find_circle(import_graph(root))
+    assert circle is not None and set(circle) == {"sparrow.a", "sparrow.b"}, circle
+
+
+def test_the_check_finds_a_package_circle(tmp_path):
+    """Negative control: ``sparrow.x.one`` imports ``sparrow.y.two`` and ``sparrow.y.three`` imports
+    ``sparrow.x.four`` (under ``TYPE_CHECKING``): no two modules import each other, but the packages do."""
+    root = _write_package(tmp_path, {
+        "x/one.py": "from sparrow.y.two import T\n", "x/four.py": "F = 4\n", "y/two.py": "T = 2\n",
+        "y/three.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sparrow.x.four import F\n",
+    })
+    graph = import_graph(root)
+    assert find_circle(graph) is None
+    circle = find_circle(package_graph(graph))
+    assert circle is not None and set(circle) == {"sparrow.x", "sparrow.y"}, circle
+
+
+def harness_importers(graph: dict[str, set[str]]) -> list[str]:
+    """The modules of ``graph`` other than the harness that import the benchmark harness."""
+    return sorted(n for n, deps in graph.items() if HARNESS in deps and n != HARNESS)
+
+
+def test_library_never_imports_the_benchmark_harness(tmp_path):
+    """``sparrow.bench`` (timing, JSON results, option tables, figures of the benchmarks) may import the library; no
+    library module imports it (what the library measures or draws with lives in the library). Negative controls: a
+    library module importing it, in any spelling, in a function or for annotations only, is reported."""
+    graph = import_graph()
+    assert HARNESS in graph and harness_importers(graph) == []
+    text = (SRC / "sparrow" / "sync" / "roundtrip.py").read_text()
+    probes = ("from sparrow.bench import measure\n", "import sparrow.bench as b\n", "from sparrow import bench\n",
+              "def _probe():\n    from ..bench import measure\n",
+              "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sparrow.bench import measure\n")
+    for k, extra in enumerate(probes):
+        root = _write_package(tmp_path / str(k), {"bench.py": "", "sync/roundtrip.py": text + extra})
+        assert harness_importers(import_graph(root)) == ["sparrow.sync.roundtrip"], extra
 
 
 def _imported_names(path: Path) -> set[str]:

@@ -18,6 +18,12 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
   results; :func:`save_figure` finishes it.
 * :func:`task_model` gives the trained model a benchmark runs on (a folder, or a tiny one trained now).
 
+What the library measures and draws with lives in the library and is re-exported here: :func:`measure`,
+:func:`quantiles`, :func:`synchronize`, :func:`free_memory` (``sparrow._device``), :func:`rel_err`
+(``sparrow._numerics``), :func:`format_table`, :func:`subplots`, :func:`save_figure` (``sparrow._report``),
+:data:`REPO` (``sparrow._checkout``) and :func:`batch_buckets` (:func:`sparrow.rollout.batch_buckets`). The harness
+imports the library; no library module imports the harness.
+
 A script's :func:`triton_interpreter_without_cuda`, called before anything imports triton, runs Triton kernels
 through the interpreter on a machine without CUDA, as the CPU smoke runs need.
 
@@ -39,7 +45,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,8 +54,14 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-#: the source checkout this module runs from (benchmarks run from one): results go to its ``docs/benchmarks``
-REPO = Path(__file__).resolve().parents[2]
+# what the library measures and draws with lives in the library; the harness re-exports it (each of these modules
+# imports only torch: importing the harness leaves Triton unimported)
+from sparrow._checkout import REPO
+from sparrow._device import free_memory, measure, quantiles, synchronize  # noqa: F401
+from sparrow._numerics import rel_err  # noqa: F401
+from sparrow._report import format_table, save_figure, subplots  # noqa: F401
+
+#: results go to the checkout's ``docs/benchmarks`` (benchmarks run from one)
 RESULTS_DIR = REPO / "docs" / "benchmarks"
 T0 = time.perf_counter()
 
@@ -60,23 +71,11 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
-def synchronize() -> None:
-    """Wait for the CUDA device (nothing without CUDA): call it before reading a host clock."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def device_dtype() -> tuple[torch.device, torch.dtype]:
     """``(cuda, bfloat16)`` with CUDA, else ``(cpu, float32)``: the device and precision a benchmark runs at."""
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``|x - ref| / |ref|`` (Frobenius norms, in fp32) of two tensors of one shape."""
-    ref = ref.float()
-    return float((x.float() - ref).norm() / ref.norm())
 
 
 def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
@@ -93,15 +92,6 @@ def task_model(model_dir: str | None, work: Path, quick: bool) -> str:
            str(REPO / "recipes" / "configs" / "tiny_task_model_sft.yaml"), f"output_dir={out}", "minutes=0.05"]
     subprocess.run(cmd, check=True)
     return str(out)
-
-
-def free_memory() -> None:
-    """Collect garbage and return cached CUDA memory (what an earlier, perhaps failed, run left behind)."""
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def first_working(variants: Iterable[Any], build: Callable[[Any], Any], what: str = "variant") -> tuple[Any, Any]:
@@ -165,51 +155,6 @@ def environment() -> dict[str, Any]:
         env["sm_count"] = props.multi_processor_count
         env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
     return env
-
-
-def quantiles(samples: Sequence[float]) -> dict[str, float]:
-    """``{"median_ms", "p20_ms", "p80_ms", "n"}`` of ``samples`` (milliseconds, at least one; nearest rank)."""
-    s = sorted(samples)
-    q = lambda f: s[min(len(s) - 1, max(0, round(f * (len(s) - 1))))]  # noqa: E731
-    return {"median_ms": statistics.median(s), "p20_ms": q(0.2), "p80_ms": q(0.8), "n": len(s)}
-
-
-def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, min_time_s: float = 0.0,
-            setup: Callable[[], Any] | None = None) -> dict[str, float]:
-    """Time ``fn()``; returns :func:`quantiles` of the calls in milliseconds.
-
-    ``setup`` (untimed) runs before every call, e.g. to rotate inputs or reset a cache. With CUDA the
-    region is bracketed by CUDA events; ``min_time_s`` keeps repeating past ``iters`` until that much
-    time has been measured (at most ``10 * iters`` calls).
-    """
-    for _ in range(warmup):
-        if setup is not None:
-            setup()
-        fn()
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    samples: list[float] = []
-    total = 0.0
-    while len(samples) < iters or total < min_time_s * 1e3:
-        if setup is not None:
-            setup()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        samples.append(ms)
-        total += ms
-        if len(samples) >= 10 * max(iters, 1):
-            break
-    return quantiles(samples)
 
 
 def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -371,14 +316,11 @@ file's. Keys beside ``rows`` join (later files win).
 
 
 def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
-    """Engine batch buckets: the powers of ``growth`` from ``smallest`` below ``rows``, then ``rows`` (growth 4
-    keeps every other power of two: about half the compiled steps and CUDA graphs of 2)."""
-    out, b = [], 1
-    while b < rows:
-        if b >= smallest:
-            out.append(b)
-        b *= growth
-    return out + [rows]
+    """:func:`sparrow.rollout.batch_buckets`, imported when called: importing ``sparrow.rollout`` imports Triton, which
+    a CPU run must first point at its interpreter (:func:`triton_interpreter_without_cuda`)."""
+    from sparrow.rollout.config import batch_buckets
+
+    return batch_buckets(rows, growth, smallest)
 
 
 def density_arg(value: str | None, key: str) -> list[float]:
@@ -469,30 +411,9 @@ def out_or_temp(out: Path | str | None, prefix: str, temporary: bool = True) -> 
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def format_table(rows: list[dict[str, Any]], cols: Sequence[str]) -> str:
-    """``rows`` as right-aligned columns ``cols`` under a header (floats to 4 significant digits, a missing
-    key as ``None``)."""
-    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) if rows else len(c) for c in cols}
-    lines = ["  ".join(c.rjust(widths[c]) for c in cols)]
-    lines += ["  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in cols) for r in rows]
-    return "\n".join(lines)
-
-
 def print_table(rows: list[dict[str, Any]], cols: Sequence[str]) -> None:
     """Print :func:`format_table`."""
     print(format_table(rows, cols))
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def subplots(*args: Any, **kw: Any) -> tuple[Any, Any]:
-    """``matplotlib.pyplot.subplots(*args, **kw)``: ``(figure, axes)``, with pyplot imported only once a figure is
-    drawn (a benchmark imports without matplotlib until its ``plot`` runs); :func:`save_figure` finishes it."""
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(*args, **kw)
 
 
 def plot_series(ax, rows: Iterable[dict[str, Any]], x: str, y: str | Callable[[dict], Any],
@@ -550,14 +471,3 @@ def bar_groups(ax, labels: Sequence[str], series: dict[str, Sequence[float]], wi
     for k, (name, vals) in enumerate(series.items()):
         ax.bar([i + (k - (len(series) - 1) / 2) * w for i in range(len(labels))], list(vals), w, label=name)
     ax.set_xticks(range(len(labels)), list(labels))
-
-
-def save_figure(fig, path: Path | str, title: str | None = None, dpi: int = 120) -> None:
-    """A benchmark plot's last step: title, layout, PNG, and the figure closed (``make_plots`` draws many)."""
-    import matplotlib.pyplot as plt
-
-    if title is not None:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)

@@ -139,7 +139,7 @@ def test_fixed_batch_runs_hold_the_batch(monkeypatch):
 
 
 def test_phase_tables_per_phase():
-    from sparrow.bench import format_table
+    from sparrow._report import format_table
     from sparrow.rollout.summary import phase_tables
 
     rows = [{"run": "AR", "phase": "b", "latency_s": 2.0, "bucket_tok_s": {1: 10.0}, "bucket_steps": {},

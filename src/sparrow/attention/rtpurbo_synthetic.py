@@ -16,9 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
+from sparrow._numerics import rel_err
 from sparrow.attention.base import LayerShape
 from sparrow.attention.rtpurbo import RTPurboAttention, RTPurboCache, RTPurboConfig
-from sparrow.bench import rel_err
 from sparrow.kernels.sparse_prefill import SparsePrefillConfig, sparse_prefill_attention
 
 INDEXER_DIM = 16  #: the indexer key width of the synthetic layer

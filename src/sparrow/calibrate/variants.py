@@ -28,11 +28,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from sparrow._report import save_figure, subplots
 from sparrow.attention.rtpurbo import (
     HeadProfile, IndexerWeights, RTPurboConfig, rtpurbo_attention, rtpurbo_backends,
 )
 from sparrow.attention.rtpurbo_io import save_rtpurbo
-from sparrow.bench import save_figure, subplots
 from sparrow.calibrate.data import (
     CALIBRATION_SEED, calibration_sequences, fit_sequences, kv_calibration_sequence, subset_indexer,
 )

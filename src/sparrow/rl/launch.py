@@ -38,7 +38,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from sparrow.bench import REPO, batch_buckets, free_memory
+from sparrow._checkout import REPO
+from sparrow._device import free_memory
+from sparrow.rollout.config import batch_buckets
 
 
 TOGGLES = ("always_on", "threshold", "cost_model")

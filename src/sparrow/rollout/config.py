@@ -1,6 +1,6 @@
-"""What a :class:`~sparrow.rollout.RolloutEngine` is built with (:class:`EngineConfig`) and what a request to it
-must satisfy (:func:`validate_sampling`, :func:`validate_prompts`: the checks behind ``generate``, ``start`` and
-``RolloutSession.add``)."""
+"""What a :class:`~sparrow.rollout.RolloutEngine` is built with (:class:`EngineConfig`; :func:`batch_buckets`, a
+ladder of its batch buckets) and what a request to it must satisfy (:func:`validate_sampling`,
+:func:`validate_prompts`: the checks behind ``generate``, ``start`` and ``RolloutSession.add``)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ def _flat_options(options: Mapping[str, Any], prefix: str = "") -> dict[str, Any
         flat.update(_flat_options(value, name + ".") if isinstance(value, Mapping) else {name: value})
     return flat
 
+
+def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
+    """Engine batch buckets (``EngineConfig.batch_buckets``): the powers of ``growth`` from ``smallest`` below
+    ``rows``, then ``rows`` (growth 2 is the engine's default; growth 4 keeps every other power of two: about half
+    the compiled steps and CUDA graphs of 2)."""
+    out, b = [], 1
+    while b < rows:
+        if b >= smallest:
+            out.append(b)
+        b *= growth
+    return out + [rows]
 
 
 @dataclass(frozen=True)
@@ -123,11 +134,7 @@ class EngineConfig:
         ``max_rows`` and ``max_rows``."""
         if self.batch_buckets is not None:
             return self.batch_buckets
-        b, x = [], 1
-        while x < self.max_rows:
-            b.append(x)
-            x *= 2
-        return tuple(b) + (self.max_rows,)
+        return tuple(batch_buckets(self.max_rows, 2))
 
     @property
     def num_prefixes(self) -> int:

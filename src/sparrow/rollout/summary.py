@@ -20,8 +20,9 @@ from typing import Any, Callable, Sequence
 
 from torchtune.modules import TransformerDecoder
 
+from sparrow._device import synchronize
+from sparrow._report import format_table
 from sparrow.attention import DenseAttention
-from sparrow.bench import format_table, synchronize
 from sparrow.models.attention import use_attention
 from sparrow.rollout.engine import EngineConfig, Generation, RolloutEngine
 from sparrow.sampling import SamplingParams
@@ -82,7 +83,7 @@ def bucket_comparison(rows: list[dict[str, Any]], toggled: str = "SD toggle") ->
 
 def phase_tables(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """The report of :func:`policy_runs` rows per ``phase`` (sorted), as printed: a heading ``Phase '<phase>':``
-    after a blank line, the phase's rows in ``columns`` (:func:`~sparrow.bench.format_table`) and its
+    after a blank line, the phase's rows in ``columns`` (:func:`~sparrow._report.format_table`) and its
     :func:`bucket_comparison` table (a lone ``bucket`` header when no run has bucket times). ``KeyError`` for a
     row without ``phase``, ``run`` or ``bucket_tok_s``."""
     out = []

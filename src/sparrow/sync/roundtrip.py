@@ -8,7 +8,7 @@ their own weights::
     r = round_trip(before, after, verifies=("incremental", "full"), iters=10)
     r["encode"]["median_ms"], r["apply"]["incremental"]["median_ms"], r["wire_bytes"], r["changed"]
 
-Timings come from :func:`sparrow.bench.measure` (CUDA events; ``time.perf_counter`` without CUDA). Between timed
+Timings come from :func:`sparrow._device.measure` (CUDA events; ``time.perf_counter`` without CUDA). Between timed
 calls the sender's snapshot and the receiver's weights are reset to ``base`` (untimed), so every call encodes or
 applies the same change. ``verify="incremental"`` runs in its steady state: the receiver's running hashes of
 ``base`` are known before the timed apply.
@@ -20,6 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from .._device import measure
 from ..kernels.sync.common import bits_view
 from .bucket import parse_bucket
 from .receiver import SyncReceiver
@@ -61,7 +62,7 @@ def round_trip(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
 
     Returns:
         ``{"params", "changed", "wire_bytes", "buckets", "encode", "apply"}``: element count, elements whose bit
-        pattern changed, bytes of all buckets, bucket count, the encode's :func:`sparrow.bench.quantiles` (ms) and
+        pattern changed, bytes of all buckets, bucket count, the encode's :func:`sparrow._device.quantiles` (ms) and
         ``{verify: quantiles}`` of the apply; with ``stage_reps`` also ``"encode_stages"`` (``{stage: {"gpu_ms",
         "cpu_ms"}}``) and ``"apply_stages"`` (``{verify: ...}``).
 
@@ -71,7 +72,6 @@ def round_trip(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
         TypeError: an unsupported dtype, or ``base`` and ``new`` differ in dtype.
         RuntimeError: the receiver's weights differ from ``new`` after the apply.
     """
-    from ..bench import measure  # the timing harness (imported here: it sets up the CPU interpreter on import)
 
     if set(base) != set(new) or any(base[k].shape != new[k].shape for k in base):
         raise ValueError("base and new must hold the same names and shapes")
