@@ -79,7 +79,7 @@ def main() -> None:
                          help="join results of this script over other configurations into one"))])
     args = p.parse_args()
     if args.merge:
-        out = merge_results(args.name, args.merge, identity=("config",), parts=("configs",), out_dir=args.out)
+        out = merge_results(args.name, args.merge, identity=("config",), parts={"configs": "config"}, out_dir=args.out)
         plot(json.loads(out.read_text()), out.with_suffix(".png"))
         print(out)
         return

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
-from sparrow.bench import (T0, base_parser, batch_buckets, first_working, free_memory, log, plot_series, print_table,
-                           save_figure, subplots, triton_interpreter_without_cuda, write_json)
+from sparrow.bench import (T0, base_parser, first_working, free_memory, log, plot_series, print_table, save_figure,
+                           subplots, triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 import sparrow.models as sm
-from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
+from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams, batch_buckets
 from sparrow.rollout.summary import engine_before, engine_speedups, fixed_batch_runs, phase_tables, policy_runs
 from sparrow.speculative import (AdaptiveDraft, AlwaysOff, AlwaysOn, CostModel, CostModelToggle, DrafterConfig,
                                  QuantizedSelfDrafter)

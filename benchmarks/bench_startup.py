@@ -104,7 +104,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
     """One result from runs of this script over disjoint configurations or caches with the same settings
     (:func:`~sparrow.bench.merge_results`), and its plot."""
-    out = merge_results("startup", paths, identity=("config", "cache"), parts=("configs", "caches"), out_dir=out_dir)
+    out = merge_results("startup", paths, identity=("config", "cache"), parts={"configs": "config", "caches": "cache"}, out_dir=out_dir)
     plot(json.loads(out.read_text()), out.with_suffix(".png"))
     return out
 

@@ -38,17 +38,13 @@ def test_write_json_round_trip(tmp_path):
 
 
 def test_the_library_helpers_it_re_exports():
-    """What the library measures and draws with lives in the library; the harness hands out the same objects (and
-    ``batch_buckets``, imported from ``sparrow.rollout`` when called)."""
+    """What the library measures and draws with lives in the library; the harness hands out the same objects."""
     from sparrow import _checkout, _device, _numerics, _report
-    from sparrow.rollout import batch_buckets
 
     for module, names in ((_device, ("synchronize", "free_memory", "quantiles", "measure")), (_numerics, ("rel_err",)),
                           (_report, ("format_table", "subplots", "save_figure")), (_checkout, ("REPO",))):
         for name in names:
             assert getattr(bench, name) is getattr(module, name), name
-    assert bench.batch_buckets(64, 4) == batch_buckets(64, 4) == [1, 4, 16, 64]
-    assert bench.batch_buckets(8, 2, smallest=2) == [2, 4, 8]
 
 
 def test_density_arg(tmp_path):

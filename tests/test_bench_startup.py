@@ -83,3 +83,10 @@ def test_hf_model_merge_joins_two_calls_and_refuses_other_settings(tmp_path):
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode != 0 and "other settings" in r.stderr and "toggle" in r.stderr
     assert not (tmp_path / "x" / "hf_model.json").exists()
+
+
+def test_caches_option_refuses_another_order_or_name(tmp_path):
+    for bad in ("warm,cold", "hot", "cold,cold"):
+        r = subprocess.run([sys.executable, str(SCRIPT), "--model", str(tmp_path), "--caches", bad],
+                           capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 2 and "--caches" in r.stderr, (bad, r.stderr[-500:])

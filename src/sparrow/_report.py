@@ -31,11 +31,12 @@ def subplots(*args: Any, **kw: Any) -> tuple[Any, Any]:
 
 
 def save_figure(fig, path: Path | str, title: str | None = None, dpi: int = 120) -> None:
-    """A figure's last step: title, layout, PNG, and the figure closed (a script may draw many)."""
+    """A figure's last step: title, layout, PNG (its folder made), and the figure closed (a script may draw many)."""
     import matplotlib.pyplot as plt
 
     if title is not None:
         fig.suptitle(title)
     fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)

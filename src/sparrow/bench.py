@@ -21,8 +21,8 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
 What the library measures and draws with lives in the library and is re-exported here: :func:`measure`,
 :func:`quantiles`, :func:`synchronize`, :func:`free_memory` (``sparrow._device``), :func:`rel_err`
 (``sparrow._numerics``), :func:`format_table`, :func:`subplots`, :func:`save_figure` (``sparrow._report``),
-:data:`REPO` (``sparrow._checkout``) and :func:`batch_buckets` (:func:`sparrow.rollout.batch_buckets`). The harness
-imports the library; no library module imports the harness.
+and :data:`REPO` (``sparrow._checkout``); engine batch buckets are :func:`sparrow.rollout.batch_buckets`. The
+harness imports the library; no library module imports the harness.
 
 A script's :func:`triton_interpreter_without_cuda`, called before anything imports triton, runs Triton kernels
 through the interpreter on a machine without CUDA, as the CPU smoke runs need.
@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -280,18 +280,19 @@ def load_json(path: Path | str) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def merge_results(name: str, paths: Sequence[Path | str], identity: Sequence[str], parts: Sequence[str] = (),
-                  out_dir: Path | None = None) -> Path:
+def merge_results(name: str, paths: Sequence[Path | str], identity: Sequence[str],
+                  parts: Mapping[str, str] | None = None, out_dir: Path | None = None) -> Path:
     """One result ``<out_dir>/<name>.json`` (:func:`write_json`) from results of one script run in several calls,
     each over a part of its rows (a call's time limit may hold only some runs). Their settings must be equal but for
-    the ``config`` keys ``parts`` (which name the part: they become the lists of the rows' values of the same name
-    without the plural ``s``), and no row may appear twice (its ``identity`` fields). A row's figures stand alone,
-    so each keeps the device and the revision of the run that made it; the result's ``environment`` is the first
-file's. Keys beside ``rows`` join (later files win).
+    the ``config`` keys of ``parts`` (``{config key: row field}``, e.g. ``{"configs": "config"}``: which rows a call
+    ran; the result's key lists the rows' values of that field), and no row may appear twice (its ``identity``
+    fields). A row's figures stand alone, so each keeps the device and the revision of the run that made it; the
+    result's ``environment`` is the first file's. Keys beside ``rows`` join (later files win).
 
     Raises:
         SystemExit: naming the file whose settings differ (and the keys), or the row found twice.
     """
+    parts = dict(parts or {})
     docs = [load_json(p) for p in paths]
     settings = [{k: v for k, v in d["config"].items() if k not in parts} for d in docs]
     for path, s in zip(paths, settings):
@@ -310,17 +311,9 @@ file's. Keys beside ``rows`` join (later files win).
             rows.append({**r, "device": r.get("device", env.get("device")),
                          "git_revision": r.get("git_revision", env.get("git_revision"))})
         extra.update({k: v for k, v in d.items() if k not in ("benchmark", "environment", "config", "rows")})
-    config = docs[0]["config"] | {k: list(dict.fromkeys(r.get(k[:-1]) for r in rows)) for k in parts}
+    config = docs[0]["config"] | {k: list(dict.fromkeys(r.get(f) for r in rows)) for k, f in parts.items()}
     extra["environment"] = docs[0]["environment"]  # where the runs were made (the first's), not where they were joined
     return write_json(name, config, rows, out_dir=out_dir, extra=extra)
-
-
-def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
-    """:func:`sparrow.rollout.batch_buckets`, imported when called: importing ``sparrow.rollout`` imports Triton, which
-    a CPU run must first point at its interpreter (:func:`triton_interpreter_without_cuda`)."""
-    from sparrow.rollout.config import batch_buckets
-
-    return batch_buckets(rows, growth, smallest)
 
 
 def density_arg(value: str | None, key: str) -> list[float]:

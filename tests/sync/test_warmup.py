@@ -78,40 +78,52 @@ def test_warmup_catches_a_receiver_that_does_not_apply(monkeypatch):
         ssync.warmup(_state("cpu"))
 
 
-def _changed_lowest_bits(before: torch.Tensor, after: torch.Tensor) -> tuple[int, bool]:
-    """How many elements differ, and whether every difference is the lowest bit alone."""
-    x = bits_view(before) ^ bits_view(after)
-    return int((x != 0).sum()), bool(((x == 0) | (x == 1)).all())
+def _check_flips(flip, n: int, density: float, dtype: torch.dtype, seed: int) -> None:
+    """``flip`` (as :func:`flip_lowest_bits`) on ``n`` random elements: only lowest bits change; a few drawn positions
+    change at most ``k`` and at least one element, most of them exactly ``k``."""
+    t = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    before = bits_view(t.clone())
+    k = flip(t, density, host=torch.Generator().manual_seed(seed), device=torch.Generator().manual_seed(seed))
+    x = before ^ bits_view(t)
+    changed = int((x != 0).sum())
+    assert bool(((x == 0) | (x == 1)).all()), "a bit other than the lowest changed"
+    assert k == (0 if n == 0 else max(1, min(n, int(density * n))))
+    if n and 2 * k <= n:  # random positions: a repeat flips one fewer
+        assert 1 <= changed <= k
+    else:  # most: exactly k, in one run that wraps
+        assert changed == k, (changed, k)
 
 
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 700), density=st.floats(1e-4, 1.0), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 99))
 def test_flip_lowest_bits_changes_the_lowest_bit_of_about_density_of_the_elements(n, density, dtype, seed):
-    t = torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    before = t.clone()
-    k = flip_lowest_bits(t, density, host=torch.Generator().manual_seed(seed),
-                         device=torch.Generator().manual_seed(seed))
-    changed, lowest_only = _changed_lowest_bits(before, t)
-    assert lowest_only
-    if n == 0:
-        assert k == 0 and changed == 0
-    elif 2 * k <= n:  # random positions: a repeat flips one fewer
-        assert 1 <= changed <= k == max(1, int(density * n))
-    else:  # most: exactly k in one wrapped run
-        assert changed == k
+    _check_flips(flip_lowest_bits, n, density, dtype, seed)
 
 
-def test_flip_lowest_bits_negative_control():
-    # a version that draws the run's positions at random (the old repeat problem) changes far fewer than k
-    t = torch.randn(10_000).to(torch.bfloat16)
-    before = t.clone()
-    k = int(0.9 * t.numel())
-    idx = torch.randint(0, t.numel(), (k,), generator=torch.Generator().manual_seed(0))
+def _no_wrap(t, density, *, host, device):
+    """Broken: the run of "most" stops at the end of the tensor instead of wrapping to its start."""
     bits = bits_view(t)
-    bits[idx] = bits[idx] ^ 1
-    changed, _ = _changed_lowest_bits(before, t)
-    assert changed < 0.7 * k  # what the exact-count check above would refuse
-    t = before.clone()
-    assert _changed_lowest_bits(before, t)[0] == 0
-    flip_lowest_bits(t, 0.9, host=torch.Generator().manual_seed(0), device=torch.Generator().manual_seed(0))
-    assert _changed_lowest_bits(before, t)[0] == k
+    n = bits.numel()
+    k = max(1, min(n, int(density * n)))
+    start = int(torch.randint(0, n, (1,), generator=host))
+    bits[start:start + k] ^= 1
+    return k
+
+
+def _second_bit(t, density, *, host, device):
+    """Broken: the same positions, bit 1 flipped instead of bit 0."""
+    before = bits_view(t).clone()
+    k = flip_lowest_bits(t, density, host=host, device=device)
+    bits = bits_view(t)
+    changed = bits != before
+    bits[changed] = before[changed] ^ 2
+    return k
+
+
+@pytest.mark.parametrize("broken", [_no_wrap, _second_bit], ids=["no-wrap", "second-bit"])
+def test_flip_check_negative_control(broken):
+    """The check above fails a flip that does not wrap (90% of 500 from most starts runs past the end) and one that
+    changes another bit than the lowest."""
+    with pytest.raises(AssertionError):
+        for seed in range(20):
+            _check_flips(broken, 500, 0.9, torch.bfloat16, seed)

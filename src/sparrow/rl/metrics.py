@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sparrow._report import save_figure
+
 
 class JsonlLogger:
     """torchtune's metric-logger interface (``metric_logger._component_: sparrow.rl.JsonlLogger``): appends
@@ -70,7 +72,4 @@ def plot_history(history: list[dict[str, float]], png: Path, title: str = "") ->
     ax.set(xlabel="step", ylabel="reward / accuracy", ylim=(0, 1.02), title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png)

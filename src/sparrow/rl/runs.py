@@ -26,6 +26,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from sparrow._report import save_figure
+
 # seconds the recipe logs per step as time/<phase>_s
 PHASES = ("prefill", "decode", "logprob", "train", "sync", "sync_apply", "drafter_refresh", "rollout", "step")
 # disjoint phases of one step (the rest: rewards, batching, the drafter's refresh)
@@ -269,9 +271,4 @@ def plot_runs(steps: list[dict[str, Any]], png: Path | str, title: str = "", war
     ax_p.set(ylabel="seconds (mean over the timed steps)", title="where a step's time goes")
     ax_p.legend(fontsize=7)
     ax_p.grid(alpha=0.3, axis="y")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    Path(png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, title=title or None)

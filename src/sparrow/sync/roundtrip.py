@@ -72,7 +72,6 @@ def round_trip(base: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]
         TypeError: an unsupported dtype, or ``base`` and ``new`` differ in dtype.
         RuntimeError: the receiver's weights differ from ``new`` after the apply.
     """
-
     if set(base) != set(new) or any(base[k].shape != new[k].shape for k in base):
         raise ValueError("base and new must hold the same names and shapes")
     for k in base:
