@@ -242,17 +242,19 @@ def plot(result: dict, png: Path) -> None:
     rows = result["rows"]
     breakdown = result.get("breakdown") or {}
     fig, axes = subplots(1, 3 + bool(breakdown), figsize=(16 + 5 * bool(breakdown), 4))
-    for L in sorted({r["prompt_len"] for r in rows}):
-        rs = [r for r in rows if r["prompt_len"] == L]
-        c = plot_series(axes[0], rs, "batch", "sparrow_decode_tok_s", label=f"Sparrow {L // 1024}K")[0].get_color()
-        plot_series(axes[0], rs, "batch", "hf_decode_tok_s", style="x--", color=c, label=f"transformers {L // 1024}K")
-        plot_series(axes[1], rs, "batch", "sparrow_prefill_s", color=c, label=f"Sparrow {L // 1024}K")
-        plot_series(axes[1], rs, "batch", "hf_prefill_s", style="x--", color=c, label=f"transformers {L // 1024}K")
+    # a result joined from several runs (rows with a "run" field, e.g. two revisions) draws one series per run
+    for L, run in sorted({(r["prompt_len"], r.get("run", "")) for r in rows}):
+        rs = [r for r in rows if r["prompt_len"] == L and r.get("run", "") == run]
+        at = f"{L // 1024}K" + (f" ({run})" if run else "")
+        c = plot_series(axes[0], rs, "batch", "sparrow_decode_tok_s", label=f"Sparrow {at}")[0].get_color()
+        plot_series(axes[0], rs, "batch", "hf_decode_tok_s", style="x--", color=c, label=f"transformers {at}")
+        plot_series(axes[1], rs, "batch", "sparrow_prefill_s", color=c, label=f"Sparrow {at}")
+        plot_series(axes[1], rs, "batch", "hf_prefill_s", style="x--", color=c, label=f"transformers {at}")
         for key, style, name in (("sparrow", "o-", "default"), ("off", "s:", "per-row kernel"),
                                  ("unfused", "^-.", "unfused projections"), ("tuned", "d--", "tuned"),
                                  ("before", "v:", "engine before")):
             plot_series(axes[2], rs, "batch", f"{key}_roofline_fraction", style=style, color=c,
-                        label=f"{L // 1024}K {name}")
+                        label=f"{at} {name}")
     axes[0].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="decode tokens/s",
                 title="Decode throughput")
     axes[1].set(xscale="log", yscale="log", xlabel="batch (rows)", ylabel="prefill time (s)",
