@@ -11,7 +11,9 @@ updates with truncated importance sampling against the rollout's behaviour log-p
 to the rollout copy through the configured weight codec (``sparrow.sync``), bit-exactly, and nowhere else.
 With ``shared_prefix: true`` the trainer computes each prompt once per group (one packed sequence per
 group, :func:`sparrow.rl.shared_prefix_logprobs`): the same log-probs and gradients for a fraction of the
-work when prompts are long and responses short; minibatches then hold whole groups.
+work when prompts are long and responses short; minibatches then hold whole groups. With
+``enable_activation_checkpointing: true`` each layer is recomputed in the backward pass (one layer's activations
+held at a time; the same bits).
 
 Partial rollout (``partial_rollout.enabled``): a step trains on the first ``prompts_per_step`` groups to finish and
 the others keep decoding into the next step, across the weight sync (:mod:`sparrow.rl.partial`).
@@ -475,7 +477,8 @@ class GRPORecipe:
         rb = rb.to(self.device)
         N = rb.tokens.shape[0]
         lp_kwargs = dict(max_response_len=rb.max_response_len, sampling=self._sampling_params(),
-                         chunk_size=cfg.logprob_chunk)
+                         chunk_size=cfg.logprob_chunk,
+                         checkpoint_layers=bool(cfg.get("enable_activation_checkpointing", False)))
         updates = cfg.ppo_epochs * cfg.minibatches
         t0, old = time.perf_counter(), None
         if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)

@@ -118,3 +118,41 @@ def test_shared_prefix_refuses_rows_that_do_not_share_their_prompt():
     longer[4] += 1
     with pytest.raises(ValueError, match="do not share their prompt"):
         shared_prefix_logprobs(_MODEL, tokens, longer, rlen, group=3, max_response_len=6)
+
+
+# -- activation checkpointing: the same bits, fewer saved activations ---------------------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().view(torch.int32)
+
+
+def _run_saving(fn, checkpoint_layers: bool, **kw):
+    """(log-probs, gradients, bytes the autograd graph saved outside checkpointed regions) of one backward."""
+    model = _MODEL
+    model.zero_grad()
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp = fn(model, *kw.pop("batch"), sampling=SamplingParams(temperature=0.8), chunk_size=5,
+                checkpoint_layers=checkpoint_layers, **kw)
+    (lp * torch.linspace(0.5, 1.5, lp.numel()).view_as(lp)).sum().backward()
+    return lp, [p.grad.clone() for p in model.parameters()], sum(saved)
+
+
+@pytest.mark.parametrize("fn,kw", [pytest.param(response_logprobs, {}, id="per-row"),
+                                   pytest.param(shared_prefix_logprobs, {"group": 3}, id="shared-prefix")])
+def test_activation_checkpointing_gives_the_same_bits_and_saves_less(fn, kw, monkeypatch):
+    batch = _group_batch([7, 4], [5, 8, 3, 6, 2, 7], 3, seed=3)
+    L = int(batch[2].max())
+    lp0, g0, saved0 = _run_saving(fn, False, batch=batch, max_response_len=L, **kw)
+    lp1, g1, saved1 = _run_saving(fn, True, batch=batch, max_response_len=L, **kw)
+    assert torch.equal(_bits(lp0), _bits(lp1))
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(g0, g1))
+    assert saved1 < saved0 / 2, (saved1, saved0)  # the layers' activations are no longer kept
+    # negative control: a checkpoint that keeps everything (the layer called directly) saves as much as none
+    monkeypatch.setattr(lp_mod, "checkpoint", lambda f, *a, use_reentrant, **k: f(*a, **k))
+    _, _, broken = _run_saving(fn, True, batch=batch, max_response_len=L, **kw)
+    assert not broken < saved0 / 2

@@ -254,7 +254,8 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
                      context: int = 8192, max_asked: int | None = None, reward: str = "exact_match", group: int = 8,
                      prompts_per_step: int = 8, max_new: int = 8, steps: int = 8, eval_prompts: int = 64,
                      lr: float = 1e-5, minibatches: int = 2, micro_batch: int = 32, block_steps: int = 16,
-                     bucket_growth: int = 4, compile: bool = True, shared_prefix: bool = True) -> dict[str, Any]:
+                     bucket_growth: int = 4, compile: bool = True, shared_prefix: bool = True,
+                     activation_checkpointing: bool = False) -> dict[str, Any]:
     """A complete ``sparrow_grpo`` recipe config (a plain dict) with every technique off: dense attention, no
     speculation, the dense sync codec; the run :func:`technique_config` switches techniques on in.
 
@@ -262,7 +263,8 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
     ``task`` / ``reward`` are keys of :data:`TASKS` / :data:`REWARDS` (``max_asked`` goes to the task); prompts of
     ``context`` tokens, ``prompts_per_step`` x ``group`` rows a step, ``max_new`` new tokens, ``steps`` steps, held-out
     accuracy on ``eval_prompts`` prompts at the start and end (0: none); AdamW at ``lr`` (fused on CUDA), bf16 mixed
-    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``.
+    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``;
+    ``shared_prefix`` / ``activation_checkpointing``: the trainer's packed groups and per-layer recomputation.
     ``output_dir`` and the metric logger's ``log_dir`` are left ``None``. ``ValueError`` for an unknown task or
     reward."""
     if task not in TASKS or reward not in REWARDS:
@@ -286,7 +288,8 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": max_new},
         "group_size": group, "prompts_per_step": prompts_per_step, "ppo_epochs": 1,
         "minibatches": minibatches, "micro_batch_size": micro_batch, "logprob_chunk": 4096,
-        "shared_prefix": shared_prefix, "max_grad_norm": 1.0,
+        "shared_prefix": shared_prefix, "enable_activation_checkpointing": activation_checkpointing,
+        "max_grad_norm": 1.0,
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": lr, "betas": [0.9, 0.999], "weight_decay": 0.0,
                       **({"fused": True} if cuda else {})},
         "loss": {"clip_low": 0.2, "clip_high": 0.28, "aggregation": "token_mean", "advantage_scale": "group",
@@ -321,6 +324,9 @@ def grpo_options() -> list[tuple]:
         ("--bucket-growth", int, 4, "engine batch buckets are powers of this (4: about half the CUDA graphs of 2)"),
         ("--shared-prefix", dict(action=argparse.BooleanOptionalAction, default=True,
                                  help="trainer computes each prompt once per group (in every configuration)")),
+        ("--activation-checkpointing", dict(action=argparse.BooleanOptionalAction, default=False,
+                                            help="trainer recomputes each layer in the backward pass (long "
+                                                 "contexts: one layer's activations held at once)")),
         ("--no-compile", dict(dest="compile", action="store_false", default=None,
                               help="eager decode steps (default on CUDA: compile + CUDA graphs; CPU / quick: eager)"))]
 

@@ -55,7 +55,7 @@ def _recipe_keys() -> dict[str, Any]:
         "eval": {"every", "prompts"},
         "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
         "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "shared_prefix": None,
-        "total_steps": None, "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None,
+        "enable_activation_checkpointing": None, "total_steps": None, "checkpoint_every": None, "resume_from_checkpoint": None, "plot": None,
         "init_std": None, "trainer_ranks": None, "speculative": SPECULATIVE_KEYS,
         "indexer_refresh": INDEXER_REFRESH_KEYS, "rtpurbo_schedule": COMPONENT,
         "partial_rollout": {f.name for f in dataclasses.fields(PartialRolloutConfig)},
@@ -64,7 +64,8 @@ def _recipe_keys() -> dict[str, Any]:
 
 RECIPE_KEYS: dict[str, Any] = _recipe_keys()
 OPTIONAL = {"name", "model_dir", "task", "dataset", "prompt", "checkpoint", "init_std", "speculative",
-            "indexer_refresh", "trainer_ranks", "shared_prefix", "rtpurbo_schedule", "partial_rollout"}
+            "indexer_refresh", "trainer_ranks", "shared_prefix", "enable_activation_checkpointing", "rtpurbo_schedule",
+            "partial_rollout"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any] = RECIPE_KEYS,
@@ -110,6 +111,9 @@ def check_values(cfg: DictConfig) -> None:
                      ("micro_batch_size", 1), ("logprob_chunk", 1), ("total_steps", 0), ("checkpoint_every", 0),
                      ("dist_timeout_s", 1)):
         _int_at_least(cfg[key], low, key)
+    for key in ("shared_prefix", "enable_activation_checkpointing"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")
     if not cfg.max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0, got {cfg.max_grad_norm}")
     if (cfg.prompts_per_step * cfg.group_size) % cfg.minibatches:
