@@ -9,11 +9,19 @@ training families (:data:`sparrow.training.FAMILIES`), the model a ``model`` com
 ``output_dir/model.safetensors`` (the GRPO recipe's ``checkpoint``) and ``output_dir/report.json`` (the builder,
 the run, the held-out accuracy table measured on the saved weights). ``seeds: [a, b, ...]`` trains one model per
 seed at once, in separate processes, and keeps the best. Deterministic by seed on one thread count.
+
+``checkpoint_every_s: S`` writes the whole training state (fp32 weights, optimizer, the trainer's counters,
+curriculum and data stream) to ``output_dir/train_state`` every ``S`` seconds, atomically, keeping the latest;
+``resume: true`` continues from it with the rest of ``minutes`` / ``steps`` (the same config, but for
+``resume``, ``checkpoint_every_s`` and ``log_every_s``): a run stopped by a time limit loses at most ``S`` seconds,
+and a run of ``steps`` ends with the same weights, bit for bit, as one never stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,6 +30,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config
 
+from sparrow.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from sparrow.rl.recipe_config import COMPONENT, check_config, has_component, parse
 from sparrow.training import (
     EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
@@ -32,13 +41,18 @@ from sparrow.training import (
 _fields = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
 KEYS = {
     "name": None, "output_dir": None, "seed": None, "seeds": None, "device": None, "steps": None, "minutes": None,
-    "log_every_s": None, "save_dtype": None, "task": COMPONENT, "mix": None, "model": COMPONENT,
+    "log_every_s": None, "checkpoint_every_s": None, "resume": None, "save_dtype": None, "task": COMPONENT,
+    "mix": None, "model": COMPONENT,
     "init": {"std", "residual_scaling", "zero_bias"},
     "data": {"seed", "tokens_per_step", "batch_size", "min_examples", "workers"},
     "curriculum": _fields(CurriculumConfig), "loss": _fields(LossConfig), "optimizer": _fields(OptimizerConfig),
     "eval": _fields(EvalConfig),
 }
-OPTIONAL = ("name", "seeds", "steps", "minutes", "log_every_s", "task", "mix", "data", "curriculum", "loss", "eval")
+OPTIONAL = ("name", "seeds", "steps", "minutes", "log_every_s", "checkpoint_every_s", "resume", "task", "mix", "data",
+            "curriculum", "loss", "eval")
+STATE_DIR = "train_state"  # under output_dir: the latest training state (checkpoint_every_s, resume)
+#: keys a resumed run may set otherwise than the run it continues
+RESUME_FREE = ("resume", "checkpoint_every_s", "log_every_s")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -51,6 +65,11 @@ class SFTRecipe:
             raise ValueError("the config needs a task or a mix (not both): set task=null or mix=null")
         if cfg.save_dtype not in DTYPES:
             raise ValueError(f"save_dtype must be one of {sorted(DTYPES)}, got {cfg.save_dtype!r}")
+        every = cfg.get("checkpoint_every_s")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, (int, float)) or every < 0):
+            raise ValueError(f"checkpoint_every_s must be a number of seconds >= 0 (0: none), got {every!r}")
+        if cfg.get("resume") is not None and not isinstance(cfg.resume, bool):
+            raise ValueError(f"resume must be true or false, got {cfg.resume!r}")
         self.cfg, self.output_dir, self.device = cfg, Path(cfg.output_dir), torch.device(cfg.device)
         self.t0 = time.perf_counter()
 
@@ -63,6 +82,8 @@ class SFTRecipe:
         self.source = self._setup_data(cfg)
         self.model = self._setup_model(cfg)
         self.trainer = Trainer(self.model, self.train_cfg, self.source, eval_tasks=self.eval_tasks, log=self.log)
+        if cfg.get("resume"):
+            self._resume(cfg)
 
     def _setup_config(self, cfg: DictConfig) -> TrainConfig:
         """The run's config dataclasses (each validates its section)."""
@@ -105,7 +126,37 @@ class SFTRecipe:
     def train(self) -> None:
         self.log(f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters, device "
                  f"{self.device}, mix {self.mix}")
-        self.stats = self.trainer.train()
+        every = float(self.cfg.get("checkpoint_every_s") or 0)
+        self.stats = self.trainer.train(checkpoint=self.save_state if every else None, checkpoint_every_s=every)
+
+    def _identity(self) -> dict:
+        """The config a resumed run must share with the run it continues."""
+        return {k: v for k, v in OmegaConf.to_container(self.cfg, resolve=True).items() if k not in RESUME_FREE}
+
+    def save_state(self) -> None:
+        """The whole training state to ``output_dir/train_state`` (atomically; older states removed after)."""
+        t = time.perf_counter()
+        root = self.output_dir / STATE_DIR
+        path = save_checkpoint(root, self.trainer.step, model=self.model, optimizer=self.trainer.optimizer,
+                               state={"trainer": self.trainer.state_dict(), "config": self._identity()})
+        for old in root.glob("step_*"):
+            if old != path:
+                shutil.rmtree(old)
+        self.log(f"training state at step {self.trainer.step} in {time.perf_counter() - t:.1f} s: {path}")
+
+    def _resume(self, cfg: DictConfig) -> None:
+        """Continue from ``output_dir/train_state``. ``FileNotFoundError`` when there is none, ``ValueError``
+        naming the keys when it comes from another config; nothing is loaded then."""
+        path = latest_checkpoint(self.output_dir / STATE_DIR)
+        state = json.loads((path / "state.json").read_text())
+        saved, now = state["config"], self._identity()
+        differ = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if differ:
+            raise ValueError(f"resume: {path} was written by a run with other values of {differ}; only "
+                             f"{list(RESUME_FREE)} may change")
+        load_checkpoint(path, model=self.model, optimizer=self.trainer.optimizer)
+        self.trainer.load_state_dict(state["trainer"])
+        self.log(f"resumed from step {self.trainer.step} ({self.trainer.run.elapsed_s:.0f} s of training done): {path}")
 
     def save_checkpoint(self) -> None:
         cfg, top = self.cfg, self.train_cfg.curriculum.max_context

@@ -106,6 +106,8 @@ def test_unknown_key_fails_before_training(tmp_path):
     pytest.param(["mix={kv: 1.0}"], "a task or a mix", id="task-and-mix"),
     pytest.param(["loss.answer_mean=row"], "answer_mean one of", id="bad-value"),
     pytest.param(["save_dtype=float16"], "save_dtype must be one of", id="dtype"),
+    pytest.param(["checkpoint_every_s=-1"], "checkpoint_every_s must be a number of seconds >= 0", id="every"),
+    pytest.param(["resume=maybe"], "resume must be true or false, got 'maybe'", id="resume"),
     pytest.param(["model.max_seq_len=50"], "max_seq_len 50 is too short", id="short-model"),
     pytest.param(["eval.tasks=[kv_retrieval]"], "eval.tasks: unknown or none ['kv_retrieval']", id="eval-task"),
 ])
@@ -120,3 +122,48 @@ def test_config_errors_fail_in_setup(tmp_path, overrides, message):
         SFTRecipe(cfg).setup(cfg)
     assert message in str(err.value)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_run_stopped_by_a_time_limit_resumes_to_the_same_bits(tmp_path):
+    """checkpoint_every_s keeps the latest training state; resume: true continues it to the weights a run never
+    stopped ends with, bit for bit. Another config, or no state at all, is refused before anything loads."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from sparrow_sft import STATE_DIR, SFTRecipe
+
+    from sparrow.rl.recipe_config import load_config
+
+    def recipe(out, *overrides):
+        cfg = load_config(CONFIGS / "tiny_kv_retrieval_sft.yaml", [f"output_dir={out}", *TINY, "steps=5", *overrides])
+        r = SFTRecipe(cfg)
+        r.setup(cfg)
+        return r
+
+    def finish(r):
+        r.train()
+        r.save_checkpoint()
+        r.cleanup()
+        return load_file(str(r.output_dir / "model.safetensors"))
+
+    whole = finish(recipe(tmp_path / "whole"))
+    stopped = recipe(tmp_path / "stopped", "checkpoint_every_s=1e-9")
+    save = stopped.save_state
+
+    def save_then_stop():  # the call's time limit, right after the state of step 2 is on disk
+        save()
+        if stopped.trainer.step == 2:
+            raise KeyboardInterrupt
+
+    stopped.save_state = save_then_stop
+    with pytest.raises(KeyboardInterrupt):
+        stopped.train()
+    stopped.cleanup()
+    assert [p.name for p in (tmp_path / "stopped" / STATE_DIR).glob("step_*")] == ["step_000002"]  # latest only
+    with pytest.raises(ValueError, match=r"other values of \['optimizer'\]; only \['resume', 'checkpoint_every_s', "):
+        recipe(tmp_path / "stopped", "resume=true", "optimizer.lr=2e-3")
+    resumed = recipe(tmp_path / "stopped", "resume=true", "checkpoint_every_s=0")
+    assert resumed.trainer.step == 2
+    again = finish(resumed)
+    assert resumed.stats["resumed_at"] == [2] and resumed.stats["steps"] == 5
+    assert all(torch.equal(whole[k].view(torch.int32), again[k].view(torch.int32)) for k in whole)
+    with pytest.raises(FileNotFoundError, match="no checkpoint to resume from"):
+        recipe(tmp_path / "never", "resume=true")

@@ -191,3 +191,73 @@ def test_chunked_loss_equals_the_whole_logits_loss(chunk, cfg):
     assert torch.equal(moved.loss, parts.loss)
     with pytest.raises(ValueError, match="logits_chunk"):
         LossConfig(logits_chunk=-1)
+
+
+# -- resuming: the same bits as a run never stopped ----------------------------------------------------------------
+class _Stop(Exception):
+    pass
+
+
+def _resumable(workers: int):
+    torch.manual_seed(0)
+    model = tiny_qwen2(vocab_size=48, max_seq_len=80)
+    init_weights(model, 0.02)
+    families = {"kv": lambda n: KVRetrieval(n, key_len=1, value_len=2),
+                "kv1": lambda n: KVRetrieval(n, key_len=1, value_len=1)}
+    source = TaskMixStream(families, {"kv": 2.0, "kv1": 1.0}, seed=1, batch_size=6, workers=workers, prefetch=2)
+    cfg = TrainConfig(steps=8, log_every_s=1e9, eval=EvalConfig(tasks=("kv",), every_s=0),
+                      curriculum=CurriculumConfig(min_context=32, max_context=64, mode="time", ramp=0.5),
+                      optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2))
+    return model, Trainer(model, cfg, source, log=lambda _: None)
+
+
+@pytest.mark.parametrize("workers", [pytest.param(0, id="in-process"), pytest.param(2, id="workers-prefetching")])
+def test_a_resumed_run_ends_with_the_same_bits(tmp_path, workers, monkeypatch):
+    from sparrow.rl import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    bits = lambda m: {k: v.view(torch.int32).clone() for k, v in m.state_dict().items()}  # noqa: E731
+    model, trainer = _resumable(workers)
+    trainer.train()
+    trainer.source.close()
+    whole = bits(model)
+
+    model, trainer = _resumable(workers)
+
+    def checkpoint():  # a time limit after step 3, as a killed process sees it
+        save_checkpoint(tmp_path, trainer.step, model=model, optimizer=trainer.optimizer,
+                        state={"trainer": trainer.state_dict()})
+        if trainer.step == 3:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
+    trainer.source.close()
+
+    def resumed(break_stream: bool):
+        model, trainer = _resumable(workers)
+        state = load_checkpoint(latest_checkpoint(tmp_path), model=model, optimizer=trainer.optimizer)
+        if break_stream:  # negative control: the data stream started over instead of where it stood
+            monkeypatch.setattr(trainer.source, "load_state_dict", lambda state: None)
+        trainer.load_state_dict(state["trainer"])  # read back from JSON
+        stats = trainer.train()
+        trainer.source.close()
+        return stats, bits(model)
+
+    stats, again = resumed(False)
+    assert stats["steps"] == 8 and stats["resumed_at"] == [3] and stats["examples_seen"] == 48
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    _, broken = resumed(True)
+    assert not all(torch.equal(whole[k], broken[k]) for k in whole)
+
+
+def test_resume_refuses_a_state_of_another_curriculum_or_mix():
+    model, trainer = _resumable(0)
+    trainer.train()
+    state = trainer.state_dict()
+    _, fresh = _resumable(0)
+    before = (fresh.step, dict(fresh.source.next_index), fresh.curriculum.stage)
+    with pytest.raises(ValueError, match="curriculum state at level 5, but this curriculum has 2 levels"):
+        fresh.load_state_dict({**state, "curriculum": {**state["curriculum"], "stage": 5}})
+    with pytest.raises(ValueError, match=r"families \['kv', 'other'\] does not fit this mix \['kv', 'kv1'\]"):
+        fresh.load_state_dict({**state, "source": {**state["source"], "next_index": {"kv": 0, "other": 0}}})
+    assert (fresh.step, dict(fresh.source.next_index), fresh.curriculum.stage) == before

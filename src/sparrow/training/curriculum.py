@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 MODES = ("auto", "time")
 
@@ -99,6 +100,24 @@ class Curriculum:
         self.events.append({"elapsed_s": round(elapsed_s, 1), "progress": round(progress, 4), "max_context": self.top,
                             "reason": why, "accuracy": accuracy if why == "accuracy" else None})
         return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run's state (JSON-able): level, when it began, events, the last accuracy and the draws' generator."""
+        version, internal, gauss = self.rng.getstate()
+        return {"stage": self.stage, "stage_start": self.stage_start, "events": list(self.events),
+                "last_accuracy": self.last_accuracy, "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state``. ``ValueError`` (nothing changed) for a level this
+        curriculum does not have."""
+        stage = int(state["stage"])
+        if not 0 <= stage < len(self.levels):
+            raise ValueError(f"curriculum state at level {stage}, but this curriculum has {len(self.levels)} levels")
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.stage, self.stage_start = stage, float(state["stage_start"])
+        self.events = list(state["events"])
+        self.last_accuracy = None if state["last_accuracy"] is None else dict(state["last_accuracy"])
 
     def sample(self) -> int:
         """The next step's context length (multiples of 64 once ``min_context >= 64``)."""

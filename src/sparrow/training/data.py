@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -199,7 +199,7 @@ class TaskMixStream:
         return out
 
     def _submit(self, context: int) -> None:
-        jobs, tasks = [], self.tasks(context)
+        jobs, tasks, start = [], self.tasks(context), dict(self.next_index)
         for name, n in self.counts(self.examples_per_step(context)).items():
             while n > 0:
                 c = min(n, self.chunk)
@@ -207,17 +207,39 @@ class TaskMixStream:
                 self.next_index[name] += c
                 n -= c
         if self.pool is None:
-            self.pending.append((context, [make_rows(j) for j in jobs]))
+            self.pending.append((context, start, [make_rows(j) for j in jobs]))
         else:
-            self.pending.append((context, [self.pool.apply_async(make_rows, (j,)) for j in jobs]))
+            self.pending.append((context, start, [self.pool.apply_async(make_rows, (j,)) for j in jobs]))
 
     def next(self, context: int) -> Batch:
         while len(self.pending) < 1 + self.prefetch:
             self._submit(context)
-        ctx, parts = self.pending.popleft()
+        ctx, _, parts = self.pending.popleft()
         if self.pool is not None:
             parts = [p.get() for p in parts]
         return assemble(parts, ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the stream stands (JSON-able): the first example index of each family not yet returned, and the
+        contexts of the batches already queued. :meth:`load_state_dict` on a stream of the same families, mix,
+        seed and step size makes the same batches from there on."""
+        first = self.pending[0][1] if self.pending else self.next_index
+        return {"next_index": dict(first), "queued_contexts": [ctx for ctx, _, _ in self.pending]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (the queued batches are made again).
+
+        Raises:
+            ValueError: the state's families are not this stream's mix (nothing is changed then).
+        """
+        index = {str(k): int(v) for k, v in state["next_index"].items()}
+        if set(index) != set(self.mix):
+            raise ValueError(f"stream state of families {sorted(index)} does not fit this mix {sorted(self.mix)}")
+        contexts = [int(c) for c in state["queued_contexts"]]
+        self.pending.clear()  # batches queued before are dropped (a worker's result is ignored)
+        self.next_index = index
+        for ctx in contexts:
+            self._submit(ctx)
 
     def close(self) -> None:
         if self.pool is not None:

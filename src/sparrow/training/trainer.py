@@ -237,6 +237,20 @@ def _position_nll(model: torch.nn.Module, h: torch.Tensor, targets: torch.Tensor
     return F.cross_entropy(logits, targets, reduction="none")
 
 
+@dataclass
+class _Run:
+    """A run's counters, kept across a resume (seconds of training, not of checkpoints)."""
+
+    elapsed_s: float = 0.0
+    tokens: int = 0
+    examples: int = 0
+    data_wait_s: float = 0.0
+    eval_at_s: float = 0.0  # when the last progress evaluation ended
+    progress: list = field(default_factory=list)
+    curve: list = field(default_factory=list)
+    resumed_at: list = field(default_factory=list)  # the steps a run continued from
+
+
 class Trainer:
     """Trains ``model`` in place on ``source``'s batches (see the module docstring).
 
@@ -275,6 +289,7 @@ class Trainer:
                                            **({"fused": True} if self.device.type == "cuda" else {}))
         self.curriculum = Curriculum(config.curriculum, seed=config.seed)
         self.step = 0
+        self.run = _Run()
 
     def train_step(self, batch: Batch, lr: float) -> LossParts:
         """One optimizer step on ``batch`` at learning rate ``lr``."""
@@ -305,18 +320,48 @@ class Trainer:
                                           batch_tokens=tokens) for n in contexts}
                 for name, family in self.eval_tasks.items()}
 
-    def train(self) -> dict[str, Any]:
-        """Run to the end; returns what the run did (steps, tokens, examples, seconds, the curriculum's events,
-        the progress evaluations, the mean losses of each progress line, the share of time spent waiting for
-        data, the config). Leaves the model's
-        ``requires_grad`` flags and train / eval mode as they were, its gradients cleared."""
-        cfg, model = self.config, self.model
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run continues from, besides the model and the optimizer (JSON-able): the step, the run's
+        counters, the curriculum and the data stream (a source without ``state_dict`` cannot be resumed).
+
+        Raises:
+            TypeError: the source has no ``state_dict``.
+        """
+        if not hasattr(self.source, "state_dict"):
+            raise TypeError(f"{type(self.source).__name__} keeps no state: a run on it cannot be resumed")
+        return {"step": self.step, "run": dataclasses.asdict(self.run), "curriculum": self.curriculum.state_dict(),
+                "source": self.source.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s ``state`` (restore the model and the optimizer beside it): a run of
+        ``steps`` steps (no ``minutes``) then ends with the same weights, bit for bit, as one never stopped.
+
+        Raises:
+            TypeError: the source has no ``load_state_dict``.
+            ValueError: the state does not fit this run's curriculum or mix (nothing is changed then).
+        """
+        if not hasattr(self.source, "load_state_dict"):
+            raise TypeError(f"{type(self.source).__name__} keeps no state: a run on it cannot be resumed")
+        run = _Run(**state["run"])
+        probe = Curriculum(self.config.curriculum)
+        probe.load_state_dict(state["curriculum"])  # checks the state before anything changes
+        self.source.load_state_dict(state["source"])
+        self.curriculum, self.run, self.step = probe, run, int(state["step"])
+        run.resumed_at.append(self.step)
+
+    def train(self, *, checkpoint: Callable[[], None] | None = None, checkpoint_every_s: float = 0.0) -> dict[str, Any]:
+        """Run to the end (from where :meth:`load_state_dict` left it); returns what the run did (steps, tokens,
+        examples, seconds, the curriculum's events, the progress evaluations, the mean losses of each progress
+        line, the share of time spent waiting for data, the config). ``checkpoint`` is called every
+        ``checkpoint_every_s`` seconds, between steps (its own time is not counted in the run's). Leaves the
+        model's ``requires_grad`` flags and train / eval mode as they were, its gradients cleared."""
+        cfg, model, run, cur = self.config, self.model, self.run, self.curriculum
         flags, was_training = [p.requires_grad for p in model.parameters()], model.training
         model.requires_grad_(True).train()
-        cur, t0 = self.curriculum, time.perf_counter()
-        tokens = examples = tok_at_log = 0
-        data_wait, progress, curve, losses = 0.0, [], [], {"prompt": []}
-        t_log = t_eval = t0
+        t0 = time.perf_counter() - run.elapsed_s  # a resumed run's clock continues
+        tok_at_log, losses = run.tokens, {"prompt": []}
+        t_log = t_ckpt = time.perf_counter()
+        t_eval = t0 + run.eval_at_s
         try:
             while (frac := cfg.progress(self.step, time.perf_counter() - t0)) < 1.0:
                 elapsed = time.perf_counter() - t0
@@ -324,11 +369,11 @@ class Trainer:
                     self.log(f"curriculum: longest context -> {cur.top} ({cfg.curriculum.mode} schedule)")
                 tw = time.perf_counter()
                 batch = self.source.next(cur.sample())
-                data_wait += time.perf_counter() - tw
+                run.data_wait_s += time.perf_counter() - tw
                 lr = cfg.optimizer.lr_at(self.step, frac)
                 parts = self.train_step(batch, lr)
-                tokens += batch.tokens.numel()
-                examples += len(batch.family)
+                run.tokens += batch.tokens.numel()
+                run.examples += len(batch.family)
                 for name in dict.fromkeys(batch.family):
                     idx = [i for i, f in enumerate(batch.family) if f == name]
                     losses.setdefault(name, []).append(parts.answer_rows[idx].mean())
@@ -336,42 +381,61 @@ class Trainer:
                     losses["prompt"].append(parts.prompt)
                 now = time.perf_counter()
                 if now - t_log >= cfg.log_every_s:
-                    mean = {k: float(torch.stack(v).mean()) for k, v in losses.items() if v}
-                    curve.append({"step": self.step, **{k: round(v, 4) for k, v in mean.items()}})
-                    means = " ".join(f"{k} {v:.3f}" for k, v in mean.items())
-                    self.log(f"step {self.step:5d} ctx<={cur.top:5d} L={batch.context:5d} B={len(batch.family):4d} "
-                             f"tokens {tokens / 1e6:7.1f}M  loss {means}  lr {lr:.1e}  "
-                             f"{(tokens - tok_at_log) / (now - t_log) / 1e3:6.0f}k tok/s  data wait "
-                             f"{100 * data_wait / max(now - t0, 1e-9):.0f}%")
+                    self._log_progress(batch, lr, losses, (run.tokens - tok_at_log) / (now - t_log), now - t0)
                     losses = {"prompt": []}
-                    t_log, tok_at_log = now, tokens
+                    t_log, tok_at_log = now, run.tokens
                 done = cfg.progress(self.step, now - t0)
                 left_s = (now - t0) * (1 - done) / max(done, 1e-9)
                 if self.eval_tasks and cfg.eval.every_s and now - t_eval >= cfg.eval.every_s \
                         and left_s > 0.5 * cfg.eval.every_s:
-                    top, acc = cur.top, self.evaluate(cfg.eval.examples)
-                    row = {"elapsed_s": round(now - t0, 1), "step": self.step, "tokens": tokens, "max_context": top}
-                    row.update({f"{t}@{n}": a for t, by in acc.items() for n, a in by.items()})
-                    progress.append(row)
-                    self.log("eval (greedy, held out): "
-                             + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if "@" in k))
+                    self._progress_eval(t0)
                     t_eval = time.perf_counter()
-                    at_top = {t: by[top] for t, by in acc.items()}
-                    if cfg.curriculum.mode == "auto" and cur.update(cfg.progress(self.step, t_eval - t0), at_top,
-                                                                    elapsed_s=t_eval - t0):
-                        self.log(f"curriculum: longest context -> {cur.top} ({cur.events[-1]['reason']}; accuracy "
-                                 f"at {top} {min(at_top.values()):.2f})")
+                    run.eval_at_s = t_eval - t0
+                if checkpoint is not None and checkpoint_every_s and time.perf_counter() - t_ckpt >= checkpoint_every_s:
+                    t_c = time.perf_counter()
+                    run.elapsed_s = t_c - t0
+                    checkpoint()
+                    t_ckpt = time.perf_counter()
+                    t0 += t_ckpt - t_c  # the checkpoint's time is not the run's
         finally:
+            run.elapsed_s = time.perf_counter() - t0
             for p, f in zip(model.parameters(), flags):
                 p.requires_grad_(f)
                 p.grad = None
             model.train(was_training)
-        train_s = time.perf_counter() - t0
-        self.log(f"trained {self.step} steps, {tokens / 1e6:.1f}M tokens, {examples} examples in {train_s:.0f} s")
-        return {"steps": self.step, "tokens_seen": tokens, "examples_seen": examples, "train_s": round(train_s, 1),
-                "final_max_context": cur.top, "curriculum_events": cur.events, "progress": progress,
-                "loss_curve": curve,
-                "data_wait_frac": round(data_wait / max(train_s, 1e-9), 3), "config": dataclasses.asdict(cfg)}
+        train_s = run.elapsed_s
+        self.log(f"trained {self.step} steps, {run.tokens / 1e6:.1f}M tokens, {run.examples} examples in {train_s:.0f} s")
+        return {"steps": self.step, "tokens_seen": run.tokens, "examples_seen": run.examples,
+                "train_s": round(train_s, 1), "final_max_context": cur.top, "curriculum_events": cur.events,
+                "progress": run.progress, "loss_curve": run.curve, "resumed_at": run.resumed_at,
+                "data_wait_frac": round(run.data_wait_s / max(train_s, 1e-9), 3), "config": dataclasses.asdict(cfg)}
+
+    def _log_progress(self, batch: Batch, lr: float, losses: dict[str, list[torch.Tensor]], tok_s: float,
+                      elapsed_s: float) -> None:
+        """A progress line, and the mean losses since the last one into the run's loss curve."""
+        run = self.run
+        mean = {k: float(torch.stack(v).mean()) for k, v in losses.items() if v}
+        run.curve.append({"step": self.step, **{k: round(v, 4) for k, v in mean.items()}})
+        means = " ".join(f"{k} {v:.3f}" for k, v in mean.items())
+        self.log(f"step {self.step:5d} ctx<={self.curriculum.top:5d} L={batch.context:5d} B={len(batch.family):4d} "
+                 f"tokens {run.tokens / 1e6:7.1f}M  loss {means}  lr {lr:.1e}  {tok_s / 1e3:6.0f}k tok/s  data wait "
+                 f"{100 * run.data_wait_s / max(elapsed_s, 1e-9):.0f}%")
+
+    def _progress_eval(self, t0: float) -> None:
+        """A progress evaluation into the run's record; in ``auto`` mode it may move the curriculum."""
+        cfg, cur, run = self.config, self.curriculum, self.run
+        now = time.perf_counter()
+        top, acc = cur.top, self.evaluate(cfg.eval.examples)
+        row = {"elapsed_s": round(now - t0, 1), "step": self.step, "tokens": run.tokens, "max_context": top}
+        row.update({f"{t}@{n}": a for t, by in acc.items() for n, a in by.items()})
+        run.progress.append(row)
+        self.log("eval (greedy, held out): " + "  ".join(f"{k} {v:.2f}" for k, v in row.items() if "@" in k))
+        t_eval = time.perf_counter()
+        at_top = {t: by[top] for t, by in acc.items()}
+        if cfg.curriculum.mode == "auto" and cur.update(cfg.progress(self.step, t_eval - t0), at_top,
+                                                        elapsed_s=t_eval - t0):
+            self.log(f"curriculum: longest context -> {cur.top} ({cur.events[-1]['reason']}; accuracy "
+                     f"at {top} {min(at_top.values()):.2f})")
 
 
 def train_on_episodes(model: torch.nn.Module, task: MarkovEpisodes, *, seq_len: int, batch: int, lr: float,
