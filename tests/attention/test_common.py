@@ -39,3 +39,40 @@ def test_prefix_and_two_tensor_writers_agree_with_the_index_helpers():
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(a[0][1, :, :5], k[0]) and torch.equal(a[3][0, :, 2:7], v[1])
     assert not a[0][2].any()  # slot 2 was not written
+
+
+# -- the trainer's attention of packed groups: the prompt on the causal kernel, the rest through its mask rows -----
+import pytest  # noqa: E402
+
+from sparrow.attention import PrefixPackMask  # noqa: E402
+from sparrow.attention.common import train_attention  # noqa: E402
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,P,T,D", [pytest.param(1, 2, 2, 5, 3, 8, id="mha"),
+                                             pytest.param(2, 6, 2, 9, 7, 16, id="gqa"),
+                                             pytest.param(3, 4, 1, 1, 11, 8, id="one-token-prompt"),
+                                             pytest.param(2, 4, 2, 13, 1, 8, id="one-query-after")])
+def test_prefix_pack_mask_equals_the_whole_mask(B, Hq, Hkv, P, T, D):
+    """Causal prompt rows + random later rows: the same outputs and gradients as the whole [S, S] mask (which
+    spells the prompt rows as causal)."""
+    g = torch.Generator().manual_seed(B * 100 + P)
+    S = P + T
+    q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64, requires_grad=True)
+    rest = torch.rand(B, T, S, generator=g) < 0.4
+    rest[:, torch.arange(T), P + torch.arange(T)] = True  # every row attends to something
+    whole = torch.cat([torch.ones(P, S, dtype=torch.bool).tril().expand(B, P, S), rest], dim=1)
+    w = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64)
+    outs = []
+    for mask in (whole, PrefixPackMask(P, rest)):
+        o = train_attention(q, k, v, mask)
+        grads = torch.autograd.grad((o * w).sum(), (q, k, v))
+        outs.append((o, *grads))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    # negative control: a prompt region that is not causal in the whole mask gives other outputs
+    leaky = whole.clone()
+    leaky[:, :P, :P] = True
+    if P > 1:
+        assert not torch.allclose(train_attention(q, k, v, leaky), outs[1][0])

@@ -108,19 +108,28 @@ def run_shipped(out: Path, *overrides: str, nproc: int) -> None:
 
 
 def _assert_same_training(a: Path, b: Path, lr: float = 1e-4) -> None:
-    """Two checkpoints of the same optimizer steps, summed in a different order: equal up to rounding."""
+    """Two checkpoints of the same optimizer steps, summed in a different order: equal up to rounding.
+
+    The gradients are pinned by Adam's moments, to fp32's rounding of them. The weights only loosely: an Adam update is
+    ``lr * m / sqrt(v)``, so where two minibatches' gradients nearly cancel, rounding in ``g`` moves the update by
+    up to ~lr (seen on the tiny model: 3 of 860,800 elements past 0.5 lr, between the per-row trainer and the
+    shared-prefix one); a step that is really different moves most elements."""
     from sparrow.rl import read_optimizer_state
 
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert wa.keys() == wb.keys()
-    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 0.5 * lr  # Adam steps are ~lr per element
+    diff = torch.cat([(wa[k] - wb[k]).abs().flatten() for k in wa])
+    assert float(diff.max()) < 2 * lr and int((diff > 0.1 * lr).sum()) <= diff.numel() // 10_000, (
+        float(diff.max()), int((diff > 0.1 * lr).sum()))
     oa, ob = read_optimizer_state(a), read_optimizer_state(b)
     assert oa["state"].keys() == ob["state"].keys()
     for i in oa["state"]:
         assert int(oa["state"][i]["step"]) == int(ob["state"][i]["step"])
-        for k in ("exp_avg", "exp_avg_sq"):
+        # fp32 gradients of the tiny model differ from fp64 ones by up to ~1.3e-4 of a tensor's largest in every
+        # path (per row, shared prefix: measured on random groups); the squares double that
+        for k, rel in (("exp_avg", 2e-4), ("exp_avg_sq", 4e-4)):
             x, y = oa["state"][i][k], ob["state"][i][k]
-            assert float((x - y).abs().max()) <= 1e-5 * float(x.abs().max()) + 1e-12, (i, k)
+            assert float((x - y).abs().max()) <= rel * float(x.abs().max()) + 1e-12, (i, k)
 
 
 def _tiny_rtpurbo_dir(tmp_path: Path) -> tuple[Path, Path]:

@@ -94,9 +94,9 @@ def test_a_leaky_pack_is_caught(monkeypatch):
 
     def leaky(tokens, prompt_len, response_len, *, group):
         p = real(tokens, prompt_len, response_len, group=group)
-        P = int(prompt_len.max())  # the responses follow the longest prompt
-        k = torch.arange(p.mask.shape[-1])
-        p.mask[:, P:, P:] |= k[None, P:] < k[P:, None]  # earlier responses visible
+        P = p.mask.prefix_len  # the responses follow the longest prompt
+        k = torch.arange(p.mask.rest.shape[-1])
+        p.mask.rest[:, :, P:] |= k[None, P:] < k[P:, None]  # earlier responses visible
         return p
 
     tokens, plen, rlen = _group_batch([5, 3], [4, 6, 2, 5, 3, 6], 3, seed=1)

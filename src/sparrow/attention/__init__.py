@@ -6,7 +6,7 @@ module stays importable: ``from sparrow.attention.rtpurbo import RTPurboConfig``
 siblings (``rtpurbo_io``, ``rtpurbo_stats``, ``common``) by their own names.
 """
 
-from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta
+from sparrow.attention.base import AttentionBackend, CacheSpec, DecodeMeta, LayerShape, PrefillMeta, PrefixPackMask
 from sparrow.attention.dense import DenseAttention, DenseKVCache
 from sparrow.attention.rtpurbo import (
     HeadProfile,
@@ -33,6 +33,6 @@ def rtpurbo(path: str, **overrides):
     return rtpurbo_from_checkpoint(path, **overrides)
 
 
-__all__ = ["AttentionBackend", "CacheSpec", "DecodeMeta", "LayerShape", "PrefillMeta", "DenseAttention",
-           "DenseKVCache", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache", "RTPurboConfig",
+__all__ = ["AttentionBackend", "CacheSpec", "DecodeMeta", "LayerShape", "PrefillMeta", "PrefixPackMask",
+           "DenseAttention", "DenseKVCache", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache", "RTPurboConfig",
            "dense", "rtpurbo", "rtpurbo_attention"]

@@ -117,6 +117,21 @@ class DecodeMeta(NamedTuple):
                                         prefix_groups(self.prefix_slot, self.prefix_len))))
 
 
+@dataclass(frozen=True)
+class PrefixPackMask:
+    """The attention pattern of packed sequences whose first ``prefix_len`` positions are causal among themselves
+    (a prompt shared by what follows) and whose later queries attend as ``rest`` says (e.g. a response to the
+    prompt and to itself). A query inside the prefix that is padding attends causally too: its output must be
+    unused, and no query past the prefix may attend to it (``rest`` False there).
+
+    prefix_len: ``P``, the same for every sequence of the batch.
+    rest: bool [B, S - P, S], True where query ``P + i`` attends to key ``j``; every row needs a True.
+    """
+
+    prefix_len: int
+    rest: torch.Tensor
+
+
 class AttentionBackend(nn.Module, abc.ABC):
     """One layer's attention: KV-cache layout + train / prefill / decode computation.
 
@@ -145,11 +160,11 @@ class AttentionBackend(nn.Module, abc.ABC):
         *,
         q_pre: torch.Tensor | None = None,
         k_pre: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | PrefixPackMask | None = None,
     ) -> torch.Tensor:
         """Differentiable attention over whole sequences; causal when ``mask`` is None.
 
-        ``mask``: optional bool [B, S, S] (True = attend). Returns [B, Hq, S, D].
+        ``mask``: optional bool [B, S, S] (True = attend) or a :class:`PrefixPackMask`. Returns [B, Hq, S, D].
         """
 
     # -- cache ----------------------------------------------------------------------------------

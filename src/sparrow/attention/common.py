@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from sparrow.attention.base import DecodeMeta
+from sparrow.attention.base import DecodeMeta, PrefixPackMask
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -64,11 +64,24 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: torch.Tensor | PrefixPackMask | None) -> torch.Tensor:
     """Exact, differentiable attention of the trainer. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D]; ``mask``: None
-    (causal) or bool [B, S, S], True where a query attends to a key (packed sequences). Returns [B, Hq, S, D]."""
+    (causal), bool [B, S, S] (True where a query attends to a key: packed sequences), or a
+    :class:`PrefixPackMask`: the prefix's queries on the causal kernel (flash on GPU, which skips the blocks above
+    the diagonal) and only the later queries' rows through an explicit mask. Returns [B, Hq, S, D]."""
     if mask is None:
         return causal_attention(q, k, v)
+    if isinstance(mask, PrefixPackMask):
+        P = mask.prefix_len
+        head = causal_attention(q[:, :, :P], k[:, :, :P], v[:, :, :P])
+        return torch.cat([head, masked_attention(q[:, :, P:], k, v, mask.rest)], dim=2)
+    return masked_attention(q, k, v, mask)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention through an explicit mask. q: [B, Hq, T, D]; k, v: [B, Hkv, S, D]; mask: bool [B, T, S], True where
+    a query attends to a key (every row needs one). Returns [B, Hq, T, D]."""
     if q.shape[1] != k.shape[1]:  # an explicit mask: kv heads repeated per query head, so SDPA may pick its
         rep = q.shape[1] // k.shape[1]  # memory-efficient kernel
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
-from sparrow.attention.base import AttentionBackend, DecodeMeta, LayerShape, PrefillMeta
+from sparrow.attention.base import AttentionBackend, DecodeMeta, LayerShape, PrefillMeta, PrefixPackMask
 from sparrow.attention.dense import DenseAttention
 
 AttentionFactory = Callable[[LayerShape], AttentionBackend]
@@ -118,14 +118,16 @@ class SparrowAttention(nn.Module):
         x: torch.Tensor,
         y: torch.Tensor | None = None,
         *,
-        mask: torch.Tensor | None = None,
+        mask: torch.Tensor | PrefixPackMask | None = None,
         input_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """torchtune-compatible dense forward. x: [B, S, E]; mask: optional bool [B, S, S]."""
+        """torchtune-compatible dense forward. x: [B, S, E]; mask: optional bool [B, S, S] or a
+        :class:`~sparrow.attention.base.PrefixPackMask`."""
         if y is not None and y is not x:
             raise ValueError("SparrowAttention is self-attention only: y must be None or x")
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            raise ValueError(f"SparrowAttention supports a bool [B, S, S] mask or None, got {type(mask).__name__}")
+        if mask is not None and not isinstance(mask, (torch.Tensor, PrefixPackMask)):
+            raise ValueError(f"SparrowAttention supports a bool [B, S, S] mask, a PrefixPackMask or None, got "
+                             f"{type(mask).__name__}")
         q, k, v, q_pre, k_pre = self._qkv(x, input_pos)
         return self._out(self.backend.forward_train(q, k, v, q_pre=q_pre, k_pre=k_pre, mask=mask))
 

@@ -24,15 +24,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torchtune.modules import TransformerDecoder
 
+from sparrow.attention.base import PrefixPackMask
 from sparrow.sampling import SamplingParams, token_logprobs
 
 
-def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *, mask: torch.Tensor | None = None,
-                  input_pos: torch.Tensor | None = None, checkpoint_layers: bool = False) -> torch.Tensor:
+def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *,
+                  mask: torch.Tensor | PrefixPackMask | None = None, input_pos: torch.Tensor | None = None,
+                  checkpoint_layers: bool = False) -> torch.Tensor:
     """tokens [N, S] -> final hidden states [N, S, E] (before the final norm), dense attention.
 
-    Causal by default; ``mask`` (bool [N, S, S], True where a query may attend to a key) and ``input_pos``
-    (int64 [N, S], the RoPE position of each token) describe packed sequences instead. ``checkpoint_layers``
+    Causal by default; ``mask`` (bool [N, S, S], True where a query may attend to a key, or a
+    :class:`~sparrow.attention.PrefixPackMask`) and ``input_pos`` (int64 [N, S], the RoPE position of each token)
+    describe packed sequences instead. ``checkpoint_layers``
     (with gradients on): each layer keeps only its input for the backward pass and runs again there, so the
     activations held at once are one layer's instead of every layer's (the same values and gradients, about a
     third more compute)."""
@@ -110,7 +113,9 @@ class SharedPrefixPack:
         lengths): the group's prompt in ``[0, P)`` (positions past it are never attended to), then its
         responses back to back, without padding between them.
     input_pos: [n, W] int64, the RoPE position of each token (a response continues its prompt).
-    mask: [n, W, W] bool, True where a query attends to a key; a padding query attends to itself only.
+    mask: the attention pattern: the prompt region ``[0, P)`` causal (its padding queries too; nothing reads
+        them), and ``mask.rest`` [n, W - P, W] bool for the queries past it, True where a query attends to a key
+        (a padding query there attends to itself only).
     rows, cols: [T] int64, every response token ``(row, offset)``, row-major (``T = sum(response_len)``).
     predictor: [T] int64, the packed index (in group ``rows // G``) of the hidden state predicting it.
     targets: [T] int64, the token itself.
@@ -118,7 +123,7 @@ class SharedPrefixPack:
 
     tokens: torch.Tensor
     input_pos: torch.Tensor
-    mask: torch.Tensor
+    mask: PrefixPackMask
     rows: torch.Tensor
     cols: torch.Tensor
     predictor: torch.Tensor
@@ -170,11 +175,13 @@ def pack_shared_prefix(tokens: torch.Tensor, prompt_len: torch.Tensor, response_
     packed[gi, dest] = targets
     real = torch.where(seg == -1, off < plen[:, None], seg >= 0)
     pos = torch.where(seg >= 0, plen[:, None] + off, torch.where(seg == -1, off, 0))
-    seg_q, seg_k, off_q, off_k = seg[:, :, None], seg[:, None, :], off[:, :, None], off[:, None, :]
-    causal = off_k <= off_q
-    prompt_key = (seg_k == -1) & (((seg_q == -1) & causal) | (seg_q >= 0))
-    own_key = (seg_k == seg_q) & (seg_k >= 0) & causal
-    mask = ((prompt_key | own_key) & real[:, None, :]) | torch.eye(W, dtype=torch.bool, device=dev)[None]
+    # the queries past the prompt region ([n, W - P, W]): a response sees its group's real prompt tokens and
+    # itself up to its own position; a padding query sees itself
+    seg_q, seg_k, off_q, off_k = seg[:, P:, None], seg[:, None, :], off[:, P:, None], off[:, None, :]
+    own_key = (seg_k == seg_q) & (seg_q >= 0) & (off_k <= off_q)
+    prompt_key = (seg_k == -1) & (seg_q >= 0)
+    itself = torch.arange(P, W, device=dev)[:, None] == torch.arange(W, device=dev)[None, :]
+    mask = PrefixPackMask(P, ((prompt_key | own_key) & real[:, None, :]) | itself[None])
     # a response's first token is predicted by the prompt's last one, the others by the token before them
     predictor = torch.where(cols == 0, prompt_len[rows] - 1, dest - 1)
     return SharedPrefixPack(packed, pos, mask, rows, cols, predictor, targets)
