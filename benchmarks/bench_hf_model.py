@@ -35,11 +35,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparrow.bench import REPO, base_parser, merge_results, print_table, triton_interpreter_without_cuda, write_json
+from sparrow.bench import (REPO, base_parser, merge_results, print_table, result_devices,
+                           triton_interpreter_without_cuda, write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
-from sparrow.rl.launch import TOGGLES, calibrate, launch_options, launch_recipe, log_overrides, technique_overrides
+from sparrow.rl.launch import (TOGGLES, calibrate, launch_options, launch_recipe, log_overrides, require_model,
+                               technique_overrides)
 from sparrow.rl.runs import mean, plot_runs, run_summary, step_rows
 
 CONFIG = REPO / "recipes" / "configs" / "qwen2_5_0_5b_long_context.yaml"
@@ -62,29 +64,23 @@ def tune_run(args, name: str, work: Path, calibration: Path | None) -> dict[str,
 
 
 def plot(doc: dict[str, Any], png: Path) -> None:
-    devices = ", ".join(dict.fromkeys(r.get("device") or doc["environment"].get("device") for r in doc["rows"]))
     plot_runs([s for r in doc["rows"] for s in r["step_records"]], png,
-              title=f"{doc['config'].get('title', '')} ({devices})")
+              title=f"{doc['config'].get('title', '')} ({result_devices(doc)})")
 
 
 def main() -> None:
-    options = [(flag, kw | {"required": False}) if flag == "--model" else (flag, kw)
-               for flag, kw in launch_options(CONFIG, 10)]  # not needed by --merge
-    p = base_parser(__doc__.split("\n\n")[0], options + [
+    p = base_parser(__doc__.split("\n\n")[0], launch_options(CONFIG, 10) + [
         ("--toggle", list(TOGGLES), "cost_model", None), ("--name", str, "hf_model", None),
         ("--compile-cache", dict(type=Path, default=None, help="a bench_startup.py --work folder: each configuration "
                                                                "starts from the compile cache its launches left there "
-                                                               "(default: the run's own, empty)")),
-        ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON",
-                         help="join results of this script over other configurations into one"))])
+                                                               "(default: the run's own, empty)"))])
     args = p.parse_args()
     if args.merge:
         out = merge_results(args.name, args.merge, identity=("config",), parts={"configs": "config"}, out_dir=args.out)
         plot(json.loads(out.read_text()), out.with_suffix(".png"))
         print(out)
         return
-    if args.model is None:
-        p.error("--model is required (except with --merge)")
+    require_model(p, args)
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
     names = args.configs.split(",")

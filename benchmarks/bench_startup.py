@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from sparrow.bench import (REPO, bar_groups, base_parser, log, merge_results, out_or_temp, pick, print_table,
-                           save_figure, stacked_bars, subplots, triton_interpreter_without_cuda, write_json)
+                           result_devices, save_figure, stacked_bars, subplots, triton_interpreter_without_cuda,
+                           write_json)
 
 triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its interpreter, before it is imported
 
 from sparrow.rl.launch import (
-    calibrate, launch_options, launch_recipe, log_overrides, recipe_env, technique_overrides,
+    calibrate, launch_options, launch_recipe, log_overrides, recipe_env, require_model, technique_overrides,
 )
 
 CONFIG = REPO / "recipes" / "configs" / "qwen2_5_0_5b_long_context.yaml"
@@ -97,35 +98,31 @@ def plot(doc: dict[str, Any], png: Path) -> None:
                           for c in ("cold", "warm")})
     b.set(ylabel="median seconds per step after the first", title="steady-state step")
     b.legend(fontsize=8)
-    devices = ", ".join(dict.fromkeys(r.get("device") or doc["environment"].get("device") for r in rows))
-    save_figure(fig, png, title=f"start-up of the shipped recipe ({devices})")
+    save_figure(fig, png, title=f"start-up of the shipped recipe ({result_devices(doc)})")
 
 
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
     """One result from runs of this script over disjoint configurations or caches with the same settings
     (:func:`~sparrow.bench.merge_results`), and its plot."""
-    out = merge_results("startup", paths, identity=("config", "cache"), parts={"configs": "config", "caches": "cache"}, out_dir=out_dir)
+    out = merge_results("startup", paths, identity=("config", "cache"), parts={"configs": "config", "caches": "cache"},
+                        out_dir=out_dir)
     plot(json.loads(out.read_text()), out.with_suffix(".png"))
     return out
 
 
 def main() -> None:
-    options = [(flag, kw | {"required": False}) if flag == "--model" else (flag, kw) for flag, kw in launch_options(
-        CONFIG, 4, "GRPO steps per launch (the first one is the timed start)")]  # not needed by --merge
-    p = base_parser(__doc__.split("\n\n")[0], options + [
+    p = base_parser(__doc__.split("\n\n")[0], launch_options(
+        CONFIG, 4, "GRPO steps per launch (the first one is the timed start)") + [
         ("--caches", dict(default="cold,warm", help="the launches per configuration: cold (an empty compile cache, "
                                                     "emptied first), warm (the cache of --work as an earlier launch "
                                                     "left it), or both in that order")),
         ("--work", dict(type=Path, default=None, help="the launches' folder (compile cache, calibration, logs), kept "
-                                                      "for a later call's --caches warm (default: a temporary one)")),
-        ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON",
-                         help="join results of this script over other configurations or caches into one"))])
+                                                      "for a later call's --caches warm (default: a temporary one)"))])
     args = p.parse_args()
     if args.merge:
         print(merge(args.merge, args.out))
         return
-    if args.model is None:
-        p.error("--model is required (except with --merge)")
+    require_model(p, args)
     if args.quick:
         args.steps, args.calib_seq_len, args.calib_steps = 2, 256, 5
         args.out = out_or_temp(args.out, "startup_quick_")  # never the committed results

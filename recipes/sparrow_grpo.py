@@ -140,6 +140,7 @@ class GRPORecipe:
             raise ValueError(f"a minibatch ({self.prompts_per_step * self.group // cfg.minibatches} samples) must "
                              f"divide evenly over the {self.trainers} trainer ranks")
         self.shared_prefix = bool(cfg.get("shared_prefix", False))
+        self.checkpoint_layers = bool(cfg.get("enable_activation_checkpointing", False))
         share = self.prompts_per_step * self.group // cfg.minibatches // self.trainers
         if self.shared_prefix and (share % self.group or cfg.micro_batch_size % self.group):
             raise ValueError(f"shared_prefix packs whole groups: a trainer's share of a minibatch ({share} samples) "
@@ -158,12 +159,11 @@ class GRPORecipe:
         self.tokenizer, self.stop_ids, self.vocab_limit = self._setup_tokenizer(cfg)
         self.reward_fn = config.instantiate(cfg.reward)
         self.loader, self.eval_set = self._setup_data(cfg)
-        self.data_iter = iter(self.loader)
         model = self._setup_model(cfg)
         ckpt = latest_checkpoint(self.output_dir / "checkpoints") if cfg.resume_from_checkpoint else None
         if ckpt is not None:
             self.step, self.history = self._resume(ckpt, model)
-            self.data_iter = iter(self.loader)
+        self.data_iter = iter(self.loader)  # from the resumed data position
         if self.is_rollout:  # before the trainer moves and shards the model: the rollout copy is a bf16 cast of it
             self.rollout_model, self.drafter, self.engine, self.rtpurbo = self._setup_rollout(cfg, model)
         if self.is_trainer:
@@ -477,8 +477,7 @@ class GRPORecipe:
         rb = rb.to(self.device)
         N = rb.tokens.shape[0]
         lp_kwargs = dict(max_response_len=rb.max_response_len, sampling=self._sampling_params(),
-                         chunk_size=cfg.logprob_chunk,
-                         checkpoint_layers=bool(cfg.get("enable_activation_checkpointing", False)))
+                         chunk_size=cfg.logprob_chunk)
         updates = cfg.ppo_epochs * cfg.minibatches
         t0, old = time.perf_counter(), None
         if updates > 1:  # π_old of the batch (with a single update it equals π_θ: reuse it detached)
@@ -586,9 +585,11 @@ class GRPORecipe:
         return {"rtpurbo/top_p": top[0], **{f"rtpurbo/top_p/tier{i}": v for i, v in enumerate(top) if i}}
 
     def _logprob_fn(self):
+        """The trainer's log-prob function: each prompt once per group (``shared_prefix``) or one row per sample,
+        layers recomputed in the backward pass with ``enable_activation_checkpointing``."""
         if self.shared_prefix:
-            return functools.partial(shared_prefix_logprobs, group=self.group)
-        return response_logprobs
+            return functools.partial(shared_prefix_logprobs, group=self.group, checkpoint_layers=self.checkpoint_layers)
+        return functools.partial(response_logprobs, checkpoint_layers=self.checkpoint_layers)
 
     def _permutation(self, N: int) -> torch.Tensor:
         """The order of an epoch's samples: as they are with one epoch; shuffled with several, whole groups at

@@ -1,5 +1,5 @@
-"""``bench_startup.py --merge`` and ``bench_hf_model.py --merge``: launches measured in separate calls joined into one result, refused when the runs'
-settings differ or a launch appears twice."""
+"""``bench_startup.py --merge`` and ``bench_hf_model.py --merge``: launches measured in separate calls joined into
+one result, refused when the runs' settings differ or a launch appears twice."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ What Sparrow's own ``benchmarks/`` scripts are made of, for a user measuring the
 * :func:`environment` records device, library versions, git revision and time; :func:`write_json` writes
   ``{"benchmark", "environment", "config", "rows", ...}`` with no path of the machine in it
   (:func:`scrub_paths`), :func:`load_json` reads it back, :func:`merge_results` joins the results of one script
-  run over parts of its rows in several calls.
+  run over parts of its rows in several calls (:func:`result_devices`: where their rows were measured).
 * :func:`base_parser` (``--out``, ``--quick`` and a table of options), :func:`fill_defaults` (an option's
   ``--quick`` and full values), :func:`keyword_args` (options passed to the library function they configure),
   :func:`int_or_auto` and :func:`device_arg` (option types), :func:`out_or_temp` (a smoke run's JSON folder);
@@ -314,6 +314,12 @@ def merge_results(name: str, paths: Sequence[Path | str], identity: Sequence[str
     config = docs[0]["config"] | {k: list(dict.fromkeys(r.get(f) for r in rows)) for k, f in parts.items()}
     extra["environment"] = docs[0]["environment"]  # where the runs were made (the first's), not where they were joined
     return write_json(name, config, rows, out_dir=out_dir, extra=extra)
+
+
+def result_devices(doc: Mapping[str, Any]) -> str:
+    """The devices a result's rows were measured on, in order of appearance, comma-separated (a row of a
+    :func:`merge_results` result names its own; otherwise the result's ``environment`` does)."""
+    return ", ".join(dict.fromkeys(r.get("device") or doc["environment"].get("device") for r in doc["rows"]))
 
 
 def density_arg(value: str | None, key: str) -> list[float]:

@@ -305,3 +305,29 @@ def test_old_policy_logprobs_use_the_training_forwards_precision(tmp_path, monke
     assert torch.equal(lp.view(torch.int32), old.view(torch.int32))
     assert not torch.equal(fp32.view(torch.int32), lp.view(torch.int32))  # the check tells the precisions apart
     recipe.cleanup()
+
+
+@pytest.mark.parametrize("on", [pytest.param(True, id="on"), pytest.param(False, id="off")])
+def test_activation_checkpointing_reaches_the_trainers_layers(tmp_path, monkeypatch, on):
+    """``enable_activation_checkpointing`` recomputes every decoder layer of the trainer's log-prob pass in the
+    backward (and nothing of the no-grad π_old pass); off, no layer is (the logits chunks always are)."""
+    import sparrow.rl.logprobs as lp_mod
+
+    layers = []
+    real = lp_mod.checkpoint
+
+    def counting(fn, *args, **kw):
+        if isinstance(fn, torch.nn.Module):
+            layers.append(fn)
+        return real(fn, *args, **kw)
+
+    monkeypatch.setattr(lp_mod, "checkpoint", counting)
+    mod, recipe = in_process(tmp_path, monkeypatch, "ppo_epochs=1", "minibatches=2", "micro_batch_size=16",
+                             f"enable_activation_checkpointing={str(on).lower()}")
+    prompts, gen, rewards = recipe._rollout(next(recipe.data_iter))
+    adv = mod.group_advantages(rewards.view(-1, recipe.group), recipe.grpo.advantage_scale).flatten()
+    recipe._train_on(mod.build_rollout_batch(prompts, gen.samples, recipe.group, rewards, adv,
+                                             pad_id=recipe.tokenizer.pad_id))
+    micro_batches = 2 * math.ceil(recipe.prompts_per_step * recipe.group // 2 / 16)  # two updates' micro-batches
+    assert len(layers) == (micro_batches * len(recipe.model.layers) if on else 0)
+    recipe.cleanup()

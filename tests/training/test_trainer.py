@@ -223,10 +223,10 @@ def test_a_resumed_run_ends_with_the_same_bits(tmp_path, workers, monkeypatch):
 
     model, trainer = _resumable(workers)
 
-    def checkpoint():  # a time limit after step 3, as a killed process sees it
+    def checkpoint():  # a time limit after step 5 (the queued batches' contexts differ from the next's)
         save_checkpoint(tmp_path, trainer.step, model=model, optimizer=trainer.optimizer,
                         state={"trainer": trainer.state_dict()})
-        if trainer.step == 3:
+        if trainer.step == 5:
             raise _Stop
 
     with pytest.raises(_Stop):
@@ -244,7 +244,7 @@ def test_a_resumed_run_ends_with_the_same_bits(tmp_path, workers, monkeypatch):
         return stats, bits(model)
 
     stats, again = resumed(False)
-    assert stats["steps"] == 8 and stats["resumed_at"] == [3] and stats["examples_seen"] == 48
+    assert stats["steps"] == 8 and stats["resumed_at"] == [5] and stats["examples_seen"] == 48
     assert all(torch.equal(whole[k], again[k]) for k in whole)
     _, broken = resumed(True)
     assert not all(torch.equal(whole[k], broken[k]) for k in whole)
@@ -261,3 +261,14 @@ def test_resume_refuses_a_state_of_another_curriculum_or_mix():
     with pytest.raises(ValueError, match=r"families \['kv', 'other'\] does not fit this mix \['kv', 'kv1'\]"):
         fresh.load_state_dict({**state, "source": {**state["source"], "next_index": {"kv": 0, "other": 0}}})
     assert (fresh.step, dict(fresh.source.next_index), fresh.curriculum.stage) == before
+
+
+def test_a_checkpoints_own_time_is_not_the_runs():
+    """The run's clock (its ``minutes``, ``train_s``) leaves the checkpoints' time out."""
+    import time
+
+    _, trainer = _resumable(0)
+    t0 = time.perf_counter()
+    stats = trainer.train(checkpoint=lambda: time.sleep(0.05), checkpoint_every_s=1e-9)  # after every step
+    wall = time.perf_counter() - t0
+    assert stats["steps"] == 8 and wall - stats["train_s"] >= 0.9 * 8 * 0.05, (wall, stats["train_s"])

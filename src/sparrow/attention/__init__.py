@@ -34,5 +34,5 @@ def rtpurbo(path: str, **overrides):
 
 
 __all__ = ["AttentionBackend", "CacheSpec", "DecodeMeta", "LayerShape", "PrefillMeta", "PrefixPackMask",
-           "DenseAttention", "DenseKVCache", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache", "RTPurboConfig",
-           "dense", "rtpurbo", "rtpurbo_attention"]
+           "DenseAttention", "DenseKVCache", "HeadProfile", "IndexerWeights", "RTPurboAttention", "RTPurboCache",
+           "RTPurboConfig", "dense", "rtpurbo", "rtpurbo_attention"]

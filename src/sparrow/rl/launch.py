@@ -130,15 +130,24 @@ def technique_overrides(name: str, calibration: Path | str | None = None, *, tog
 
 def launch_options(config: Path | str, steps: int, steps_help: str | None = None) -> list[tuple[str, dict]]:
     """Command-line options of a script that launches a recipe on a Hugging Face model directory, as rows
-    ``(flag, add_argument kwargs)``: ``--model`` (required), ``--config`` (default ``config``), ``--configs``
-    (``all_off,all_on``), ``--steps`` (default ``steps``), ``--calibration`` (an existing ``sparrow calibrate``
-    output), ``--calib-seq-len``, ``--calib-steps`` and ``--set`` (overrides for every launch)."""
-    return [("--model", dict(type=Path, required=True, help="a Hugging Face model directory")),
+    ``(flag, add_argument kwargs)``: ``--model`` (every launch needs it: :func:`require_model`), ``--config``
+    (default ``config``), ``--configs`` (``all_off,all_on``), ``--steps`` (default ``steps``), ``--calibration`` (an
+    existing ``sparrow calibrate`` output), ``--calib-seq-len``, ``--calib-steps``, ``--set`` (overrides for every
+    launch) and ``--merge`` (results of the script's earlier calls joined instead: no launch, no model)."""
+    return [("--model", dict(type=Path, default=None, help="a Hugging Face model directory (not with --merge)")),
             ("--config", dict(type=Path, default=Path(config))), ("--configs", dict(default="all_off,all_on")),
             ("--steps", dict(type=int, default=steps, help=steps_help)),
             ("--calibration", dict(type=Path, default=None, help="an existing sparrow calibrate output")),
             ("--calib-seq-len", dict(type=int, default=4096)), ("--calib-steps", dict(type=int, default=200)),
-            ("--set", dict(nargs="*", default=[], help="recipe overrides for every launch (key=value)"))]
+            ("--set", dict(nargs="*", default=[], help="recipe overrides for every launch (key=value)")),
+            ("--merge", dict(nargs="+", type=Path, default=None, metavar="JSON",
+                             help="join results of this script's calls over other configurations into one"))]
+
+
+def require_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A launching run of a :func:`launch_options` script needs ``--model``: the parser's usage error otherwise."""
+    if args.model is None:
+        parser.error("--model is required (except with --merge)")
 
 
 def launch_recipe(config: Path | str, overrides: Sequence[str], *, out: Path | str, recipe: str = "sparrow_grpo",

@@ -35,10 +35,9 @@ def hidden_states(model: TransformerDecoder, tokens: torch.Tensor, *,
 
     Causal by default; ``mask`` (bool [N, S, S], True where a query may attend to a key, or a
     :class:`~sparrow.attention.PrefixPackMask`) and ``input_pos`` (int64 [N, S], the RoPE position of each token)
-    describe packed sequences instead. ``checkpoint_layers``
-    (with gradients on): each layer keeps only its input for the backward pass and runs again there, so the
-    activations held at once are one layer's instead of every layer's (the same values and gradients, about a
-    third more compute)."""
+    describe packed sequences instead. ``checkpoint_layers`` (with gradients on): each layer keeps only its input
+    for the backward pass and runs again there, so the activations held at once are one layer's instead of every
+    layer's (the same values and gradients, one more forward of the layers)."""
     kw = {} if mask is None else {"mask": mask, "input_pos": input_pos}
     recompute = checkpoint_layers and torch.is_grad_enabled()
     h = model.tok_embeddings(tokens)

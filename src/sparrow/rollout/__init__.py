@@ -8,4 +8,5 @@ from sparrow.rollout.session import RolloutSession
 from sparrow.sampling import SamplingParams, process_logits, top_k_mask, top_p_mask
 
 __all__ = ["EngineConfig", "Generation", "GenerationStats", "GroupProgress", "RolloutEngine", "RolloutSession",
-           "Sample", "SamplingParams", "batch_buckets", "generate_reference", "process_logits", "top_k_mask", "top_p_mask"]
+           "Sample", "SamplingParams", "batch_buckets", "generate_reference", "process_logits", "top_k_mask",
+           "top_p_mask"]

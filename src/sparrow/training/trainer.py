@@ -391,7 +391,8 @@ class Trainer:
                     self._progress_eval(t0)
                     t_eval = time.perf_counter()
                     run.eval_at_s = t_eval - t0
-                if checkpoint is not None and checkpoint_every_s and time.perf_counter() - t_ckpt >= checkpoint_every_s:
+                if checkpoint is not None and checkpoint_every_s and \
+                        time.perf_counter() - t_ckpt >= checkpoint_every_s:
                     t_c = time.perf_counter()
                     run.elapsed_s = t_c - t0
                     checkpoint()
@@ -404,7 +405,8 @@ class Trainer:
                 p.grad = None
             model.train(was_training)
         train_s = run.elapsed_s
-        self.log(f"trained {self.step} steps, {run.tokens / 1e6:.1f}M tokens, {run.examples} examples in {train_s:.0f} s")
+        self.log(f"trained {self.step} steps, {run.tokens / 1e6:.1f}M tokens, {run.examples} examples in "
+                 f"{train_s:.0f} s")
         return {"steps": self.step, "tokens_seen": run.tokens, "examples_seen": run.examples,
                 "train_s": round(train_s, 1), "final_max_context": cur.top, "curriculum_events": cur.events,
                 "progress": run.progress, "loss_curve": run.curve, "resumed_at": run.resumed_at,
