@@ -1,9 +1,11 @@
 """The cache writers both backends use: every (cache, values) pair lands at its slot's positions, nothing else
-changes."""
+changes; the trainer's attention of packed groups."""
 
+import pytest
 import torch
 
-from sparrow.attention.common import prefix_index, put, row_index, write_prefix, write_rows
+from sparrow.attention import PrefixPackMask
+from sparrow.attention.common import prefix_index, put, row_index, train_attention, write_prefix, write_rows
 
 
 def test_row_index_writes_each_pair_at_the_rows_positions_and_wraps_a_ring():
@@ -42,11 +44,6 @@ def test_prefix_and_two_tensor_writers_agree_with_the_index_helpers():
 
 
 # -- the trainer's attention of packed groups: the prompt on the causal kernel, the rest through its mask rows -----
-import pytest  # noqa: E402
-
-from sparrow.attention import PrefixPackMask  # noqa: E402
-from sparrow.attention.common import train_attention  # noqa: E402
-
 
 @pytest.mark.parametrize("B,Hq,Hkv,P,T,D", [pytest.param(1, 2, 2, 5, 3, 8, id="mha"),
                                              pytest.param(2, 6, 2, 9, 7, 16, id="gqa"),
@@ -76,3 +73,26 @@ def test_prefix_pack_mask_equals_the_whole_mask(B, Hq, Hkv, P, T, D):
     leaky[:, :P, :P] = True
     if P > 1:
         assert not torch.allclose(train_attention(q, k, v, leaky), outs[1][0])
+
+
+def test_prefix_pack_mask_refuses_what_does_not_fit():
+    """A bad prefix or rest is refused when made; a rest of another batch or length where it is used."""
+    rest = torch.ones(2, 3, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="prefix_len must be an int >= 0"):
+        PrefixPackMask(-1, rest)
+    with pytest.raises(ValueError, match=r"rest must be bool \[B, S - P, S\] with P = 4"):
+        PrefixPackMask(4, rest)  # 3 queries + 4 = 7 keys, not 8
+    with pytest.raises(ValueError, match="rest must be bool"):
+        PrefixPackMask(5, rest.float())
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match=r"does not fit 1 sequences of 8 positions \(rest must be \[1, 3, 8\]\)"):
+        train_attention(q, k, v, PrefixPackMask(5, rest))
+
+
+def test_prefix_pack_mask_without_a_prefix_is_the_explicit_mask():
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    rest = torch.rand(2, 6, 6, generator=g) < 0.5
+    rest[:, torch.arange(6), torch.arange(6)] = True
+    a, b = train_attention(q, k, v, PrefixPackMask(0, rest)), train_attention(q, k, v, rest)
+    assert torch.equal(a.view(torch.int64), b.view(torch.int64))  # bit for bit

@@ -124,12 +124,23 @@ class PrefixPackMask:
     prompt and to itself). A query inside the prefix that is padding attends causally too: its output must be
     unused, and no query past the prefix may attend to it (``rest`` False there).
 
-    prefix_len: ``P``, the same for every sequence of the batch.
+    prefix_len: ``P`` >= 0, the same for every sequence of the batch.
     rest: bool [B, S - P, S], True where query ``P + i`` attends to key ``j``; every row needs a True.
+
+    Raises ``ValueError`` for a negative ``prefix_len`` or a ``rest`` that is not a 3-D bool tensor with at least
+    ``P`` more keys than queries (the shapes against the queries are checked where it is used).
     """
 
     prefix_len: int
     rest: torch.Tensor
+
+    def __post_init__(self) -> None:
+        P, r = self.prefix_len, self.rest
+        if not isinstance(P, int) or P < 0:
+            raise ValueError(f"PrefixPackMask: prefix_len must be an int >= 0, got {P!r}")
+        if not isinstance(r, torch.Tensor) or r.dtype != torch.bool or r.dim() != 3 or r.shape[2] != P + r.shape[1]:
+            raise ValueError(f"PrefixPackMask: rest must be bool [B, S - P, S] with P = {P}, got "
+                             f"{getattr(r, 'dtype', type(r).__name__)}{tuple(getattr(r, 'shape', ()))}")
 
 
 class AttentionBackend(nn.Module, abc.ABC):

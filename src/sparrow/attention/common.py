@@ -73,7 +73,12 @@ def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if mask is None:
         return causal_attention(q, k, v)
     if isinstance(mask, PrefixPackMask):
-        P = mask.prefix_len
+        P, (B, _, S, _) = mask.prefix_len, q.shape
+        if mask.rest.shape != (B, S - P, S):
+            raise ValueError(f"PrefixPackMask of prefix {P} and rest {tuple(mask.rest.shape)} does not fit "
+                             f"{B} sequences of {S} positions (rest must be [{B}, {S - P}, {S}])")
+        if P == 0:
+            return masked_attention(q, k, v, mask.rest)
         head = causal_attention(q[:, :, :P], k[:, :, :P], v[:, :, :P])
         return torch.cat([head, masked_attention(q[:, :, P:], k, v, mask.rest)], dim=2)
     return masked_attention(q, k, v, mask)
