@@ -12,7 +12,7 @@ window (8192) from ring buffers for the other heads, and the split merge — two
 scores with the projection; selection, attention and merge). Retrieval-head density is set as in
 ``bench_rtpurbo_prefill.py`` (a random ``density / top_p`` fraction of blocks carries the indexer mass), rows say
 whether ``planted`` (1-10%) or ``measured`` (``--density``: numbers or the accuracy JSON, key
-``retrieval_decode_density``), and the density the selection kept is measured. ``rtpurbo@15%`` is a model with
+``decode_ret_density``), and the density the selection kept is measured. ``rtpurbo@15%`` is a model with
 15% retrieval heads: ``0.6 t(1 retrieval head) + 0.4 t(0)``.
 
 Every callable is timed as a replayed CUDA graph (as the engine runs decode) and eagerly. ``step`` rows time
@@ -101,7 +101,7 @@ def run(args) -> None:
         lengths, batches, hq, hkv, d, window, planted = [131072, 1048576], [1, 4, 8, 16], 32, 4, 128, 8192, \
             [0.01, 0.02, 0.05, 0.10]
         dtype = torch.bfloat16
-    densities = planted_and_measured(planted, args.density, "retrieval_decode_density")
+    densities = planted_and_measured(planted, args.density, "decode_ret_density")
     if args.batches:
         batches = [int(x) for x in args.batches.split(",")]
     block = 64

@@ -16,7 +16,7 @@ random ``density / top_p`` fraction of key blocks align with the indexer queries
 mass, so top-p (0.9) keeps about ``density`` of the causal blocks, plus the forced sink / local ones; the density
 actually kept is measured (``ret_density``). Rows say where the density came from: ``planted`` (1%, 2%, 5%,
 10%) or ``measured`` on a trained model (``--density``: numbers, or the JSON of ``bench_rtpurbo_accuracy.py``,
-key ``retrieval_prefill_density``).
+key ``prefill_ret_density``, the retrieval heads' kept fraction of a row at its longest context).
 
 With 4 kv heads a layer has 0 or 1 retrieval heads near the 15% design point; a model with 15% retrieval
 heads has 1 in 60% of its layers and 0 in 40%, so its mean layer time is ``0.6 t(1) + 0.4 t(0)`` — the
@@ -60,7 +60,7 @@ def run(args) -> None:
             [0.01, 0.02, 0.05, 0.10]
         dtype = torch.bfloat16
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else lengths
-    densities = planted_and_measured(planted, args.density, "retrieval_prefill_density")
+    densities = planted_and_measured(planted, args.density, "prefill_ret_density")
     cfg = SparsePrefillConfig(top_p=TOP_P, block=block, num_sinks=4, window=window, ret_window=block)
     rows: list[dict] = []
     t_start = time.perf_counter()

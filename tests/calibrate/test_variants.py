@@ -159,3 +159,27 @@ def test_calibration_options_parse():
     assert (quick.profile_seqs, quick.fit_seqs, quick.fit_steps, quick.queries_per_seq) == (2, 2, 20, 64)
     assert "default 200" in p.format_help() and base_parser("q", calibration_options()).parse_args([]).prefill_impl \
         == "auto"
+
+
+@pytest.mark.parametrize("script", ["bench_rtpurbo_prefill.py", "bench_rtpurbo_decode.py"])
+def test_density_benchmarks_read_keys_the_accuracy_rows_have(script, tmp_path):
+    """``--density ACCURACY.json`` of the synthetic RTPurbo benchmarks reads a key that
+    ``bench_rtpurbo_accuracy.py``'s rows (:func:`variant_densities`) carry; a key they lack would stop the run."""
+    import json
+    import re
+
+    from sparrow import bench
+    from sparrow.attention.rtpurbo import HeadProfile, RTPurboConfig
+    from sparrow.calibrate.variants import variant_densities
+
+    text = (bench.REPO / "benchmarks" / script).read_text()
+    (key,) = re.findall(r'planted_and_measured\([^)]*"(\w+)"\)', text)
+    prof = HeadProfile(torch.zeros(1, 2), torch.tensor([[True, False]]))
+    st = {"decode_density": 0.5, "decode_ret_density": 0.25, "prefill_ret_density": 0.2}
+    row = dict(context=127, **variant_densities(st, prof, RTPurboConfig(window=32, decode_block=16, prefill_block=16), 127))
+    f = tmp_path / "acc.json"
+    f.write_text(json.dumps({"rows": [row]}))
+    assert bench.density_arg(str(f), key) == [row[key]]
+    old = "retrieval_" + key.split("_")[0] + "_density"  # negative control: the key the scripts once read
+    with pytest.raises(SystemExit, match="has no"):
+        bench.density_arg(str(f), old)
