@@ -7,11 +7,14 @@ import struct
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import sparrow.sync as sync
 from sparrow.kernels.sync import api, reference
 from sparrow.sync import CorruptPayloadError, Payload, SyncReceiver, SyncSender
-from sparrow.sync._util import hash_bytes
+from sparrow.kernels.sync.common import combine_hash
+from sparrow.sync._util import _hash_host_bytes, hash_bytes, hash_bytes_lanes
 from sparrow.sync.bucket import BUCKET_FORMAT, HEADER_BYTES, parse_bucket
 
 from .conftest import TRITON_DEVICE
@@ -90,3 +93,22 @@ def test_compact_payload_needs_its_span():
         crafted = Payload("compact", p.dtype, p.shape, p.nchanged, p.data, extra=bad)
         with pytest.raises(CorruptPayloadError, match="span_log2"):
             Payload.from_bytes(crafted.to_bytes())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300))
+def test_host_bytes_hash_equals_the_reference(data):
+    """Header and manifest hashes (host bytes, numpy) are the reference's lanes over the zero-padded words. The
+    negative control: the bytes without their last, partial word (non-zero) hash to something else."""
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    assert _hash_host_bytes(data) == hash_bytes(data) == combine_hash(hash_bytes_lanes(t, impl="reference"))
+    if len(data) % 4 and data[-(len(data) % 4):].strip(b"\0"):
+        assert _hash_host_bytes(data[:len(data) - len(data) % 4]) != hash_bytes(data)
+
+
+def test_host_bytes_hash_of_awkward_lengths_and_buffers():
+    rng = torch.Generator().manual_seed(3)
+    for n in (0, 1, 3, 4, 5, 63, 100, 123, 4097, 70001):
+        raw = bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
+        ref = combine_hash(hash_bytes_lanes(torch.tensor(list(raw), dtype=torch.uint8), impl="reference"))
+        assert hash_bytes(raw) == hash_bytes(bytearray(raw)) == hash_bytes(memoryview(raw)) == ref, n

@@ -6,11 +6,12 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..kernels.common.impl import IMPLS, Impl
 from ..kernels.sync import api as _k
-from ..kernels.sync.common import combine_hash
+from ..kernels.sync.common import FMIX_1, FMIX_2, H_ADD_I, H_MUL_I, H_MUL_X, H_XOR_B, M32, combine_hash, fold_lanes
 from .errors import CorruptPayloadError
 
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -78,10 +79,36 @@ def hash_bytes_lanes(data: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
 
 
 def hash_bytes(data: torch.Tensor | bytes, impl: Impl = "auto") -> int:
-    """64-bit hash of a byte string (uint8 tensor or ``bytes``) as a Python int."""
+    """64-bit hash of a byte string (uint8 tensor or ``bytes``) as a Python int. Host bytes (a bucket's header and
+    manifest, read on every apply) are hashed by :func:`_hash_host_bytes`, the same function without torch's
+    per-operation cost; tensors by :func:`hash_bytes_lanes` on their device."""
     if not isinstance(data, torch.Tensor):
-        data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.zeros(0, dtype=torch.uint8)
+        return _hash_host_bytes(data)
     return combine_hash(hash_bytes_lanes(data, impl))
+
+
+_U64 = np.uint64
+
+
+def _fmix32_np(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> _U64(16))
+    h = (h * _U64(FMIX_1)) & _U64(M32)
+    h = h ^ (h >> _U64(13))
+    h = (h * _U64(FMIX_2)) & _U64(M32)
+    return h ^ (h >> _U64(16))
+
+
+def _hash_host_bytes(data: bytes | bytearray | memoryview) -> int:
+    """:func:`hash_bytes` of host bytes in numpy: the bytes zero-padded to 4 and read as little-endian uint32
+    words at positions 0, 1, ..., hashed lane by lane as ``kernels.sync.reference.hash_bits`` does (uint64
+    products wrap modulo 2^64, so their low 32 bits are the products' modulo 2^32)."""
+    raw = bytes(data)
+    raw += b"\0" * (-len(raw) % 4)
+    x = np.frombuffer(raw, dtype="<u4").astype(_U64)
+    pos = np.arange(x.size, dtype=_U64)
+    t = ((x * _U64(H_MUL_X)) & _U64(M32)) ^ ((((pos * _U64(H_MUL_I)) & _U64(M32)) + _U64(H_ADD_I)) & _U64(M32))
+    a, b = _fmix32_np(t), _fmix32_np(t ^ _U64(H_XOR_B))
+    return fold_lanes(int(a.sum(dtype=_U64)) & M32, int(b.sum(dtype=_U64)) & M32)
 
 
 def hash_views(views: list[torch.Tensor], starts: list[int], impl: Impl = "auto") -> torch.Tensor:

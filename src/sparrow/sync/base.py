@@ -70,7 +70,7 @@ class Payload:
 
     @property
     def dense_nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def header(self) -> dict[str, Any]:
         return {"format": PAYLOAD_FORMAT, "codec": self.codec, "dtype": dtype_name(self.dtype),
@@ -173,7 +173,7 @@ def span_of(payload: "Payload") -> int:
 
 def check_body_length(codec: str, dtype: torch.dtype, numel: int, nchanged: int, nbytes: int) -> None:
     """Raise :class:`CorruptPayloadError` unless ``nbytes`` is a possible body length for the codec."""
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     if codec == "dense":
         ok, want = nbytes == numel * esize, f"{numel * esize}"
     elif codec == "coo":

@@ -324,29 +324,38 @@ def _hex64(k: int, key: str, h: Any) -> int | None:
 
 
 def _check_entry(k: int, e: Any, end: int, blen: int) -> EntryMeta:
-    """Entry ``k`` of a manifest, checked field by field (``end``: where the previous body ended)."""
-    _need(isinstance(e, dict), f"entry {k}")
-    _need(isinstance(e.get("name"), str), f"entry {k} name")
+    """Entry ``k`` of a manifest, checked field by field (``end``: where the previous body ended). Runs for every
+    entry of every bucket applied, so a message is only formatted for a check that fails."""
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise CorruptPayloadError(f"bad bucket manifest: entry {k} {what}")
+
+    need(isinstance(e, dict), "is not an object")
+    need(isinstance(e.get("name"), str), "name")
     dtype = dtype_from_name(e.get("dtype"))
     shape = e.get("shape")
-    _need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape), f"entry {k} shape")
+    need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape), "shape")
     for f in ("start", "length", "offset", "nbytes", "nchanged"):
-        _need(_is_int(e.get(f)) and e[f] >= 0, f"entry {k} {f}")
-    _need(e["start"] + e["length"] <= math.prod(shape), f"entry {k} range beyond its tensor")
-    _need(e["nchanged"] <= e["length"], f"entry {k} nchanged > length")
+        need(_is_int(e.get(f)) and e[f] >= 0, f)
+    need(e["start"] + e["length"] <= math.prod(shape), "range beyond its tensor")
+    need(e["nchanged"] <= e["length"], "nchanged > length")
     codec = e.get("codec")
-    _need(isinstance(codec, str) and bool(codec) and codec != "auto", f"entry {k} codec {codec!r}")
-    _need(e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen,
-          f"entry {k} body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
+    if not (isinstance(codec, str) and codec and codec != "auto"):
+        need(False, f"codec {codec!r}")
+    if not (e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen):
+        need(False, f"body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
     span = None
     if codec in CODEC_NAMES:
-        _need("payload" not in e, f"entry {k}: a built-in {codec} entry has no payload field")
+        if "payload" in e:
+            need(False, f"(a built-in {codec} entry) has a payload field")
         check_body_length(codec, dtype, e["length"], e["nchanged"], e["nbytes"])
         if codec == "compact":
             span = e.get("span_log2")
-            _need(_is_int(span) and MIN_SPAN_LOG2 <= span <= MAX_SPAN_LOG2, f"entry {k} span_log2 {span!r}")
+            if not (_is_int(span) and MIN_SPAN_LOG2 <= span <= MAX_SPAN_LOG2):
+                need(False, f"span_log2 {span!r}")
         else:
-            _need("span_log2" not in e, f"entry {k}: a {codec} entry has no span_log2")
+            if "span_log2" in e:
+                need(False, f"(a {codec} entry) has a span_log2")
         payload = None
     else:  # a user codec: its body is checked by its own apply_
         payload = _check_user_payload(k, e.get("payload"))
