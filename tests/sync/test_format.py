@@ -112,3 +112,40 @@ def test_host_bytes_hash_of_awkward_lengths_and_buffers():
         raw = bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
         ref = combine_hash(hash_bytes_lanes(torch.tensor(list(raw), dtype=torch.uint8), impl="reference"))
         assert hash_bytes(raw) == hash_bytes(bytearray(raw)) == hash_bytes(memoryview(raw)) == ref, n
+
+
+_COMPACT = {"name": "w", "dtype": "bfloat16", "shape": [4, 1024], "start": 1024, "length": 2048, "codec": "compact",
+            "offset": 32, "nbytes": 64, "nchanged": 20, "span_log2": 12}
+
+
+@pytest.mark.parametrize("change,match", [
+    pytest.param(None, None, id="valid"),
+    pytest.param({"name": 3}, "entry 2 name", id="name"),
+    pytest.param({"dtype": "int8"}, "unknown dtype", id="dtype"),
+    pytest.param({"shape": [4, -1]}, "entry 2 shape", id="shape"),
+    pytest.param({"start": -1}, "entry 2 start", id="start"),
+    pytest.param({"nbytes": True}, "entry 2 nbytes", id="bool-is-not-a-count"),
+    pytest.param({"length": 3073}, "range beyond its tensor", id="beyond-tensor"),
+    pytest.param({"nchanged": 2049}, "nchanged > length", id="nchanged"),
+    pytest.param({"codec": "auto"}, "codec 'auto'", id="codec-auto"),
+    pytest.param({"offset": 40}, r"body range \[40, \+64\)", id="offset-unaligned"),
+    pytest.param({"offset": 16}, r"body range \[16, \+64\)", id="overlaps-previous"),
+    pytest.param({"nbytes": 96}, r"body range \[32, \+96\) \(body 112 bytes\)", id="past-body"),
+    pytest.param({"payload": {}}, "has a payload field", id="builtin-with-payload"),
+    pytest.param({"span_log2": 9}, "span_log2 9", id="span-too-small"),
+    pytest.param({"span_log2": None}, "span_log2 None", id="span-missing"),
+    pytest.param({"nbytes": 62}, "compact body of 62 bytes", id="body-length"),
+    pytest.param({"codec": "coo", "nchanged": 8, "nbytes": 48}, "has a span_log2", id="coo-with-span"),
+])
+def test_manifest_entry_checks(change, match):
+    """Every check of a bucket manifest's entry refuses its own kind of bad field with a message naming the entry
+    (entry 2, the previous body ending at byte 32 of a 112-byte body); the valid entry passes unchanged."""
+    from sparrow.sync.bucket import _check_entry
+
+    e = dict(_COMPACT, **(change or {}))
+    if change is None:
+        meta = _check_entry(2, e, 32, 112)
+        assert meta.to_json() == e and meta.span_log2 == 12
+        return
+    with pytest.raises(CorruptPayloadError, match=match):
+        _check_entry(2, e, 32, 112)

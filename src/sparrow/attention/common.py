@@ -77,7 +77,7 @@ def train_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if mask.rest.shape != (B, S - P, S):
             raise ValueError(f"PrefixPackMask of prefix {P} and rest {tuple(mask.rest.shape)} does not fit "
                              f"{B} sequences of {S} positions (rest must be [{B}, {S - P}, {S}])")
-        if P == 0:
+        if P == 0:  # no prefix: the explicit mask alone (no empty causal launch, no concatenation)
             return masked_attention(q, k, v, mask.rest)
         head = causal_attention(q[:, :, :P], k[:, :, :P], v[:, :, :P])
         return torch.cat([head, masked_attention(q[:, :, P:], k, v, mask.rest)], dim=2)

@@ -11,7 +11,7 @@ import torch
 
 from ..kernels.common.impl import IMPLS, Impl
 from ..kernels.sync import api as _k
-from ..kernels.sync.common import FMIX_1, FMIX_2, H_ADD_I, H_MUL_I, H_MUL_X, H_XOR_B, M32, combine_hash, fold_lanes
+from ..kernels.sync.common import M32, combine_hash, fold_lanes, hash_lanes
 from .errors import CorruptPayloadError
 
 DTYPE_NAMES: dict[torch.dtype, str] = {torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -87,28 +87,14 @@ def hash_bytes(data: torch.Tensor | bytes, impl: Impl = "auto") -> int:
     return combine_hash(hash_bytes_lanes(data, impl))
 
 
-_U64 = np.uint64
-
-
-def _fmix32_np(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> _U64(16))
-    h = (h * _U64(FMIX_1)) & _U64(M32)
-    h = h ^ (h >> _U64(13))
-    h = (h * _U64(FMIX_2)) & _U64(M32)
-    return h ^ (h >> _U64(16))
-
-
 def _hash_host_bytes(data: bytes | bytearray | memoryview) -> int:
     """:func:`hash_bytes` of host bytes in numpy: the bytes zero-padded to 4 and read as little-endian uint32
-    words at positions 0, 1, ..., hashed lane by lane as ``kernels.sync.reference.hash_bits`` does (uint64
-    products wrap modulo 2^64, so their low 32 bits are the products' modulo 2^32)."""
-    raw = bytes(data)
-    raw += b"\0" * (-len(raw) % 4)
-    x = np.frombuffer(raw, dtype="<u4").astype(_U64)
-    pos = np.arange(x.size, dtype=_U64)
-    t = ((x * _U64(H_MUL_X)) & _U64(M32)) ^ ((((pos * _U64(H_MUL_I)) & _U64(M32)) + _U64(H_ADD_I)) & _U64(M32))
-    a, b = _fmix32_np(t), _fmix32_np(t ^ _U64(H_XOR_B))
-    return fold_lanes(int(a.sum(dtype=_U64)) & M32, int(b.sum(dtype=_U64)) & M32)
+    words at positions 0, 1, ..., through the reference's :func:`~sparrow.kernels.sync.common.hash_lanes` on
+    uint64 arrays, the lanes summed modulo 2^32."""
+    raw = bytes(data) + b"\0" * (-len(data) % 4)
+    x = np.frombuffer(raw, dtype="<u4").astype(np.uint64)
+    a, b = hash_lanes(x, np.arange(x.size, dtype=np.uint64))
+    return fold_lanes(int(a.sum(dtype=np.uint64)) & M32, int(b.sum(dtype=np.uint64)) & M32)
 
 
 def hash_views(views: list[torch.Tensor], starts: list[int], impl: Impl = "auto") -> torch.Tensor:

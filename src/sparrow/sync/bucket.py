@@ -323,12 +323,16 @@ def _hex64(k: int, key: str, h: Any) -> int | None:
     return v
 
 
+def _entry_error(k: int, what: str) -> CorruptPayloadError:
+    return CorruptPayloadError(f"bad bucket manifest: entry {k} {what}")
+
+
 def _check_entry(k: int, e: Any, end: int, blen: int) -> EntryMeta:
     """Entry ``k`` of a manifest, checked field by field (``end``: where the previous body ended). Runs for every
     entry of every bucket applied, so a message is only formatted for a check that fails."""
     def need(cond: bool, what: str) -> None:
         if not cond:
-            raise CorruptPayloadError(f"bad bucket manifest: entry {k} {what}")
+            raise _entry_error(k, what)
 
     need(isinstance(e, dict), "is not an object")
     need(isinstance(e.get("name"), str), "name")
@@ -341,21 +345,20 @@ def _check_entry(k: int, e: Any, end: int, blen: int) -> EntryMeta:
     need(e["nchanged"] <= e["length"], "nchanged > length")
     codec = e.get("codec")
     if not (isinstance(codec, str) and codec and codec != "auto"):
-        need(False, f"codec {codec!r}")
+        raise _entry_error(k, f"codec {codec!r}")
     if not (e["offset"] % 16 == 0 and e["offset"] >= end and e["offset"] + e["nbytes"] <= blen):
-        need(False, f"body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
+        raise _entry_error(k, f"body range [{e['offset']}, +{e['nbytes']}) (body {blen} bytes)")
     span = None
     if codec in CODEC_NAMES:
         if "payload" in e:
-            need(False, f"(a built-in {codec} entry) has a payload field")
+            raise _entry_error(k, f"(a built-in {codec} entry) has a payload field")
         check_body_length(codec, dtype, e["length"], e["nchanged"], e["nbytes"])
         if codec == "compact":
             span = e.get("span_log2")
             if not (_is_int(span) and MIN_SPAN_LOG2 <= span <= MAX_SPAN_LOG2):
-                need(False, f"span_log2 {span!r}")
-        else:
-            if "span_log2" in e:
-                need(False, f"(a {codec} entry) has a span_log2")
+                raise _entry_error(k, f"span_log2 {span!r}")
+        elif "span_log2" in e:
+            raise _entry_error(k, f"(a {codec} entry) has a span_log2")
         payload = None
     else:  # a user codec: its body is checked by its own apply_
         payload = _check_user_payload(k, e.get("payload"))

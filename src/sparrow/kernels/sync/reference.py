@@ -30,17 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import (
-    FMIX_1,
-    FMIX_2,
-    H_ADD_I,
-    H_MUL_I,
-    H_MUL_X,
-    H_XOR_B,
-    HEADER_WORDS,
-    M32,
-    SyncFormatError,
-)
+from .common import HEADER_WORDS, M32, SyncFormatError, hash_lanes
 
 _I64 = torch.int64
 
@@ -59,28 +49,6 @@ def _to_signed(x: torch.Tensor, ebits: int, dtype: torch.dtype) -> torch.Tensor:
     """int64 unsigned values < 2^ebits -> the same bit pattern as a signed ``dtype`` tensor."""
     x = x & _mask(ebits)
     return (x - ((x >> (ebits - 1)) << ebits)).to(dtype)
-
-
-def _mul32(a: torch.Tensor, c: int) -> torch.Tensor:
-    """(a * c) mod 2^32 for 0 <= a, c < 2^32: int64 products wrap modulo 2^64 (two's complement) on
-    every PyTorch backend, and the low 32 bits of the wrapped product are the low 32 bits of a * c."""
-    return (a * c) & M32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    h = h ^ (h >> 16)
-    h = _mul32(h, FMIX_1)
-    h = h ^ (h >> 13)
-    h = _mul32(h, FMIX_2)
-    return h ^ (h >> 16)
-
-
-def hash_lanes(x_u: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element hash lanes (int64 tensors holding uint32 values) of unsigned bit patterns ``x_u`` at
-    positions ``pos`` (both int64): ``t = (x * H_MUL_X) ^ (pos * H_MUL_I + H_ADD_I)``, lane A =
-    ``fmix32(t)``, lane B = ``fmix32(t ^ H_XOR_B)``."""
-    t = _mul32(x_u, H_MUL_X) ^ ((_mul32(pos, H_MUL_I) + H_ADD_I) & M32)
-    return _fmix32(t), _fmix32(t ^ H_XOR_B)
 
 
 def hash_bits(bits: torch.Tensor, start: int = 0) -> torch.Tensor:
