@@ -72,7 +72,7 @@ def test_resume_is_bitwise_exact(tmp_path):
     assert state["step"] == 4 and len(state["history"]) == 4
 
 
-@pytest.mark.parametrize("overrides,match", [
+BAD_INPUT = [
     (["total_steps=1", "grpo_epochs=2"], "unknown config keys: grpo_epochs"),
     (["total_steps=1", "loss.clip=0.1"], "unknown config keys: loss.clip"),
     (["total_steps=1", "checkpoint=/nonexistent/model.safetensors"], "starting checkpoint .* does not exist"),
@@ -80,10 +80,23 @@ def test_resume_is_bitwise_exact(tmp_path):
     (["total_steps=1", "resume_from_checkpoint=true"], "no checkpoint to resume from"),
     (["total_steps=1", "trainer_ranks=2"], "trainer_ranks=2 with 1 ranks"),
     (["total_steps=1", "shared_prefix=true", "micro_batch_size=6"], "multiples of group_size"),
-])
-def test_bad_input_fails_before_training(tmp_path, overrides, match):
+]
+
+
+@pytest.mark.parametrize("overrides,match", BAD_INPUT)
+def test_bad_input_fails_before_training(tmp_path, monkeypatch, overrides, match):
+    # setup raises, in this process (a subprocess per case cost ~8 s of start-up); the CLI's exit: the next test
+    out = tmp_path / "o"
+    out.mkdir()
+    with pytest.raises(Exception, match=match):
+        in_process(out, monkeypatch, *overrides)
+    assert not (out / "checkpoints").exists()
+
+
+def test_bad_input_exits_the_cli_with_the_message(tmp_path):
     import re
 
+    overrides, match = BAD_INPUT[3]
     r = run(tmp_path / "o", *overrides)
     assert r.returncode != 0
     assert re.search(match, r.stderr), r.stderr[-2000:]
