@@ -96,7 +96,8 @@ def test_decode_step_compiles_without_graph_breaks(impl):
     if impl == "triton":
         model = model.to(DEVICE)  # compiled Triton on CUDA; the interpreter on the CPU
     eng = _engine(model, compile=True, compile_backend="eager", max_rows=8)
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=10, max_new_tokens=8, stop_token_ids=(1,))
+    # 4 tokens: each decode step through the Triton interpreter costs ~1 s on a CPU
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=10, max_new_tokens=4, stop_token_ids=(1,))
     out = eng.generate(_prompts(), 2, params)
     _assert_same(out.samples, _engine(model, max_rows=8).generate(_prompts(), 2, params).samples)
     slots = torch.tensor([0, 1, 2, eng.scratch], device=eng.device)
