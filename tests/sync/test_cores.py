@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import HealthCheck, find, given, settings
@@ -27,7 +29,19 @@ from .conftest import FLOAT_DTYPES, TRITON_DEVICE, bits, make_pair
 IMPLS = ["reference"] + (["triton"] if api.triton_available() else [])
 
 SETTINGS = dict(max_examples=200, deadline=None, database=None)
-sizes_and_caps = st.tuples(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 120))
+
+
+def _cap_at_a_prefix_sum(sizes: list[int]):
+    """``sizes`` with a cap equal to one of its prefix sums: the boundary where a run fills the cap exactly."""
+    sums = [s for s in itertools.accumulate(sizes) if s > 0]
+    return st.tuples(st.just(sizes), st.sampled_from(sums) if sums else st.integers(1, 120))
+
+
+# random caps rarely equal a run's sum, so half the cases are drawn at that boundary
+sizes_and_caps = st.one_of(
+    st.tuples(st.lists(st.integers(0, 50), max_size=30), st.integers(1, 120)),
+    st.lists(st.integers(0, 50), min_size=1, max_size=30).flatmap(_cap_at_a_prefix_sum),
+)
 
 
 def runs_are_greedy(sizes: list[int], cap: int, runs: list[tuple[int, int]]) -> bool:
