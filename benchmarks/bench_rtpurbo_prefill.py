@@ -137,7 +137,7 @@ def plot(result: dict, png_path: Path) -> None:
                     label=f"{{:.0%}} density ({src})", style=style)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="prompt tokens", ylabel="speedup over SDPA causal (x)",
-           title="RTPurbo prefill, one layer (32q/4kv, d128, bf16), 15% retrieval heads")
+           title="RTPurbo prefill, one layer (32q/4kv, d128, bf16),\n15% retrieval heads")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.legend()
     save_figure(fig, png_path)
