@@ -18,11 +18,17 @@ whether ``planted`` (1-10%) or ``measured`` (``--density``: numbers or the accur
 Every callable is timed as a replayed CUDA graph (as the engine runs decode) and eagerly. ``step`` rows time
 the whole backend decode (cache writes + attention) of :class:`RTPurboAttention` and :class:`DenseAttention`.
 
-Usage: ``python benchmarks/bench_rtpurbo_decode.py [--density 0.55]`` (H200) or ``--quick`` (CPU smoke run).
+``--ret-splits 64,128,256`` also times the fused pipeline at each of those retrieval split counts (the kernel's
+own count comes from the cache length, at most 64 per row and head): rows ``rtpurbo_splits``, and a ``splits``
+table of the one-retrieval-head time per count beside the kernel's own, for choosing the count by batch.
+
+Usage: ``python benchmarks/bench_rtpurbo_decode.py [--density 0.55] [--ret-splits 64,128,256]`` (H200) or
+``--quick`` (CPU smoke run).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -45,15 +51,15 @@ NAME = "rtpurbo_decode"
 TOP_P = 0.9
 
 
-def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool) -> None:
+def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool, ret_splits=()) -> None:
     L, B = c.L, c.B
     reps = dict(warmup=3, iters=30 if torch.cuda.is_available() else 2)
 
-    def add(config, fn, n_ret=0, density=1.0, source="-", kept=1.0, pipeline="-"):
+    def add(config, fn, n_ret=0, density=1.0, source="-", kept=1.0, pipeline="-", **extra):
         eager = measure(fn, **reps)["median_ms"]
         graph = measure(graphed(fn), **reps)["median_ms"] if use_graphs else float("nan")
         rows.append(dict(L=L, B=B, config=config, pipeline=pipeline, n_ret=n_ret, density=density,
-                         density_source=source, ret_density=kept, eager_ms=eager, graph_ms=graph))
+                         density_source=source, ret_density=kept, eager_ms=eager, graph_ms=graph, **extra))
 
     add("sdpa", lambda: F.scaled_dot_product_attention(c.q, c.pk, c.pv, enable_gqa=True))
     add("dense_triton", lambda: decode_attention_triton(c.q, c.pk, c.pv, c.gk, c.gv, c.rs, c.ps, c.plen, c.cl))
@@ -85,9 +91,29 @@ def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool) -> No
                 kept = float((cnt.double() * c.block - (c.block - 1 - (L - 1) % c.block)).mean() / L)
             for pipeline, fn in (("staged", staged), ("fused", fused)):
                 add("rtpurbo", fn, n_ret, dens, source, kept, pipeline)
+            for ns in (ret_splits if n_ret else ()):  # the fused pipeline at a fixed retrieval split count
+                fn = functools.partial(sparse_decode_triton, c.q, None, *args, q_pre=c.q, indexer_q=wq, q_scale=qs,
+                                       ret_splits=ns, **kw)
+                add("rtpurbo_splits", fn, n_ret, dens, source, kept, "fused", ret_splits=ns)
             add("rtpurbo_step", lambda: b.decode(c.q, c.k_new, c.v_new, cache, meta, q_pre=c.q, k_pre=c.k_new),
                 n_ret, dens, source, kept, "library")
             del cache
+
+
+def split_table(rows: list[dict]) -> list[dict]:
+    """Per (L, B, density) of the one-retrieval-head rows: the fused pipeline's time at its own split count
+    (``heuristic``) and at each ``--ret-splits`` count, with the best."""
+    out = []
+    for r in (r for r in rows if r["config"] == "rtpurbo" and r["n_ret"] == 1 and r["pipeline"] == "fused"):
+        same = [x for x in rows if x["config"] == "rtpurbo_splits" and
+                (x["L"], x["B"], x["density"]) == (r["L"], r["B"], r["density"])]
+        if same:
+            best = min(same, key=lambda x: x["graph_ms"] if x["graph_ms"] == x["graph_ms"] else x["eager_ms"])
+            key = "graph_ms" if r["graph_ms"] == r["graph_ms"] else "eager_ms"
+            out.append(dict(L=r["L"], B=r["B"], density=r["density"], heuristic_ms=r[key],
+                            **{f"s{x['ret_splits']}_ms": x[key] for x in same},
+                            best_splits=best["ret_splits"], best_ms=best[key]))
+    return out
 
 
 @torch.no_grad()
@@ -104,6 +130,7 @@ def run(args) -> None:
     densities = planted_and_measured(planted, args.density, "decode_ret_density")
     if args.batches:
         batches = [int(x) for x in args.batches.split(",")]
+    ret_splits = [int(x) for x in args.ret_splits.split(",")] if args.ret_splits else []
     block = 64
     rows: list[dict] = []
     t_start = time.perf_counter()
@@ -113,7 +140,7 @@ def run(args) -> None:
         for B in batches:
             try:
                 c = SyntheticDecodeLayer(L, B, hq, hkv, d, window, block, dtype, dev)
-                bench_case(c, densities, rows, use_graphs=cuda)
+                bench_case(c, densities, rows, use_graphs=cuda, ret_splits=ret_splits)
                 del c
             except torch.cuda.OutOfMemoryError as e:
                 rows.append(dict(L=L, B=B, config="error", error=f"out of memory: {str(e)[:200]}"))
@@ -126,10 +153,15 @@ def run(args) -> None:
                   triton_vs_reference_rel_err=check, density_json=args.density,
                   note="rtpurbo@15% = 0.6 t(1 retrieval kv head) + 0.4 t(0); times per layer per decode step; "
                        "density: the retrieval head's target kept fraction (ret_density: measured)")
-    write_json(NAME, config, rows, out_dir=args.out, extra={"summary": summary})
+    splits = split_table(ok)
+    extra = {"summary": summary} | ({"splits": splits} if splits else {})
+    write_json(NAME, config, rows, out_dir=args.out, extra=extra)
     print()
     print_table(summary, ["L", "B", "pipeline", "density", "density_source", "ret_density", "sdpa_ms", "rtpurbo15_ms",
                           "vs_sdpa", "vs_triton", "step_speedup"])
+    if splits:
+        print()
+        print_table(splits, list(splits[0]))
 
 
 def plot(result: dict, png_path: Path) -> None:
@@ -150,7 +182,9 @@ def plot(result: dict, png_path: Path) -> None:
 def main(argv=None) -> None:
     run(base_parser(__doc__.splitlines()[0], [
         ("--batches", str, None, "comma-separated batch sizes (override)"),
-        ("--density", str, None, "measured retrieval density: numbers, or an accuracy JSON")]).parse_args(argv))
+        ("--density", str, None, "measured retrieval density: numbers, or an accuracy JSON"),
+        ("--ret-splits", str, None, "comma-separated retrieval split counts: the fused pipeline timed at each too "
+                                    "(rows rtpurbo_splits, table splits)")]).parse_args(argv))
 
 
 if __name__ == "__main__":

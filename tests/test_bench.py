@@ -252,3 +252,29 @@ def test_planted_and_measured(tmp_path):
     f = tmp_path / "acc.json"
     f.write_text(json.dumps({"k": 0.7}))
     assert bench.planted_and_measured([], str(f), "k") == [(0.7, "measured")]
+
+
+def test_decode_split_table_compares_counts_of_the_same_case_only():
+    """``bench_rtpurbo_decode.py --ret-splits``: per (L, B, density), the fused one-retrieval-head time at the
+    kernel's own split count beside each fixed count, and the best of those; rows of another case never mix in."""
+    import importlib.util
+
+    path = bench.REPO / "benchmarks" / "bench_rtpurbo_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_rtpurbo_decode", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(config, density, ms, **kw):
+        return dict(L=1024, B=1, config=config, pipeline="fused", n_ret=1, density=density, density_source="planted",
+                    ret_density=density, eager_ms=2 * ms, graph_ms=ms, **kw)
+
+    rows = [row("rtpurbo", 0.1, 5.0), row("rtpurbo_splits", 0.1, 4.0, ret_splits=64),
+            row("rtpurbo_splits", 0.1, 3.0, ret_splits=128), row("rtpurbo", 0.7, 9.0),
+            row("rtpurbo_splits", 0.7, 1.0, ret_splits=256),  # the fastest row: must not win the 0.1 case
+            row("rtpurbo_splits", 0.7, 8.0, ret_splits=64), dict(row("rtpurbo", 0.1, 0.5), n_ret=0)]
+    table = mod.split_table(rows)
+    assert table == [dict(L=1024, B=1, density=0.1, heuristic_ms=5.0, s64_ms=4.0, s128_ms=3.0, best_splits=128,
+                          best_ms=3.0),
+                     dict(L=1024, B=1, density=0.7, heuristic_ms=9.0, s256_ms=1.0, s64_ms=8.0, best_splits=256,
+                          best_ms=1.0)]
+    assert mod.split_table([r for r in rows if r["config"] == "rtpurbo"]) == []  # no sweep: no table
