@@ -108,8 +108,8 @@ def split_table(rows: list[dict]) -> list[dict]:
         same = [x for x in rows if x["config"] == "rtpurbo_splits" and
                 (x["L"], x["B"], x["density"]) == (r["L"], r["B"], r["density"])]
         if same:
-            best = min(same, key=lambda x: x["graph_ms"] if x["graph_ms"] == x["graph_ms"] else x["eager_ms"])
-            key = "graph_ms" if r["graph_ms"] == r["graph_ms"] else "eager_ms"
+            key = "graph_ms" if r["graph_ms"] == r["graph_ms"] else "eager_ms"  # eager where no graph ran (CPU)
+            best = min(same, key=lambda x: x[key])
             out.append(dict(L=r["L"], B=r["B"], density=r["density"], heuristic_ms=r[key],
                             **{f"s{x['ret_splits']}_ms": x[key] for x in same},
                             best_splits=best["ret_splits"], best_ms=best[key]))
