@@ -81,8 +81,9 @@ def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool, ret_s
             def staged():  # the indexer query projection in PyTorch, then the four launches
                 return sparse_decode_triton(c.q, b.index(c.q, c.k_new)[0], *args, fused=False, **kw)
 
-            def fused():  # the projection inside the score kernel, then one launch
-                return sparse_decode_triton(c.q, None, *args, q_pre=c.q, indexer_q=wq, q_scale=qs, **kw)
+            def fused(ret_splits=None):  # the projection inside the score kernel, then one launch
+                return sparse_decode_triton(c.q, None, *args, q_pre=c.q, indexer_q=wq, q_scale=qs,
+                                            ret_splits=ret_splits, **kw)
 
             kept = 0.0
             if n_ret:
@@ -92,9 +93,8 @@ def bench_case(c: SyntheticDecodeLayer, densities, rows, use_graphs: bool, ret_s
             for pipeline, fn in (("staged", staged), ("fused", fused)):
                 add("rtpurbo", fn, n_ret, dens, source, kept, pipeline)
             for ns in (ret_splits if n_ret else ()):  # the fused pipeline at a fixed retrieval split count
-                fn = functools.partial(sparse_decode_triton, c.q, None, *args, q_pre=c.q, indexer_q=wq, q_scale=qs,
-                                       ret_splits=ns, **kw)
-                add("rtpurbo_splits", fn, n_ret, dens, source, kept, "fused", ret_splits=ns)
+                add("rtpurbo_splits", functools.partial(fused, ns), n_ret, dens, source, kept, "fused",
+                    ret_splits=ns)
             add("rtpurbo_step", lambda: b.decode(c.q, c.k_new, c.v_new, cache, meta, q_pre=c.q, k_pre=c.k_new),
                 n_ret, dens, source, kept, "library")
             del cache

@@ -91,7 +91,8 @@ def _hash_host_bytes(data: bytes | bytearray | memoryview) -> int:
     """:func:`hash_bytes` of host bytes in numpy: the bytes zero-padded to 4 and read as little-endian uint32
     words at positions 0, 1, ..., through the reference's :func:`~sparrow.kernels.sync.common.hash_lanes` on
     uint64 arrays, the lanes summed modulo 2^32."""
-    raw = bytes(data) + b"\0" * (-len(data) % 4)
+    raw = bytes(data)  # len() of a memoryview counts its items, not its bytes: pad what was read
+    raw += b"\0" * (-len(raw) % 4)
     x = np.frombuffer(raw, dtype="<u4").astype(np.uint64)
     a, b = hash_lanes(x, np.arange(x.size, dtype=np.uint64))
     return fold_lanes(int(a.sum(dtype=np.uint64)) & M32, int(b.sum(dtype=np.uint64)) & M32)

@@ -44,7 +44,6 @@ FMIX_1 = 0x85EBCA6B
 FMIX_2 = 0xC2B2AE35
 
 
-
 def _mul32(a, c: int):
     """(a * c) mod 2^32 for 0 <= a, c < 2^32. ``a``: an int64 tensor (its products wrap modulo 2^64, two's
     complement, on every PyTorch backend) or a uint64 numpy array (the products fit); the low 32 bits are those
@@ -67,6 +66,7 @@ def hash_lanes(x_u, pos):
     The Triton kernels compute the same in registers."""
     t = _mul32(x_u, H_MUL_X) ^ ((_mul32(pos, H_MUL_I) + H_ADD_I) & M32)
     return _fmix32(t), _fmix32(t ^ H_XOR_B)
+
 
 def element_bits(dtype: torch.dtype) -> int:
     """16 for bf16 / fp16 / int16, 32 for fp32 / int32; ``TypeError`` otherwise."""
