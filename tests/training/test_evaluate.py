@@ -39,6 +39,32 @@ def test_teacher_forced_check_agrees_with_greedy_decoding():
     assert not model.training
 
 
+def _largest_projection(model, fn) -> int:
+    """The most positions ``model.output`` projected at once while ``fn()`` ran."""
+    rows = []
+    hook = model.output.register_forward_hook(lambda m, args, out: rows.append(args[0][..., 0].numel()))
+    try:
+        fn()
+    finally:
+        hook.remove()
+    return max(rows)
+
+
+def test_teacher_forced_hits_projects_only_the_answer_positions():
+    """A large vocabulary's logits exist only for the positions that predict an answer token, a chunk at a time;
+    the whole-sequence forward (the negative control) projects every position."""
+    tok, model = CharTokenizer(), _peaked_model()
+    seqs = [(np.asarray(tok.encode(VariableTracking(200).example(5, i).prompt) + [7, 9, 11]), 201 - 4 * i)
+            for i in range(5)]  # 3 .. 19 answer tokens each, rows of unequal length
+    answers = sum(len(ids) - plen for ids, plen in seqs)
+    hits = lambda **kw: teacher_forced_hits(model, seqs, **kw)  # noqa: E731
+    assert _largest_projection(model, hits) == answers  # one forward, every answer position, nothing else
+    assert _largest_projection(model, lambda: hits(logits_chunk=7)) == 7
+    assert hits(logits_chunk=7) == hits()
+    full = torch.stack([torch.as_tensor(ids[:201]) for ids, _ in seqs])
+    assert _largest_projection(model, lambda: model(full[:, :-1])) == 5 * 200 > answers
+
+
 def test_accuracy_table_rows():
     model = _peaked_model()
     rows = accuracy_table(model, {"kv_retrieval": EVAL_TASKS["kv_retrieval"]}, [64, 128], 4)

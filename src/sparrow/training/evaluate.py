@@ -15,6 +15,7 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from sparrow.rl.logprobs import hidden_states
 from sparrow.training.data import TOKENIZER, sequence_ids
 from sparrow.training.tasks import Task, TaskFamily
 
@@ -28,10 +29,12 @@ def autocast(device: torch.device):
 
 @torch.no_grad()
 def teacher_forced_hits(model: torch.nn.Module, seqs: Sequence[tuple[np.ndarray, int]], *,
-                        batch_tokens: int = 65536) -> list[bool]:
-    """For each ``(ids, prompt_len)``: are all of ``ids[prompt_len:]`` the argmax of the model given what precedes
-    them? Exactly when greedy decoding from ``ids[:prompt_len]`` emits them. Runs about ``batch_tokens`` tokens
-    per forward; leaves the model's train / eval mode as it was."""
+                        batch_tokens: int = 65536, logits_chunk: int = 4096) -> list[bool]:
+    """For each ``(ids, prompt_len)``: are all of ``ids[prompt_len:]`` the argmax of the model (a torchtune decoder)
+    given what precedes them? Exactly when greedy decoding from ``ids[:prompt_len]`` emits them. Runs about
+    ``batch_tokens`` tokens per forward and projects onto the vocabulary only the positions that predict an answer
+    token, ``logits_chunk`` at a time (a 151,936-id vocabulary over every position of a 32K-token batch would be
+    tens of GB of logits); leaves the model's train / eval mode as it was."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -40,12 +43,18 @@ def teacher_forced_hits(model: torch.nn.Module, seqs: Sequence[tuple[np.ndarray,
     while i < len(seqs):
         chunk = seqs[i:i + max(1, batch_tokens // max(len(seqs[i][0]), 1))]
         x = torch.full((len(chunk), max(len(r) for r, _ in chunk)), TOKENIZER.pad_id, dtype=torch.int64)
-        for j, (r, _) in enumerate(chunk):
+        scored = torch.zeros(len(chunk), x.shape[1] - 1, dtype=torch.bool)  # positions that predict an answer token
+        for j, (r, plen) in enumerate(chunk):
             x[j, :len(r)] = torch.as_tensor(r)
-        x = x.to(device)
+            scored[j, plen - 1:len(r) - 1] = True
+        x, scored = x.to(device), scored.to(device)
         with autocast(device):
-            pred = model(x[:, :-1]).argmax(-1)
-        hits += [bool((pred[j, plen - 1:len(r) - 1] == x[j, plen:len(r)]).all()) for j, (r, plen) in enumerate(chunk)]
+            h = hidden_states(model, x[:, :-1])[scored]  # [n, E]
+            pred = torch.cat([model.output(model.norm(h[s:s + logits_chunk])).argmax(-1)
+                              for s in range(0, h.shape[0], logits_chunk)])
+        wrong = torch.zeros(len(chunk), dtype=torch.int64, device=device).index_add_(
+            0, scored.nonzero()[:, 0], (pred != x[:, 1:][scored]).long())
+        hits += (wrong == 0).tolist()  # host sync: the hits are the result
         i += len(chunk)
     model.train(was_training)
     return hits
