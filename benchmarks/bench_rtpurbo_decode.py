@@ -19,8 +19,9 @@ Every callable is timed as a replayed CUDA graph (as the engine runs decode) and
 the whole backend decode (cache writes + attention) of :class:`RTPurboAttention` and :class:`DenseAttention`.
 
 ``--ret-splits 64,128,256`` also times the fused pipeline at each of those retrieval split counts (the kernel's
-own count comes from the cache length, at most 64 per row and head): rows ``rtpurbo_splits``, and a ``splits``
-table of the one-retrieval-head time per count beside the kernel's own, for choosing the count by batch.
+own count comes from the cache length and the batch: 64 per row and head, more at batch 1-2, see
+``ret_splits_for``): rows ``rtpurbo_splits``, and a ``splits`` table of the one-retrieval-head time per count beside
+the kernel's own, to check the count the kernel chooses by batch.
 
 Usage: ``python benchmarks/bench_rtpurbo_decode.py [--density 0.55] [--ret-splits 64,128,256]`` (H200) or
 ``--quick`` (CPU smoke run).

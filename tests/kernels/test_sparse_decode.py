@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sparrow.kernels.sparse_decode import SparseDecodeCache, SparseDecodeConfig, sparse_decode_attention
-from sparrow.kernels.sparse_decode.triton_sparse_decode import sparse_decode_triton
+from sparrow.kernels.sparse_decode.triton_sparse_decode import ret_splits_for, sparse_decode_triton
 from tests.helpers import rel_err, to_device
 
 
@@ -130,6 +130,18 @@ def test_pipelines_match_reference(case, pipeline):
     kw = dict(ret_splits=3, local_splits=2, ret_min_blocks=1, local_min_chunk=8) | pipeline
     out = sparse_decode_triton(*to_device(args), top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8, **kw)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_retrieval_splits_grow_as_the_batch_shrinks():
+    """64 splits for a long row at batch 4 and above; more at batch 1-2, so that the call keeps about 256
+    retrieval programs; never fewer than 4 blocks per split; the count is the same for every cache longer than the
+    bound, and falls only with the blocks a short cache has."""
+    n_1m, n_128k = (1 << 20) // 64, (1 << 17) // 64
+    assert [ret_splits_for(n_1m, a) for a in (1, 2, 3, 4, 16, 256)] == [256, 128, 86, 64, 64, 64]
+    assert [ret_splits_for(n_128k, a) for a in (1, 4)] == [256, 64]
+    assert ret_splits_for(n_1m, 2 * 3) == 64  # 2 rows x 3 tokens (verification): 6 triples
+    assert [ret_splits_for(n, 1) for n in (1, 7, 100, 1023, 1024)] == [1, 2, 25, 256, 256]
+    assert ret_splits_for(100, 1, min_blocks=1) == 100 and ret_splits_for(0, 1) == 1
 
 
 def test_indexer_queries_projected_in_the_score_kernel():
