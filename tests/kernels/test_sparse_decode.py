@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sparrow.kernels.sparse_decode import SparseDecodeCache, SparseDecodeConfig, sparse_decode_attention
+from sparrow.kernels.sparse_decode import triton_sparse_decode
 from sparrow.kernels.sparse_decode.triton_sparse_decode import ret_splits_for, sparse_decode_triton
 from tests.helpers import rel_err, to_device
 
@@ -142,6 +143,22 @@ def test_retrieval_splits_grow_as_the_batch_shrinks():
     assert ret_splits_for(n_1m, 2 * 3) == 64  # 2 rows x 3 tokens (verification): 6 triples
     assert [ret_splits_for(n, 1) for n in (1, 7, 100, 1023, 1024)] == [1, 2, 25, 256, 256]
     assert ret_splits_for(100, 1, min_blocks=1) == 100 and ret_splits_for(0, 1) == 1
+
+
+def test_kernel_asks_for_the_splits_of_its_retrieval_triples(monkeypatch):
+    """Without an override the call counts rows x retrieval heads x tokens (3 x 1 x 3 here) and gets the
+    reference's output at the split count that gives; ``ret_splits`` bypasses the rule."""
+    asked = []
+    monkeypatch.setattr(triton_sparse_decode, "ret_splits_for",
+                        lambda n, triples, m: asked.append((n, triples, m)) or ret_splits_for(n, triples, m))
+    cfg = SparseDecodeConfig(top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8)
+    args, _ = _make(**CASES[1].values[0])
+    ref = sparse_decode_attention(*args, cfg, impl="reference")
+    out = sparse_decode_triton(*to_device(args), top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8,
+                               ret_min_blocks=1)
+    assert asked == [(-(-(100 + 9) // 8), 3 * 1 * 3, 1)] and rel_err(out, ref) < 1e-5
+    sparse_decode_triton(*to_device(args), top_p=0.6, block=8, num_sinks=4, window=24, ret_window=8, ret_splits=2)
+    assert len(asked) == 1
 
 
 def test_indexer_queries_projected_in_the_score_kernel():

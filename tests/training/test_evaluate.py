@@ -51,18 +51,25 @@ def _largest_projection(model, fn) -> int:
 
 
 def test_teacher_forced_hits_projects_only_the_answer_positions():
-    """A large vocabulary's logits exist only for the positions that predict an answer token, a chunk at a time;
-    the whole-sequence forward (the negative control) projects every position."""
+    """A large vocabulary's logits exist only for the positions that predict an answer token, a chunk at a time,
+    and every chunking gives the same hits row by row; the whole-sequence forward (the negative control) projects
+    every position."""
     tok, model = CharTokenizer(), _peaked_model()
-    seqs = [(np.asarray(tok.encode(VariableTracking(200).example(5, i).prompt) + [7, 9, 11]), 201 - 4 * i)
-            for i in range(5)]  # 3 .. 19 answer tokens each, rows of unequal length
+    prompts = torch.stack([torch.as_tensor(tok.encode(VariableTracking(200).example(5, i).prompt)) for i in range(5)])
+    with torch.no_grad():  # the model's own greedy continuation: rows of 3 .. 19 answer tokens it gets right
+        full = torch.cat([prompts, model(prompts).argmax(-1)[:, -1:]], 1)
+        for _ in range(18):
+            full = torch.cat([full, model(full).argmax(-1)[:, -1:]], 1)
+    seqs = [(full[i, :201 + 3 + 4 * i].numpy().copy(), 201) for i in range(5)]
+    for i in (1, 3):  # a wrong token late in rows 1 and 3: only those rows miss
+        seqs[i][0][-2] = (seqs[i][0][-2] + 1) % tok.vocab_size
     answers = sum(len(ids) - plen for ids, plen in seqs)
     hits = lambda **kw: teacher_forced_hits(model, seqs, **kw)  # noqa: E731
+    assert hits() == [True, False, True, False, True]
     assert _largest_projection(model, hits) == answers  # one forward, every answer position, nothing else
     assert _largest_projection(model, lambda: hits(logits_chunk=7)) == 7
-    assert hits(logits_chunk=7) == hits()
-    full = torch.stack([torch.as_tensor(ids[:201]) for ids, _ in seqs])
-    assert _largest_projection(model, lambda: model(full[:, :-1])) == 5 * 200 > answers
+    assert hits(logits_chunk=7) == hits(logits_chunk=1) == hits()
+    assert _largest_projection(model, lambda: model(full[:, :200])) == 5 * 200 > answers
 
 
 def test_accuracy_table_rows():

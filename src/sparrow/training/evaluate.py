@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sparrow.rl.logprobs import hidden_states
+from sparrow.rollout.forward import logits_from_hidden
 from sparrow.training.data import TOKENIZER, sequence_ids
 from sparrow.training.tasks import Task, TaskFamily
 
@@ -50,7 +51,7 @@ def teacher_forced_hits(model: torch.nn.Module, seqs: Sequence[tuple[np.ndarray,
         x, scored = x.to(device), scored.to(device)
         with autocast(device):
             h = hidden_states(model, x[:, :-1])[scored]  # [n, E]
-            pred = torch.cat([model.output(model.norm(h[s:s + logits_chunk])).argmax(-1)
+            pred = torch.cat([logits_from_hidden(model, h[s:s + logits_chunk]).argmax(-1)
                               for s in range(0, h.shape[0], logits_chunk)])
         wrong = torch.zeros(len(chunk), dtype=torch.int64, device=device).index_add_(
             0, scored.nonzero()[:, 0], (pred != x[:, 1:][scored]).long())
