@@ -5,7 +5,8 @@
 A thin recipe over :mod:`sparrow.training`: the data is one ``task`` (a component) or a ``mix`` of the named
 training families (:data:`sparrow.training.FAMILIES`), the model a ``model`` component initialised by
 :func:`~sparrow.training.init_weights` (``init``), and the :class:`~sparrow.training.Trainer` runs the
-``curriculum``, ``loss``, ``optimizer`` and ``eval`` sections (each a config dataclass of the library). Writes
+``curriculum``, ``loss``, ``optimizer``, ``eval`` and ``growth`` sections (each a config dataclass of the library;
+``growth`` trains a subset of the layers first, :mod:`sparrow.training.growth`). Writes
 ``output_dir/model.safetensors`` (the GRPO recipe's ``checkpoint``) and ``output_dir/report.json`` (the builder,
 the run, the held-out accuracy table measured on the saved weights). ``seeds: [a, b, ...]`` trains one model per
 seed at once, in separate processes, and keeps the best. Deterministic by seed on one thread count.
@@ -33,7 +34,7 @@ from torchtune import config
 from sparrow.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from sparrow.rl.recipe_config import COMPONENT, check_config, has_component, parse
 from sparrow.training import (
-    EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
+    EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, GrowthConfig, LossConfig, OptimizerConfig, TaskMixStream,
     TrainConfig, Trainer, accuracy_table, best_of_seeds, init_weights, load_trained_model, pick, save_trained_model,
     write_report,
 )
@@ -46,10 +47,10 @@ KEYS = {
     "init": {"std", "residual_scaling", "zero_bias"},
     "data": {"seed", "tokens_per_step", "batch_size", "min_examples", "workers"},
     "curriculum": _fields(CurriculumConfig), "loss": _fields(LossConfig), "optimizer": _fields(OptimizerConfig),
-    "eval": _fields(EvalConfig),
+    "eval": _fields(EvalConfig), "growth": _fields(GrowthConfig),
 }
 OPTIONAL = ("name", "seeds", "steps", "minutes", "log_every_s", "checkpoint_every_s", "resume", "task", "mix", "data",
-            "curriculum", "loss", "eval")
+            "curriculum", "loss", "eval", "growth")
 STATE_DIR = "train_state"  # under output_dir: the latest training state (checkpoint_every_s, resume)
 #: keys a resumed run may set otherwise than the run it continues
 RESUME_FREE = ("resume", "checkpoint_every_s", "log_every_s")
@@ -92,7 +93,7 @@ class SFTRecipe:
                            log_every_s=cfg.get("log_every_s", 15.0),
                            curriculum=CurriculumConfig(**section("curriculum")),
                            loss=LossConfig(**section("loss")), optimizer=OptimizerConfig(**section("optimizer")),
-                           eval=EvalConfig(**section("eval")))
+                           eval=EvalConfig(**section("eval")), growth=GrowthConfig(**section("growth")))
 
     def _setup_tasks(self, cfg: DictConfig) -> None:
         """The training families and the evaluation tasks: the ``task`` at each context for both, or the ``mix``'s

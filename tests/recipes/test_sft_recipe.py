@@ -110,6 +110,10 @@ def test_unknown_key_fails_before_training(tmp_path):
     pytest.param(["resume=maybe"], "resume must be true or false, got 'maybe'", id="resume"),
     pytest.param(["model.max_seq_len=50"], "max_seq_len 50 is too short", id="short-model"),
     pytest.param(["eval.tasks=[kv_retrieval]"], "eval.tasks: unknown or none ['kv_retrieval']", id="eval-task"),
+    pytest.param(["growth.layers=2"], "unknown config keys: growth.layers", id="growth-key"),
+    pytest.param(["model.num_layers=2", "growth.start_layers=2"], "start_layers must be in [1, 2) for a model of 2",
+                 id="growth-too-deep"),
+    pytest.param(["growth.at_progress=0"], "growth: need start_layers >= 0", id="growth-progress"),
 ])
 def test_config_errors_fail_in_setup(tmp_path, overrides, message):
     sys.path.insert(0, str(REPO / "recipes"))
@@ -122,6 +126,17 @@ def test_config_errors_fail_in_setup(tmp_path, overrides, message):
         SFTRecipe(cfg).setup(cfg)
     assert message in str(err.value)
     assert not (tmp_path / "d").exists()
+
+
+def test_a_growing_run_saves_every_layer(tmp_path):
+    r = run(tmp_path / "g", *TINY, "steps=4", "model.num_layers=3", "growth.start_layers=1", "growth.at_progress=0.5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = read_report(tmp_path / "g")
+    assert report["train"]["grown_at"]["step"] == 2 and "growth: 1 -> 3 layers at step 2" in r.stdout
+    weights = load_file(str(tmp_path / "g/model.safetensors"))
+    for i in (1, 2):  # grown from zero output projections, then trained for two steps
+        assert weights[f"layers.{i}.mlp.w2.weight"].any() and weights[f"layers.{i}.attn.output_proj.weight"].any()
+    assert len(load_trained_model(tmp_path / "g").layers) == 3
 
 
 def test_a_run_stopped_by_a_time_limit_resumes_to_the_same_bits(tmp_path):

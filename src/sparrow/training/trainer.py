@@ -6,7 +6,8 @@ rate (linear warm-up, then cosine decay to ``min_lr_ratio`` or constant), one fo
 :func:`teacher_forced_loss`, gradient clipping, AdamW (weight decay on matrices and embeddings only). The run
 ends after ``steps`` steps or ``minutes`` of training, whichever comes first; the schedule follows the larger
 of the two fractions done. Every ``eval.every_s`` seconds the held-out greedy accuracy of the curriculum tasks
-is measured (teacher forcing) and moves the curriculum.
+is measured (teacher forcing) and moves the curriculum. With ``growth`` the run starts on a subset of the
+model's layers and grows to all of them (:mod:`sparrow.training.growth`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sparrow.training.curriculum import Curriculum, CurriculumConfig
 from sparrow.training.data import ANSWER, EOS, IGNORED, PROMPT, Batch, BatchSource
 from sparrow.training.episodes import EpisodeBatches, MarkovEpisodes
 from sparrow.training.evaluate import EVAL_SEED, autocast, greedy_accuracy
+from sparrow.training.growth import GrowthConfig, active_layers, check_growable, grow_, shallow_layers
 from sparrow.training.tasks import TaskFamily
 
 PROMPT_TOKENS = ("prompt", "sequence")
@@ -152,6 +154,7 @@ class TrainConfig:
         seed: the curriculum's draws (the recipe also seeds the initialisation with it).
         device: where the model trains.
         log_every_s: seconds between progress lines.
+        growth: trains on a subset of the layers first (:class:`~sparrow.training.growth.GrowthConfig`).
 
     Raises:
         ValueError: neither ``steps`` nor ``minutes``, or a non-positive one.
@@ -166,6 +169,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    growth: GrowthConfig = field(default_factory=GrowthConfig)
 
     def __post_init__(self) -> None:
         if self.steps is None and self.minutes is None:
@@ -249,6 +253,7 @@ class _Run:
     progress: list = field(default_factory=list)
     curve: list = field(default_factory=list)
     resumed_at: list = field(default_factory=list)  # the steps a run continued from
+    grown_at: dict | None = None  # when the run grew to every layer (growth on): step, elapsed_s, max_context
 
 
 class Trainer:
@@ -263,8 +268,9 @@ class Trainer:
         log: where progress lines go (``print`` by default).
 
     Raises:
-        ValueError: the model is too short for the source's sequences at the curriculum's longest context, or
-            ``config.eval.tasks`` names a task ``eval_tasks`` does not hold.
+        ValueError: the model is too short for the source's sequences at the curriculum's longest context,
+            ``config.eval.tasks`` names a task ``eval_tasks`` does not hold, or ``config.growth`` asks for more
+            starting layers than the model has or a model whose layers cannot grow.
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, source: BatchSource, *,
@@ -279,6 +285,10 @@ class Trainer:
             if missing:
                 raise ValueError(f"eval.tasks names {missing}, not among the evaluation tasks {sorted(eval_tasks)}")
             self.eval_tasks = {t: eval_tasks[t] for t in config.eval.tasks}
+        self._shallow = None  # the layers trained before the growth (growth on)
+        if config.growth.enabled:
+            check_growable(model)
+            self._shallow = shallow_layers(len(model.layers), config.growth.start_layers)
         self.model, self.config, self.source, self.log = model, config, source, log
         self.device = torch.device(config.device)
         opt = config.optimizer
@@ -297,16 +307,17 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_cfg = self.config.loss
-        with autocast(self.device):
-            if loss_cfg.logits_chunk:
-                parts = chunked_teacher_forced_loss(self.model, hidden_states(self.model, x[:, :-1]), x[:, 1:],
-                                                    roles, loss_cfg)
-            else:
-                logits = self.model(x[:, :-1])
-        if not loss_cfg.logits_chunk:
-            parts = teacher_forced_loss(logits.float(), x[:, 1:], roles, loss_cfg)
-        self.optimizer.zero_grad(set_to_none=True)
-        parts.loss.backward()
+        with active_layers(self.model, self.active_layers):
+            with autocast(self.device):
+                if loss_cfg.logits_chunk:
+                    parts = chunked_teacher_forced_loss(self.model, hidden_states(self.model, x[:, :-1]), x[:, 1:],
+                                                        roles, loss_cfg)
+                else:
+                    logits = self.model(x[:, :-1])
+            if not loss_cfg.logits_chunk:
+                parts = teacher_forced_loss(logits.float(), x[:, 1:], roles, loss_cfg)
+            self.optimizer.zero_grad(set_to_none=True)
+            parts.loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optimizer.max_grad_norm)
         self.optimizer.step()
         self.step += 1
@@ -316,9 +327,23 @@ class Trainer:
         """Greedy held-out accuracy of each curriculum task at the shortest and the current longest context."""
         contexts = sorted({self.config.curriculum.min_context, self.curriculum.top})
         tokens = max(8192, 2 * max(contexts))
-        return {name: {n: greedy_accuracy(self.model, family(n), examples, seed=self.config.eval.seed,
-                                          batch_tokens=tokens) for n in contexts}
-                for name, family in self.eval_tasks.items()}
+        with active_layers(self.model, self.active_layers):
+            return {name: {n: greedy_accuracy(self.model, family(n), examples, seed=self.config.eval.seed,
+                                              batch_tokens=tokens) for n in contexts}
+                    for name, family in self.eval_tasks.items()}
+
+    @property
+    def active_layers(self) -> list[int] | None:
+        """The indices of the layers a step runs now: the starting subset until the run grows, else None
+        (every layer)."""
+        return self._shallow if self._shallow is not None and self.run.grown_at is None else None
+
+    def _grow(self, elapsed_s: float) -> None:
+        """Every layer from now on; the layers that sat out start as the identity (:func:`grow_`)."""
+        added = grow_(self.model, self._shallow)
+        self.run.grown_at = {"step": self.step, "elapsed_s": round(elapsed_s, 1), "max_context": self.curriculum.top}
+        self.log(f"growth: {len(self._shallow)} -> {len(self.model.layers)} layers at step {self.step} "
+                 f"(longest context {self.curriculum.top}; {len(added)} layers start as the identity)")
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run continues from, besides the model and the optimizer (JSON-able): the step, the run's
@@ -367,6 +392,8 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 if cur.update(frac, elapsed_s=elapsed):
                     self.log(f"curriculum: longest context -> {cur.top} ({cfg.curriculum.mode} schedule)")
+                if self.active_layers is not None and cfg.growth.due(cur.top, frac):
+                    self._grow(elapsed)
                 tw = time.perf_counter()
                 batch = self.source.next(cur.sample())
                 run.data_wait_s += time.perf_counter() - tw
@@ -398,6 +425,8 @@ class Trainer:
                     checkpoint()
                     t_ckpt = time.perf_counter()
                     t0 += t_ckpt - t_c  # the checkpoint's time is not the run's
+            if self.active_layers is not None:  # a run that ended before its growth still ends whole
+                self._grow(time.perf_counter() - t0)
         finally:
             run.elapsed_s = time.perf_counter() - t0
             for p, f in zip(model.parameters(), flags):
@@ -410,6 +439,7 @@ class Trainer:
         return {"steps": self.step, "tokens_seen": run.tokens, "examples_seen": run.examples,
                 "train_s": round(train_s, 1), "final_max_context": cur.top, "curriculum_events": cur.events,
                 "progress": run.progress, "loss_curve": run.curve, "resumed_at": run.resumed_at,
+                "grown_at": run.grown_at,
                 "data_wait_frac": round(run.data_wait_s / max(train_s, 1e-9), 3), "config": dataclasses.asdict(cfg)}
 
     def _log_progress(self, batch: Batch, lr: float, losses: dict[str, list[torch.Tensor]], tok_s: float,

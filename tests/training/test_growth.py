@@ -1,0 +1,202 @@
+"""Depth growth: the shallow subset, the function-preserving growth, a growing run and its resume."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparrow.models import tiny_qwen2
+from sparrow.rl import KVRetrieval
+from sparrow.training import (
+    CurriculumConfig, EvalConfig, GrowthConfig, OptimizerConfig, TaskMixStream, TrainConfig, Trainer, active_layers,
+    grow_, init_weights, shallow_layers,
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.int32).clone()
+
+
+def _model(layers: int = 4, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = tiny_qwen2(vocab_size=48, num_layers=layers, max_seq_len=80)
+    init_weights(model, 0.02)  # random biases too (q / k / v): nothing about the test rests on zeros
+    return model
+
+
+@pytest.mark.parametrize("layers, start, want", [
+    pytest.param(24, 6, [0, 4, 8, 12, 16, 20], id="0.5b"),
+    pytest.param(5, 2, [0, 2], id="uneven"),
+    pytest.param(7, 3, [0, 2, 4], id="odd"),
+    pytest.param(3, 1, [0], id="one"),
+    pytest.param(4, 3, [0, 1, 2], id="all-but-one"),
+])
+def test_shallow_layers_are_spread_in_order(layers, start, want):
+    got = shallow_layers(layers, start)
+    assert got == want and len(set(got)) == start and got == sorted(got) and got[-1] < layers
+
+
+@pytest.mark.parametrize("start", [0, 4, 9])
+def test_shallow_layers_refuse_a_subset_that_is_not_one(start):
+    with pytest.raises(ValueError, match=rf"start_layers must be in \[1, 4\) .* got {start}"):
+        shallow_layers(4, start)
+
+
+@pytest.mark.parametrize("kw", [dict(start_layers=-1), dict(at_context=-2), dict(at_progress=0.0),
+                                dict(at_progress=1.5)])
+def test_growth_config_names_bad_values(kw):
+    with pytest.raises(ValueError, match="growth: need start_layers >= 0"):
+        GrowthConfig(**kw)
+
+
+def test_growth_is_due_at_its_context_or_progress():
+    g = GrowthConfig(start_layers=2, at_context=256, at_progress=0.4)
+    assert not g.due(128, 0.39) and g.due(256, 0.0) and g.due(64, 0.4)
+    assert not GrowthConfig(start_layers=2, at_progress=0.4).due(1 << 20, 0.1)  # at_context 0: progress only
+    assert not GrowthConfig().enabled and GrowthConfig(start_layers=1).enabled
+
+
+def test_grown_model_computes_the_shallow_models_bits():
+    model = _model(layers=5).eval()
+    x = torch.randint(0, 48, (3, 37))
+    trained = shallow_layers(5, 2)
+    with torch.no_grad(), active_layers(model, trained):
+        assert len(model.layers) == 2
+        shallow = model(x)
+    assert len(model.layers) == 5
+    with torch.no_grad():
+        before = model(x)
+    assert not torch.equal(_bits(before), _bits(shallow))  # the skipped layers did compute something
+    assert grow_(model, trained) == [1, 3, 4]
+    with torch.no_grad():
+        grown = model(x)
+    assert torch.equal(_bits(grown), _bits(shallow))
+    for i in (1, 3, 4):
+        assert not model.layers[i].attn.output_proj.weight.any() and not model.layers[i].mlp.w2.weight.any()
+    assert model.layers[0].mlp.w2.weight.any() and model.layers[2].attn.output_proj.weight.any()
+
+
+def test_growth_that_zeroes_one_branch_only_changes_the_function():
+    """Negative control: the MLP branch left as it was, the grown model computes something else."""
+    model = _model(layers=3).eval()
+    x = torch.randint(0, 48, (2, 21))
+    with torch.no_grad(), active_layers(model, [0]):
+        shallow = model(x)
+    with torch.no_grad():
+        for i in (1, 2):
+            model.layers[i].attn.output_proj.weight.zero_()
+        assert not torch.equal(_bits(model(x)), _bits(shallow))
+
+
+def test_active_layers_restores_the_list_after_an_error():
+    model = _model(layers=3)
+    full = model.layers
+    with pytest.raises(RuntimeError, match="inside"), active_layers(model, [0, 2]):
+        assert [id(m) for m in model.layers] == [id(full[0]), id(full[2])]
+        raise RuntimeError("inside")
+    assert model.layers is full and len(model.layers) == 3
+    with active_layers(model, None):
+        assert model.layers is full
+
+
+def test_grow_refuses_layers_without_the_projections_and_changes_nothing():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    before = [_bits(p) for p in model.parameters()]
+    with pytest.raises(ValueError, match="layer 0 .Linear. has no attn.output_proj and mlp.w2"):
+        grow_(model, [0])
+    assert all(torch.equal(a, _bits(p)) for a, p in zip(before, model.parameters()))
+
+
+def _run(growth: GrowthConfig, *, steps: int = 8, layers: int = 4, workers: int = 0):
+    model = _model(layers=layers)
+    families = {"kv": lambda n: KVRetrieval(n, key_len=1, value_len=2)}
+    source = TaskMixStream(families, {"kv": 1.0}, seed=1, batch_size=6, workers=workers, prefetch=2)
+    cfg = TrainConfig(steps=steps, log_every_s=1e9, eval=EvalConfig(tasks=("kv",), every_s=0),
+                      curriculum=CurriculumConfig(min_context=32, max_context=64, mode="time", ramp=0.5),
+                      optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2), growth=growth)
+    return model, Trainer(model, cfg, source, log=lambda _: None)
+
+
+def test_a_growing_run_trains_the_subset_then_every_layer():
+    model, trainer = _run(GrowthConfig(start_layers=2, at_progress=0.5))
+    assert trainer.active_layers == [0, 2]
+    init = {k: _bits(v) for k, v in model.state_dict().items()}
+    seen = []
+
+    def checkpoint():  # after every step: what the skipped layers look like
+        seen.append((trainer.step, trainer.active_layers,
+                     all(torch.equal(init[k], _bits(v)) for k, v in model.state_dict().items()
+                         if k.startswith(("layers.1.", "layers.3.")))))
+
+    stats = trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
+    trainer.source.close()
+    assert stats["grown_at"] == {"step": 4, "elapsed_s": stats["grown_at"]["elapsed_s"], "max_context": 64}
+    # untouched (no gradient, no weight decay) until the growth at step 4, trained after it
+    assert [s[2] for s in seen] == [True] * 4 + [False] * 4
+    assert [s[1] for s in seen] == [[0, 2]] * 4 + [None] * 4  # the growth comes before the 5th step
+    assert trainer.active_layers is None and len(model.layers) == 4
+    for i in (1, 3):  # the grown layers' output projections left zero and learned
+        assert model.layers[i].attn.output_proj.weight.any() and model.layers[i].mlp.w2.weight.any()
+
+
+def test_growth_at_a_context_and_a_run_that_ends_before_it():
+    _, trainer = _run(GrowthConfig(start_layers=1, at_context=64, at_progress=1.0))
+    stats = trainer.train()  # the time-mode curriculum reaches 64 at half the run
+    trainer.source.close()
+    assert stats["grown_at"]["max_context"] == 64 and stats["grown_at"]["step"] == 4
+    model, trainer = _run(GrowthConfig(start_layers=1, at_progress=1.0), steps=3)
+    stats = trainer.train()  # progress reaches 1.0 only as the loop ends: grown whole on the way out
+    trainer.source.close()
+    assert stats["grown_at"]["step"] == 3 and trainer.active_layers is None
+    assert not model.layers[1].mlp.w2.weight.any()  # identity layers: the shallow model's function
+
+
+def test_trainer_refuses_more_starting_layers_than_the_model_has():
+    with pytest.raises(ValueError, match=r"start_layers must be in \[1, 4\) for a model of 4 layers, got 4"):
+        _run(GrowthConfig(start_layers=4))
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stop_at", [pytest.param(3, id="before-growth"), pytest.param(6, id="after-growth")])
+def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_at):
+    from sparrow.rl import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    growth = GrowthConfig(start_layers=2, at_progress=0.5)
+    model, trainer = _run(growth)
+    trainer.train()
+    trainer.source.close()
+    whole = {k: _bits(v) for k, v in model.state_dict().items()}
+
+    model, trainer = _run(growth)
+
+    def checkpoint():
+        save_checkpoint(tmp_path / str(stop_at), trainer.step, model=model, optimizer=trainer.optimizer,
+                        state={"trainer": trainer.state_dict()})
+        if trainer.step == stop_at:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
+    trainer.source.close()
+
+    def resumed(forget_growth: bool):
+        model, trainer = _run(growth)
+        state = load_checkpoint(latest_checkpoint(tmp_path / str(stop_at)), model=model,
+                                optimizer=trainer.optimizer)["trainer"]
+        if forget_growth:  # negative control: a state that does not say the run grew
+            state = {**state, "run": {**state["run"], "grown_at": None}}
+        trainer.load_state_dict(state)
+        stats = trainer.train()
+        trainer.source.close()
+        return stats, {k: _bits(v) for k, v in model.state_dict().items()}
+
+    stats, again = resumed(False)
+    assert stats["resumed_at"] == [stop_at] and stats["grown_at"]["step"] == 4
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    if stop_at > 4:
+        _, broken = resumed(True)
+        assert not all(torch.equal(whole[k], broken[k]) for k in whole)
