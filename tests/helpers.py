@@ -43,3 +43,25 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
     return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+class StopTraining(Exception):
+    """Raised by :func:`train_and_stop` where a time limit would have ended the run."""
+
+
+def train_and_stop(trainer, model: torch.nn.Module, directory, step: int) -> None:
+    """Run ``trainer`` (of ``model``), its whole state saved to ``directory`` after every step, and stop it after
+    ``step`` steps, as a call's time limit would: the state a resumed run starts from."""
+    import pytest
+
+    from sparrow.rl import save_checkpoint
+
+    def checkpoint():
+        save_checkpoint(directory, trainer.step, model=model, optimizer=trainer.optimizer,
+                        state={"trainer": trainer.state_dict()})
+        if trainer.step == step:
+            raise StopTraining
+
+    with pytest.raises(StopTraining):
+        trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
+    trainer.source.close()

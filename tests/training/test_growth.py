@@ -11,6 +11,7 @@ from sparrow.training import (
     CurriculumConfig, EvalConfig, GrowthConfig, OptimizerConfig, TaskMixStream, TrainConfig, Trainer, active_layers,
     grow_, init_weights, shallow_layers,
 )
+from tests.helpers import train_and_stop
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -157,13 +158,9 @@ def test_trainer_refuses_more_starting_layers_than_the_model_has():
         _run(GrowthConfig(start_layers=4))
 
 
-class _Stop(Exception):
-    pass
-
-
 @pytest.mark.parametrize("stop_at", [pytest.param(3, id="before-growth"), pytest.param(6, id="after-growth")])
 def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_at):
-    from sparrow.rl import latest_checkpoint, load_checkpoint, save_checkpoint
+    from sparrow.rl import latest_checkpoint, load_checkpoint
 
     growth = GrowthConfig(start_layers=2, at_progress=0.5)
     model, trainer = _run(growth)
@@ -173,15 +170,7 @@ def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_
 
     model, trainer = _run(growth)
 
-    def checkpoint():
-        save_checkpoint(tmp_path / str(stop_at), trainer.step, model=model, optimizer=trainer.optimizer,
-                        state={"trainer": trainer.state_dict()})
-        if trainer.step == stop_at:
-            raise _Stop
-
-    with pytest.raises(_Stop):
-        trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
-    trainer.source.close()
+    train_and_stop(trainer, model, tmp_path / str(stop_at), stop_at)
 
     def resumed(forget_growth: bool):
         model, trainer = _run(growth)

@@ -15,6 +15,7 @@ from sparrow.training import (
     ANSWER, EOS, FAMILIES, IGNORED, PROMPT, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
     TrainConfig, Trainer, init_weights, teacher_forced_loss,
 )
+from tests.helpers import train_and_stop
 
 # two examples: prompt tokens, an answer of 1 / 3 tokens, <eos>, padding
 ROLES = torch.tensor([[PROMPT, PROMPT, ANSWER, EOS, IGNORED, IGNORED],
@@ -194,10 +195,6 @@ def test_chunked_loss_equals_the_whole_logits_loss(chunk, cfg):
 
 
 # -- resuming: the same bits as a run never stopped ----------------------------------------------------------------
-class _Stop(Exception):
-    pass
-
-
 def _resumable(workers: int):
     torch.manual_seed(0)
     model = tiny_qwen2(vocab_size=48, max_seq_len=80)
@@ -213,7 +210,7 @@ def _resumable(workers: int):
 
 @pytest.mark.parametrize("workers", [pytest.param(0, id="in-process"), pytest.param(2, id="workers-prefetching")])
 def test_a_resumed_run_ends_with_the_same_bits(tmp_path, workers, monkeypatch):
-    from sparrow.rl import latest_checkpoint, load_checkpoint, save_checkpoint
+    from sparrow.rl import latest_checkpoint, load_checkpoint
 
     bits = lambda m: {k: v.view(torch.int32).clone() for k, v in m.state_dict().items()}  # noqa: E731
     model, trainer = _resumable(workers)
@@ -223,15 +220,7 @@ def test_a_resumed_run_ends_with_the_same_bits(tmp_path, workers, monkeypatch):
 
     model, trainer = _resumable(workers)
 
-    def checkpoint():  # a time limit after step 5 (the queued batches' contexts differ from the next's)
-        save_checkpoint(tmp_path, trainer.step, model=model, optimizer=trainer.optimizer,
-                        state={"trainer": trainer.state_dict()})
-        if trainer.step == 5:
-            raise _Stop
-
-    with pytest.raises(_Stop):
-        trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
-    trainer.source.close()
+    train_and_stop(trainer, model, tmp_path, 5)  # the queued batches' contexts differ from the next's
 
     def resumed(break_stream: bool):
         model, trainer = _resumable(workers)
