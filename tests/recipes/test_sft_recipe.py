@@ -113,7 +113,8 @@ def test_unknown_key_fails_before_training(tmp_path):
     pytest.param(["growth.layers=2"], "unknown config keys: growth.layers", id="growth-key"),
     pytest.param(["model.num_layers=2", "growth.start_layers=2"], "start_layers must be in [1, 2) for a model of 2",
                  id="growth-too-deep"),
-    pytest.param(["growth.at_progress=0"], "growth: need start_layers >= 0", id="growth-progress"),
+    pytest.param(["growth.at_progress=0"], "growth: need start_layers, at_context, warmup_steps >= 0",
+                 id="growth-progress"),
 ])
 def test_config_errors_fail_in_setup(tmp_path, overrides, message):
     sys.path.insert(0, str(REPO / "recipes"))

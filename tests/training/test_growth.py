@@ -44,9 +44,9 @@ def test_shallow_layers_refuse_a_subset_that_is_not_one(start):
 
 
 @pytest.mark.parametrize("kw", [dict(start_layers=-1), dict(at_context=-2), dict(at_progress=0.0),
-                                dict(at_progress=1.5)])
+                                dict(at_progress=1.5), dict(warmup_steps=-1)])
 def test_growth_config_names_bad_values(kw):
-    with pytest.raises(ValueError, match="growth: need start_layers >= 0"):
+    with pytest.raises(ValueError, match="growth: need start_layers, at_context, warmup_steps >= 0"):
         GrowthConfig(**kw)
 
 
@@ -120,15 +120,21 @@ def _run(growth: GrowthConfig, *, steps: int = 8, layers: int = 4, workers: int 
 
 
 def test_a_growing_run_trains_the_subset_then_every_layer():
-    model, trainer = _run(GrowthConfig(start_layers=2, at_progress=0.5))
+    model, trainer = _run(GrowthConfig(start_layers=2, at_progress=0.5, warmup_steps=3))
     assert trainer.active_layers == [0, 2]
+    grown = {id(p) for i in (1, 3) for p in model.layers[i].parameters()}
+    groups = trainer.optimizer.param_groups
+    assert [g["grown"] for g in groups] == [False, False, True, True]
+    assert all((id(p) in grown) == g["grown"] for g in groups for p in g["params"])
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     init = {k: _bits(v) for k, v in model.state_dict().items()}
     seen = []
 
     def checkpoint():  # after every step: what the skipped layers look like
         seen.append((trainer.step, trainer.active_layers,
                      all(torch.equal(init[k], _bits(v)) for k, v in model.state_dict().items()
-                         if k.startswith(("layers.1.", "layers.3.")))))
+                         if k.startswith(("layers.1.", "layers.3."))),
+                     [g["lr"] / groups[0]["lr"] for g in groups]))
 
     stats = trainer.train(checkpoint=checkpoint, checkpoint_every_s=1e-9)
     trainer.source.close()
@@ -136,6 +142,9 @@ def test_a_growing_run_trains_the_subset_then_every_layer():
     # untouched (no gradient, no weight decay) until the growth at step 4, trained after it
     assert [s[2] for s in seen] == [True] * 4 + [False] * 4
     assert [s[1] for s in seen] == [[0, 2]] * 4 + [None] * 4  # the growth comes before the 5th step
+    # the grown layers' learning rate: none before the growth, then warmed up over 3 steps
+    assert [x for s in seen for x in s[3][2:]] == pytest.approx([0.0] * 8 + [1 / 3] * 2 + [2 / 3] * 2 + [1.0] * 4)
+    assert all(s[3][:2] == [1.0, 1.0] for s in seen)
     assert trainer.active_layers is None and len(model.layers) == 4
     for i in (1, 3):  # the grown layers' output projections left zero and learned
         assert model.layers[i].attn.output_proj.weight.any() and model.layers[i].mlp.w2.weight.any()

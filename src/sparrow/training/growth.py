@@ -10,7 +10,8 @@ the curriculum's longest context first reaches ``at_context`` or ``at_progress``
 shallow one did, and training goes on with every layer.
 
 The skipped layers are never called before the growth: their parameters get no gradient, so AdamW leaves them
-(and their weight decay) alone and their optimizer state starts at the growth. The model object, its parameters
+(and their weight decay) alone and their optimizer state starts at the growth, in parameter groups of their own
+whose learning rate warms up over ``warmup_steps`` from there. The model object, its parameters
 and the optimizer stay the same throughout; only the list of layers the forward pass walks changes
 (:func:`active_layers`).
 """
@@ -33,20 +34,24 @@ class GrowthConfig:
         at_context: grow when the curriculum's longest context first reaches this many tokens (0: by progress
             only).
         at_progress: grow, at the latest, once this fraction of the run is done.
+        warmup_steps: the grown layers' learning rate rises linearly from 0 to the schedule's over this many
+            steps after the growth (AdamW's first updates of fresh parameters are full-size in every element).
 
     Raises:
-        ValueError: a negative ``start_layers`` or ``at_context``, ``at_progress`` outside ``(0, 1]``.
+        ValueError: a negative ``start_layers``, ``at_context`` or ``warmup_steps``, ``at_progress`` outside
+            ``(0, 1]``.
     """
 
     start_layers: int = 0
     at_context: int = 0
     at_progress: float = 0.3
+    warmup_steps: int = 100
 
     def __post_init__(self) -> None:
-        if self.start_layers < 0 or self.at_context < 0 or not 0 < self.at_progress <= 1:
-            raise ValueError(f"growth: need start_layers >= 0, at_context >= 0 and 0 < at_progress <= 1, got "
-                             f"start_layers={self.start_layers}, at_context={self.at_context}, "
-                             f"at_progress={self.at_progress}")
+        if self.start_layers < 0 or self.at_context < 0 or self.warmup_steps < 0 or not 0 < self.at_progress <= 1:
+            raise ValueError(f"growth: need start_layers, at_context, warmup_steps >= 0 and 0 < at_progress <= 1, "
+                             f"got start_layers={self.start_layers}, at_context={self.at_context}, "
+                             f"warmup_steps={self.warmup_steps}, at_progress={self.at_progress}")
 
     @property
     def enabled(self) -> bool:

@@ -292,10 +292,13 @@ class Trainer:
         self.model, self.config, self.source, self.log = model, config, source, log
         self.device = torch.device(config.device)
         opt = config.optimizer
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        rest = [p for p in model.parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
-                                            {"params": rest, "weight_decay": 0.0}], lr=opt.lr, betas=opt.betas,
+        # the layers that join at the growth in groups of their own (their learning rate warms up from it)
+        later = {id(p) for i, layer in enumerate(model.layers) if i not in self._shallow
+                 for p in layer.parameters()} if self._shallow is not None else set()
+        groups = [{"params": [p for p in model.parameters() if (p.dim() >= 2) == matrix and (id(p) in later) == grown],
+                   "weight_decay": opt.weight_decay if matrix else 0.0, "grown": grown}
+                  for grown in (False, True) for matrix in (True, False)]
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=opt.lr, betas=opt.betas,
                                            **({"fused": True} if self.device.type == "cuda" else {}))
         self.curriculum = Curriculum(config.curriculum, seed=config.seed)
         self.step = 0
@@ -305,7 +308,7 @@ class Trainer:
         """One optimizer step on ``batch`` at learning rate ``lr``."""
         x, roles = (to_device(t, self.device) for t in (batch.tokens, batch.roles))
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * self._grown_lr_scale() if group["grown"] else lr
         loss_cfg = self.config.loss
         with active_layers(self.model, self.active_layers):
             with autocast(self.device):
@@ -337,6 +340,13 @@ class Trainer:
         """The indices of the layers a step runs now: the starting subset until the run grows, else None
         (every layer)."""
         return self._shallow if self._shallow is not None and self.run.grown_at is None else None
+
+    def _grown_lr_scale(self) -> float:
+        """The grown layers' share of the step's learning rate: a linear warm-up over ``growth.warmup_steps`` steps
+        from the growth (0 before it: those layers get no gradient then)."""
+        if self.run.grown_at is None:
+            return 0.0
+        return min(1.0, (self.step - self.run.grown_at["step"] + 1) / max(1, self.config.growth.warmup_steps))
 
     def _grow(self, elapsed_s: float) -> None:
         """Every layer from now on; the layers that sat out start as the identity (:func:`grow_`)."""
