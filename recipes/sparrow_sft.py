@@ -125,8 +125,10 @@ class SFTRecipe:
         return model
 
     def train(self) -> None:
+        first = self.trainer.active_layers
         self.log(f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters, device "
-                 f"{self.device}, mix {self.mix}")
+                 f"{self.device}, mix {self.mix}" + (f"; layers {first} of {len(self.model.layers)} until the growth"
+                                                     if first is not None else ""))
         every = float(self.cfg.get("checkpoint_every_s") or 0)
         self.stats = self.trainer.train(checkpoint=self.save_state if every else None, checkpoint_every_s=every)
 

@@ -134,6 +134,7 @@ def test_a_growing_run_saves_every_layer(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = read_report(tmp_path / "g")
     assert report["train"]["grown_at"]["step"] == 2 and "growth: 1 -> 3 layers at step 2" in r.stdout
+    assert "layers [0] of 3 until the growth" in r.stdout
     weights = load_file(str(tmp_path / "g/model.safetensors"))
     for i in (1, 2):  # grown from zero output projections, then trained for two steps
         assert weights[f"layers.{i}.mlp.w2.weight"].any() and weights[f"layers.{i}.attn.output_proj.weight"].any()
