@@ -11,11 +11,11 @@ from sparrow.training import (
     CurriculumConfig, EvalConfig, GrowthConfig, OptimizerConfig, TaskMixStream, TrainConfig, Trainer, active_layers,
     grow_, init_weights, shallow_layers,
 )
-from tests.helpers import train_and_stop
+from tests.helpers import bits_equal, train_and_stop
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().view(torch.int32).clone()
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _model(layers: int = 4, seed: int = 0) -> torch.nn.Module:
@@ -67,11 +67,11 @@ def test_grown_model_computes_the_shallow_models_bits():
     assert len(model.layers) == 5
     with torch.no_grad():
         before = model(x)
-    assert not torch.equal(_bits(before), _bits(shallow))  # the skipped layers did compute something
+    assert not bits_equal(before, shallow)  # the skipped layers did compute something
     assert grow_(model, trained) == [1, 3, 4]
     with torch.no_grad():
         grown = model(x)
-    assert torch.equal(_bits(grown), _bits(shallow))
+    assert bits_equal(grown, shallow)
     for i in (1, 3, 4):
         assert not model.layers[i].attn.output_proj.weight.any() and not model.layers[i].mlp.w2.weight.any()
     assert model.layers[0].mlp.w2.weight.any() and model.layers[2].attn.output_proj.weight.any()
@@ -86,7 +86,7 @@ def test_growth_that_zeroes_one_branch_only_changes_the_function():
     with torch.no_grad():
         for i in (1, 2):
             model.layers[i].attn.output_proj.weight.zero_()
-        assert not torch.equal(_bits(model(x)), _bits(shallow))
+        assert not bits_equal(model(x), shallow)
 
 
 def test_active_layers_restores_the_list_after_an_error():
@@ -103,10 +103,10 @@ def test_active_layers_restores_the_list_after_an_error():
 def test_grow_refuses_layers_without_the_projections_and_changes_nothing():
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
-    before = [_bits(p) for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="layer 0 .Linear. has no attn.output_proj and mlp.w2"):
         grow_(model, [0])
-    assert all(torch.equal(a, _bits(p)) for a, p in zip(before, model.parameters()))
+    assert all(bits_equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def _run(growth: GrowthConfig, *, steps: int = 8, layers: int = 4, workers: int = 0):
@@ -116,7 +116,7 @@ def _run(growth: GrowthConfig, *, steps: int = 8, layers: int = 4, workers: int 
     cfg = TrainConfig(steps=steps, log_every_s=1e9, eval=EvalConfig(tasks=("kv",), every_s=0),
                       curriculum=CurriculumConfig(min_context=32, max_context=64, mode="time", ramp=0.5),
                       optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2), growth=growth)
-    return model, Trainer(model, cfg, source, log=lambda _: None)
+    return model, Trainer(model, cfg, source, eval_tasks=families, log=lambda _: None)
 
 
 def test_a_growing_run_trains_the_subset_then_every_layer():
@@ -127,12 +127,12 @@ def test_a_growing_run_trains_the_subset_then_every_layer():
     assert [g["grown"] for g in groups] == [False, False, True, True]
     assert all((id(p) in grown) == g["grown"] for g in groups for p in g["params"])
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
-    init = {k: _bits(v) for k, v in model.state_dict().items()}
+    init = _snapshot(model)
     seen = []
 
     def checkpoint():  # after every step: what the skipped layers look like
         seen.append((trainer.step, trainer.active_layers,
-                     all(torch.equal(init[k], _bits(v)) for k, v in model.state_dict().items()
+                     all(bits_equal(init[k], v) for k, v in model.state_dict().items()
                          if k.startswith(("layers.1.", "layers.3."))),
                      [g["lr"] / groups[0]["lr"] for g in groups]))
 
@@ -148,6 +148,23 @@ def test_a_growing_run_trains_the_subset_then_every_layer():
     assert trainer.active_layers is None and len(model.layers) == 4
     for i in (1, 3):  # the grown layers' output projections left zero and learned
         assert model.layers[i].attn.output_proj.weight.any() and model.layers[i].mlp.w2.weight.any()
+
+
+def test_progress_evaluations_run_the_layers_the_steps_run(monkeypatch):
+    """Before the growth the held-out accuracy is the subset's (the layers that sat out are still random), after it
+    the whole model's."""
+    import sparrow.training.trainer as trainer_module
+
+    depths = []
+    monkeypatch.setattr(trainer_module, "greedy_accuracy",
+                        lambda model, *a, **kw: depths.append(len(model.layers)) or 0.0)
+    model, trainer = _run(GrowthConfig(start_layers=2, at_progress=0.5))
+    trainer.evaluate(4)
+    trainer._grow(0.0)
+    trainer.evaluate(4)
+    trainer.source.close()
+    assert depths == [2, 4]  # one context (the curriculum starts at its shortest, 32)
+    assert len(model.layers) == 4
 
 
 def test_growth_at_a_context_and_a_run_that_ends_before_it():
@@ -175,7 +192,7 @@ def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_
     model, trainer = _run(growth)
     trainer.train()
     trainer.source.close()
-    whole = {k: _bits(v) for k, v in model.state_dict().items()}
+    whole = _snapshot(model)
 
     model, trainer = _run(growth)
 
@@ -190,11 +207,11 @@ def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_
         trainer.load_state_dict(state)
         stats = trainer.train()
         trainer.source.close()
-        return stats, {k: _bits(v) for k, v in model.state_dict().items()}
+        return stats, _snapshot(model)
 
     stats, again = resumed(False)
     assert stats["resumed_at"] == [stop_at] and stats["grown_at"]["step"] == 4
-    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    assert all(bits_equal(whole[k], again[k]) for k in whole)
     if stop_at > 4:
         _, broken = resumed(True)
-        assert not all(torch.equal(whole[k], broken[k]) for k in whole)
+        assert not all(bits_equal(whole[k], broken[k]) for k in whole)

@@ -116,7 +116,8 @@ def grow_(model: torch.nn.Module, trained: Sequence[int]) -> list[int]:
         ValueError: the model's layers are not growable (:func:`check_growable`; nothing changed then).
     """
     check_growable(model)
-    added = [i for i in range(len(model.layers)) if i not in set(trained)]
+    kept = set(trained)
+    added = [i for i in range(len(model.layers)) if i not in kept]
     for i in added:
         for proj in _output_projections(model.layers[i]):
             proj.weight.zero_()

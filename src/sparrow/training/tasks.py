@@ -104,9 +104,6 @@ FAMILIES: dict[str, TaskFamily] = {
     "kv_vary_mq": lambda n: MultiQuery(KVRetrieval(n, vary_pairs=True)),
     "vt_mq": lambda n: MultiQuery(VariableTracking(n)),
     "vt1_mq": lambda n: MultiQuery(VariableTracking(n, hops=1)),  # one hop fewer: a variable-tracking curriculum
-    # one-letter keys in at most 128 characters, whatever the step's context: a key is found by one matching token
-    # (an induction head) before three-letter keys need three
-    "kv_k1_mq": lambda n: MultiQuery(KVRetrieval(min(n, 128), key_len=1)),
     "kvl": lambda n: KVListRetrieval(n),  # several keys asked at once: long-tailed responses
     "kvl_long": lambda n: KVListRetrieval(n, max_asked=256),  # responses up to 1K tokens
     "kvl_4k": lambda n: KVListRetrieval(n, max_asked=1024),  # responses up to 4K tokens (from 16K contexts on)
