@@ -14,8 +14,10 @@ seed at once, in separate processes, and keeps the best. Deterministic by seed o
 ``checkpoint_every_s: S`` writes the whole training state (fp32 weights, optimizer, the trainer's counters,
 curriculum and data stream) to ``output_dir/train_state`` every ``S`` seconds, atomically, keeping the latest;
 ``resume: true`` continues from it with the rest of ``minutes`` / ``steps`` (the same config, but for
-``resume``, ``checkpoint_every_s`` and ``log_every_s``): a run stopped by a time limit loses at most ``S`` seconds,
-and a run of ``steps`` ends with the same weights, bit for bit, as one never stopped.
+``resume``, ``checkpoint_every_s`` and ``log_every_s``): a run killed loses at most ``S`` seconds, and a run of
+``steps`` ends with the same weights, bit for bit, as one never stopped. With checkpoints on, SIGTERM (what
+``timeout`` and most schedulers send first) loses nothing: the step in flight ends, the state is saved, and the
+recipe exits with status 1 and a message naming the state (no model, no report: the run is not over).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -130,7 +133,13 @@ class SFTRecipe:
                  f"{self.device}, mix {self.mix}" + (f"; layers {first} of {len(self.model.layers)} until the growth"
                                                      if first is not None else ""))
         every = float(self.cfg.get("checkpoint_every_s") or 0)
-        self.stats = self.trainer.train(checkpoint=self.save_state if every else None, checkpoint_every_s=every)
+        # with checkpoints on, SIGTERM (a time limit's, a preemption's) ends the step, saves the state and stops
+        previous = signal.signal(signal.SIGTERM, lambda *_: self.trainer.request_stop()) if every else None
+        try:
+            self.stats = self.trainer.train(checkpoint=self.save_state if every else None, checkpoint_every_s=every)
+        finally:
+            if every:
+                signal.signal(signal.SIGTERM, previous)
 
     def _identity(self) -> dict:
         """The config a resumed run must share with the run it continues."""
@@ -214,7 +223,7 @@ def train_seeds(cfg: DictConfig) -> dict:
 
 
 @parse
-def recipe_main(cfg: DictConfig) -> None:
+def recipe_main(cfg: DictConfig) -> str | None:
     if len(cfg.get("seeds") or []) > 1:
         train_seeds(cfg)
         return
@@ -223,6 +232,10 @@ def recipe_main(cfg: DictConfig) -> None:
     recipe = SFTRecipe(cfg)
     recipe.setup(cfg)
     recipe.train()
+    if recipe.stats["stopped"]:
+        recipe.cleanup()
+        return (f"sparrow_sft: stopped by SIGTERM at step {recipe.trainer.step}, before the end of the run: its state "
+                f"is in {recipe.output_dir / STATE_DIR}; the same command with resume=true continues it")
     recipe.save_checkpoint()
     recipe.evaluate()
     recipe.cleanup()

@@ -2,6 +2,7 @@
 GRPO recipe loads, several seeds, config errors."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,32 @@ def test_a_run_stopped_by_a_time_limit_resumes_to_the_same_bits(tmp_path):
     assert all(torch.equal(whole[k].view(torch.int32), again[k].view(torch.int32)) for k in whole)
     with pytest.raises(FileNotFoundError, match="no checkpoint to resume from"):
         recipe(tmp_path / "never", "resume=true")
+
+
+def test_sigterm_saves_the_state_and_exits_then_resume_finishes(tmp_path):
+    """The real CLI sent SIGTERM mid-run (what `timeout` sends): the step in flight ends, the state is saved, the
+    recipe exits with status 1 naming the state and writes no model; resume: true finishes the run."""
+    out = tmp_path / "t"
+    overrides = [*TINY, "steps=400", "log_every_s=0", "checkpoint_every_s=1e6"]  # checkpoints only at the stop
+    cmd = [TUNE, "run", "sparrow_sft", "--config", str(CONFIGS / "tiny_kv_retrieval_sft.yaml"), f"output_dir={out}",
+           *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # training has started: a progress line
+            if " step " in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    assert "stopped by SIGTERM at step" in err and "resume=true" in err
+    states = list((out / "train_state").glob("step_*"))
+    assert len(states) == 1 and not (out / "model.safetensors").exists()
+    stopped_at = int(states[0].name.split("_")[1])
+    assert 1 <= stopped_at < 400
+    r = run(out, *overrides, "resume=true")
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = read_report(out)["train"]
+    assert train["resumed_at"] == [stopped_at] and train["steps"] == 400 and train["stopped"] is False

@@ -215,3 +215,45 @@ def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_
     if stop_at > 4:
         _, broken = resumed(True)
         assert not all(bits_equal(whole[k], broken[k]) for k in whole)
+
+
+@pytest.mark.parametrize("with_checkpoint", [pytest.param(True, id="state-saved"), pytest.param(False, id="nowhere")])
+def test_a_stop_request_ends_the_step_saves_the_state_and_the_run_resumes_to_the_same_bits(tmp_path, with_checkpoint):
+    """What SIGTERM does in the recipe: the step in flight ends, the state is saved once, the run returns ungrown
+    (the end-of-run growth is for runs that end), and the resumed run ends as the one never stopped."""
+    from sparrow.rl import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    growth = GrowthConfig(start_layers=2, at_progress=0.5)
+    model, trainer = _run(growth)
+    trainer.train()
+    trainer.source.close()
+    whole = _snapshot(model)
+
+    model, trainer = _run(growth)
+    step, saved = trainer.train_step, []
+
+    def stepping(batch, lr):  # the request arrives during step 3, as a signal would
+        parts = step(batch, lr)
+        if trainer.step == 3:
+            trainer.request_stop()
+        return parts
+
+    def checkpoint():
+        saved.append(trainer.step)
+        save_checkpoint(tmp_path, trainer.step, model=model, optimizer=trainer.optimizer,
+                        state={"trainer": trainer.state_dict()})
+
+    trainer.train_step = stepping
+    stats = trainer.train(checkpoint=checkpoint if with_checkpoint else None)  # no periodic checkpoints
+    trainer.source.close()
+    assert stats["stopped"] and stats["steps"] == 3 and stats["grown_at"] is None and trainer.active_layers == [0, 2]
+    assert saved == ([3] if with_checkpoint else [])
+    if not with_checkpoint:
+        return
+    model, trainer = _run(growth)
+    trainer.load_state_dict(load_checkpoint(latest_checkpoint(tmp_path), model=model,
+                                            optimizer=trainer.optimizer)["trainer"])
+    stats = trainer.train()
+    trainer.source.close()
+    assert not stats["stopped"] and stats["resumed_at"] == [3] and stats["grown_at"]["step"] == 4
+    assert all(bits_equal(whole[k], v) for k, v in _snapshot(model).items())

@@ -303,6 +303,13 @@ class Trainer:
         self.curriculum = Curriculum(config.curriculum, seed=config.seed)
         self.step = 0
         self.run = _Run()
+        self._stop_requested = False
+
+    def request_stop(self) -> None:
+        """Ask :meth:`train` to stop after the step it is in: it then saves the state through its ``checkpoint``
+        (when it has one) and returns with ``stopped`` true, without the end-of-run growth. Only sets a flag, so a
+        signal handler may call it (a call's time limit, a preemption)."""
+        self._stop_requested = True
 
     def train_step(self, batch: Batch, lr: float) -> LossParts:
         """One optimizer step on ``batch`` at learning rate ``lr``."""
@@ -388,8 +395,9 @@ class Trainer:
         """Run to the end (from where :meth:`load_state_dict` left it); returns what the run did (steps, tokens,
         examples, seconds, the curriculum's events, the progress evaluations, the mean losses of each progress
         line, the share of time spent waiting for data, the config). ``checkpoint`` is called every
-        ``checkpoint_every_s`` seconds, between steps (its own time is not counted in the run's). Leaves the
-        model's ``requires_grad`` flags and train / eval mode as they were, its gradients cleared."""
+        ``checkpoint_every_s`` seconds, between steps (its own time is not counted in the run's), and once more when
+        the run stops on :meth:`request_stop` (``stopped`` true in what it returns). Leaves the model's
+        ``requires_grad`` flags and train / eval mode as they were, its gradients cleared."""
         cfg, model, run, cur = self.config, self.model, self.run, self.curriculum
         flags, was_training = [p.requires_grad for p in model.parameters()], model.training
         model.requires_grad_(True).train()
@@ -397,8 +405,12 @@ class Trainer:
         tok_at_log, losses = run.tokens, {"prompt": []}
         t_log = t_ckpt = time.perf_counter()
         t_eval = t0 + run.eval_at_s
+        stopped = False
         try:
             while (frac := cfg.progress(self.step, time.perf_counter() - t0)) < 1.0:
+                if self._stop_requested:
+                    stopped = True
+                    break
                 elapsed = time.perf_counter() - t0
                 if cur.update(frac, elapsed_s=elapsed):
                     self.log(f"curriculum: longest context -> {cur.top} ({cfg.curriculum.mode} schedule)")
@@ -435,7 +447,14 @@ class Trainer:
                     checkpoint()
                     t_ckpt = time.perf_counter()
                     t0 += t_ckpt - t_c  # the checkpoint's time is not the run's
-            if self.active_layers is not None:  # a run that ended before its growth still ends whole
+            if stopped:  # asked to stop: the state a resumed run continues from, unless there is nowhere to put it
+                self.log(f"stopped at step {self.step} on request" + ("; saving the training state" if checkpoint
+                                                                      else " (no checkpoint to save the state to)"))
+                if checkpoint is not None:
+                    run.elapsed_s = time.perf_counter() - t0
+                    checkpoint()
+                    t0 = time.perf_counter() - run.elapsed_s
+            elif self.active_layers is not None:  # a run that ended before its growth still ends whole
                 self._grow(time.perf_counter() - t0)
         finally:
             run.elapsed_s = time.perf_counter() - t0
@@ -449,7 +468,7 @@ class Trainer:
         return {"steps": self.step, "tokens_seen": run.tokens, "examples_seen": run.examples,
                 "train_s": round(train_s, 1), "final_max_context": cur.top, "curriculum_events": cur.events,
                 "progress": run.progress, "loss_curve": run.curve, "resumed_at": run.resumed_at,
-                "grown_at": run.grown_at,
+                "grown_at": run.grown_at, "stopped": stopped,
                 "data_wait_frac": round(run.data_wait_s / max(train_s, 1e-9), 3), "config": dataclasses.asdict(cfg)}
 
     def _log_progress(self, batch: Batch, lr: float, losses: dict[str, list[torch.Tensor]], tok_s: float,
