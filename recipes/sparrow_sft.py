@@ -38,8 +38,8 @@ from sparrow.rl.checkpoint import latest_checkpoint, load_checkpoint, save_check
 from sparrow.rl.recipe_config import COMPONENT, check_config, has_component, parse
 from sparrow.training import (
     EVAL_TASKS, FAMILIES, CurriculumConfig, EvalConfig, GrowthConfig, LossConfig, OptimizerConfig, TaskMixStream,
-    TrainConfig, Trainer, accuracy_table, best_of_seeds, init_weights, load_trained_model, pick, save_trained_model,
-    write_report,
+    TrainConfig, Trainer, accuracy_table, best_of_seeds, init_weights, load_trained_model, model_width, pick,
+    save_trained_model, write_report,
 )
 
 _fields = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
@@ -128,10 +128,13 @@ class SFTRecipe:
         return model
 
     def train(self) -> None:
-        first = self.trainer.active_layers
+        first, growth = self.trainer.active_layers, self.train_cfg.growth
+        start = [f"layers {first} of {len(self.model.layers)}"] if first is not None else []
+        if growth.narrow and self.trainer.run.grown_at is None:
+            w = model_width(self.model)
+            start.append(f"width {w.embed_dim}, {w.num_heads} query heads, MLP {w.intermediate_dim}")
         self.log(f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters, device "
-                 f"{self.device}, mix {self.mix}" + (f"; layers {first} of {len(self.model.layers)} until the growth"
-                                                     if first is not None else ""))
+                 f"{self.device}, mix {self.mix}" + (f"; {', '.join(start)} until the growth" if start else ""))
         every = float(self.cfg.get("checkpoint_every_s") or 0)
         # with checkpoints on, SIGTERM (a time limit's, a preemption's) ends the step, saves the state and stops
         previous = signal.signal(signal.SIGTERM, lambda *_: self.trainer.request_stop()) if every else None

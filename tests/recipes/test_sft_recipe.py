@@ -114,8 +114,10 @@ def test_unknown_key_fails_before_training(tmp_path):
     pytest.param(["growth.layers=2"], "unknown config keys: growth.layers", id="growth-key"),
     pytest.param(["model.num_layers=2", "growth.start_layers=2"], "start_layers must be in [1, 2) for a model of 2",
                  id="growth-too-deep"),
-    pytest.param(["growth.at_progress=0"], "growth: need start_layers, at_context, warmup_steps >= 0",
-                 id="growth-progress"),
+    pytest.param(["growth.at_progress=0"], "0 < at_progress <= 1, got {'at_progress': 0}", id="growth-progress"),
+    pytest.param(["growth.start_num_heads=3"], "growth: cannot start at Width(embed_dim=128, num_heads=3, "
+                 "intermediate_dim=384) in a model of Width(embed_dim=128, num_heads=4, intermediate_dim=384) with 4 "
+                 "key-value heads", id="growth-heads"),
 ])
 def test_config_errors_fail_in_setup(tmp_path, overrides, message):
     sys.path.insert(0, str(REPO / "recipes"))
@@ -130,13 +132,20 @@ def test_config_errors_fail_in_setup(tmp_path, overrides, message):
     assert not (tmp_path / "d").exists()
 
 
-def test_a_growing_run_saves_every_layer(tmp_path):
-    r = run(tmp_path / "g", *TINY, "steps=4", "model.num_layers=3", "growth.start_layers=1", "growth.at_progress=0.5")
+@pytest.mark.parametrize("narrow", [pytest.param(False, id="depth"), pytest.param(True, id="depth-and-width")])
+def test_a_growing_run_saves_the_whole_model(tmp_path, narrow):
+    width = ["growth.start_embed_dim=16", "growth.start_num_heads=1", "growth.start_intermediate_dim=24"]
+    r = run(tmp_path / "g", *TINY, "steps=4", "model.num_layers=3", "growth.start_layers=1", "growth.at_progress=0.5",
+            *(width if narrow else []))
     assert r.returncode == 0, r.stderr[-3000:]
     report = read_report(tmp_path / "g")
-    assert report["train"]["grown_at"]["step"] == 2 and "growth: 1 -> 3 layers at step 2" in r.stdout
-    assert "layers [0] of 3 until the growth" in r.stdout
+    wider = "width 16 -> 32, query heads 1 -> 2, MLP 24 -> 64; " if narrow else ""
+    assert report["train"]["grown_at"]["step"] == 2
+    assert f"growth: {wider}1 -> 3 layers (2 start as the identity) at step 2" in r.stdout
+    start = ", width 16, 1 query heads, MLP 24" if narrow else ""
+    assert f"layers [0] of 3{start} until the growth" in r.stdout
     weights = load_file(str(tmp_path / "g/model.safetensors"))
+    assert weights["layers.0.mlp.w1.weight"].shape == (64, 32) and weights["tok_embeddings.weight"].shape == (48, 32)
     for i in (1, 2):  # grown from zero output projections, then trained for two steps
         assert weights[f"layers.{i}.mlp.w2.weight"].any() and weights[f"layers.{i}.attn.output_proj.weight"].any()
     assert len(load_trained_model(tmp_path / "g").layers) == 3

@@ -1,6 +1,9 @@
-"""Depth growth: the shallow subset, the function-preserving growth, a growing run and its resume."""
+"""Depth and width growth: the shallow subset, the narrow slice, the function-preserving growths, growing runs and
+their resume."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -8,9 +11,10 @@ import torch
 from sparrow.models import tiny_qwen2
 from sparrow.rl import KVRetrieval
 from sparrow.training import (
-    CurriculumConfig, EvalConfig, GrowthConfig, OptimizerConfig, TaskMixStream, TrainConfig, Trainer, active_layers,
-    grow_, init_weights, shallow_layers,
+    CurriculumConfig, EvalConfig, GrowthConfig, OptimizerConfig, TaskMixStream, TrainConfig, Trainer, Width,
+    active_layers, grow_, init_weights, model_width, narrow_, shallow_layers, widen_,
 )
+from sparrow.training import growth as growth_module
 from tests.helpers import bits_equal, train_and_stop
 
 
@@ -44,9 +48,12 @@ def test_shallow_layers_refuse_a_subset_that_is_not_one(start):
 
 
 @pytest.mark.parametrize("kw", [dict(start_layers=-1), dict(at_context=-2), dict(at_progress=0.0),
-                                dict(at_progress=1.5), dict(warmup_steps=-1)])
+                                dict(at_progress=1.5), dict(warmup_steps=-1), dict(start_embed_dim=-8),
+                                dict(start_num_heads=-1), dict(start_intermediate_dim=-3)])
 def test_growth_config_names_bad_values(kw):
-    with pytest.raises(ValueError, match="growth: need start_layers, at_context, warmup_steps >= 0"):
+    [(key, value)] = kw.items()
+    with pytest.raises(ValueError, match=rf"growth: need start_layers, .* >= 0 and 0 < at_progress <= 1, got "
+                                         rf"\{{'{key}': {value}\}}"):
         GrowthConfig(**kw)
 
 
@@ -257,3 +264,139 @@ def test_a_stop_request_ends_the_step_saves_the_state_and_the_run_resumes_to_the
     trainer.source.close()
     assert not stats["stopped"] and stats["resumed_at"] == [3] and stats["grown_at"]["step"] == 4
     assert all(bits_equal(whole[k], v) for k, v in _snapshot(model).items())
+
+
+
+# -- width ---------------------------------------------------------------------------------------------------------
+WIDTHS = [  # (model: embed, heads, kv heads, MLP, tied; head_dim 8 in each), start width
+    pytest.param((48, 6, 2, 96, True), Width(24, 4, 40), id="gqa-tied"),
+    pytest.param((40, 5, 5, 72, False), Width(17, 5, 31), id="mha-untied-odd"),
+    pytest.param((64, 8, 2, 128, True), Width(64, 2, 128), id="heads-only"),
+    pytest.param((48, 6, 3, 96, False), Width(48, 6, 23), id="mlp-only"),
+]
+
+
+def _wide(shape, layers: int = 2, seed: int = 0) -> torch.nn.Module:
+    embed, heads, kv, mlp, tied = shape
+    torch.manual_seed(seed)
+    model = tiny_qwen2(vocab_size=48, num_layers=layers, num_heads=heads, num_kv_heads=kv, embed_dim=embed,
+                       intermediate_dim=mlp, max_seq_len=80, tie_word_embeddings=tied)
+    init_weights(model, 0.02, residual_scaling=True)
+    return model
+
+
+def _same_function(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """The logits agree to float32 rounding (the widening measured ~2e-7 of the largest logit; a norm's ``eps``
+    left narrow moves them by ~1e-4)."""
+    return bool((after - before).abs().max() <= 1e-5 * before.abs().max())
+
+
+def _trained_narrow(shape, width: Width, steps: int = 4):
+    """A model narrowed to ``width`` and trained a few AdamW steps, so nothing rests on initial values."""
+    model = _wide(shape)
+    narrowed = narrow_(model, width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randint(0, 48, (3, 21), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).logsumexp(-1).mean().backward()
+        opt.step()
+    return model, narrowed, opt, x
+
+
+def test_narrow_keeps_the_first_heads_of_each_key_value_group():
+    model = _wide((48, 6, 2, 96, True))
+    full = _snapshot(model)
+    narrow_(model, Width(24, 4, 40))
+    assert model_width(model) == Width(24, 4, 40) and model.layers[0].attn.backend.shape.num_heads == 4
+    q = full["layers.0.attn.q_proj.weight"].view(6, 8, 48)  # heads 0 1 2 | 3 4 5 share kv heads 0 | 1
+    assert bits_equal(model.layers[0].attn.q_proj.weight, q[[0, 1, 3, 4], :, :24].reshape(32, 24))
+    assert bits_equal(model.layers[0].attn.k_proj.weight, full["layers.0.attn.k_proj.weight"][:, :24])
+    assert bits_equal(model.layers[1].mlp.w2.weight, full["layers.1.mlp.w2.weight"][:24, :40])
+    assert model.norm.eps == pytest.approx(1e-6 * 48 / 24)
+
+
+@pytest.mark.parametrize("shape, width", WIDTHS)
+def test_the_widened_model_computes_what_the_narrow_one_did(shape, width):
+    model, narrowed, opt, x = _trained_narrow(shape, width)
+    with torch.no_grad():
+        before = model(x)
+    widen_(model, narrowed, opt)
+    embed, heads, _, mlp, _ = shape
+    assert model_width(model) == Width(embed, heads, mlp) and model.norm.eps == 1e-6
+    fresh = _wide(shape)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in fresh.state_dict().items()}
+    with torch.no_grad():
+        after = model(x)
+    assert _same_function(before, after)
+    # the optimizer holds the new parameters, its moments widened with zeros outside the narrow slice
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert len(held) == len(list(model.parameters())) and all(a is b for a, b in zip(held, model.parameters()))
+    w2 = model.layers[0].mlp.w2.weight
+    assert opt.state[w2]["exp_avg"].shape == w2.shape and not opt.state[w2]["exp_avg"][:, width.intermediate_dim:].any()
+    opt.zero_grad()  # and it trains on: every parameter gets a gradient of its new shape
+    model(x).logsumexp(-1).mean().backward()
+    opt.step()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+@pytest.mark.parametrize("sabotage", [
+    pytest.param("writer", id="a-writer-not-zeroed"), pytest.param("norm", id="norms-not-rescaled"),
+    pytest.param("eps", id="eps-kept-narrow")])
+def test_a_broken_widening_changes_the_function(sabotage, monkeypatch):
+    """Negative controls: each part of the function-preserving widening, left out, is caught."""
+    shape, width = (48, 6, 2, 96, True), Width(24, 4, 40)
+    model, narrowed, opt, x = _trained_narrow(shape, width)
+    with torch.no_grad():
+        before = model(x)
+    if sabotage == "writer":
+        monkeypatch.setitem(growth_module._RULES, "mlp.w2.weight", (("E", "I"), False))
+    elif sabotage == "norm":
+        monkeypatch.setattr(growth_module.math, "sqrt", lambda v: 1.0)
+    else:
+        narrowed.eps = {k: v * 48 / 24 for k, v in narrowed.eps.items()}
+    widen_(model, narrowed, opt)
+    with torch.no_grad():
+        after = model(x)
+    assert not _same_function(before, after)
+
+
+@pytest.mark.parametrize("width, message", [
+    pytest.param(Width(96, 4, 40), "cannot start at", id="wider"),
+    pytest.param(Width(24, 3, 40), "cannot start at", id="heads-not-a-multiple"),
+    pytest.param(Width(24, 1, 40), "cannot start at", id="fewer-than-kv-heads"),
+    pytest.param(Width(0, 4, 40), "cannot start at", id="zero"),
+])
+def test_narrow_refuses_a_width_the_model_cannot_start_at_and_changes_nothing(width, message):
+    model = _wide((48, 6, 2, 96, True))
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=message):
+        narrow_(model, width)
+    assert model_width(model) == Width(48, 6, 96)
+    assert all(bits_equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_run_that_starts_narrow_and_shallow_grows_and_resumes_to_the_same_bits(tmp_path):
+    """Width and depth together (the 0.5B config's way): narrow, 2 of 4 layers until step 4, then the whole model;
+    stopped before and after the growth, the resumed runs end with the bits of the run never stopped."""
+    from sparrow.rl import latest_checkpoint, load_checkpoint
+
+    growth = GrowthConfig(start_layers=2, start_embed_dim=32, start_num_heads=2, start_intermediate_dim=48,
+                          at_progress=0.5)
+    model, trainer = _run(growth)
+    assert model_width(model) == Width(32, 2, 48) and trainer.active_layers == [0, 2]
+    stats = trainer.train()
+    trainer.source.close()
+    assert stats["grown_at"]["step"] == 4 and model_width(model) == Width(64, 4, 128)
+    whole = _snapshot(model)
+    for stop_at in (3, 6):
+        model, trainer = _run(growth)
+        train_and_stop(trainer, model, tmp_path / str(stop_at), stop_at)
+        model, trainer = _run(growth)
+        path = latest_checkpoint(tmp_path / str(stop_at))
+        trainer.load_state_dict(json.loads((path / "state.json").read_text())["trainer"])  # widens if it grew
+        load_checkpoint(path, model=model, optimizer=trainer.optimizer)
+        stats = trainer.train()
+        trainer.source.close()
+        assert stats["resumed_at"] == [stop_at] and stats["grown_at"]["step"] == 4
+        assert all(bits_equal(whole[k], v) for k, v in _snapshot(model).items()), stop_at

@@ -56,7 +56,8 @@ from sparrow.training.evaluate import (
     sampled_accuracy,
     teacher_forced_hits,
 )
-from sparrow.training.growth import GrowthConfig, active_layers, grow_, shallow_layers
+from sparrow.training.growth import (GrowthConfig, Width, active_layers, grow_, model_width, narrow_, shallow_layers,
+                                     widen_)
 from sparrow.training.init import init_weights
 from sparrow.training.seeds import best_of_seeds, seed_devices
 from sparrow.training.tasks import DEFAULT_MIX, EVAL_TASKS, FAMILIES, MultiQuery, Task, TaskFamily, TrainExample, pick
@@ -79,6 +80,6 @@ __all__ = [
     "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "Answers", "accuracy_table", "answers_with_fallback", "best_of_seeds", "binomial_se",
     "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
     "longest_sequence", "model_score", "paired", "paired_accuracy", "paired_delta_se", "accuracy_summary", "active_layers", "grow_", "pick", "read_report", "sampled_accuracy", "save_trained_model",
-    "seed_devices", "sequence_ids", "shallow_layers", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
+    "seed_devices", "sequence_ids", "shallow_layers", "Width", "model_width", "narrow_", "widen_", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
     "load_recipe_model",
 ]

@@ -7,7 +7,7 @@ rate (linear warm-up, then cosine decay to ``min_lr_ratio`` or constant), one fo
 ends after ``steps`` steps or ``minutes`` of training, whichever comes first; the schedule follows the larger
 of the two fractions done. Every ``eval.every_s`` seconds the held-out greedy accuracy of the curriculum tasks
 is measured (teacher forcing) and moves the curriculum. With ``growth`` the run starts on a subset of the
-model's layers and grows to all of them (:mod:`sparrow.training.growth`).
+model's layers, or narrower, or both, and grows to the whole model (:mod:`sparrow.training.growth`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sparrow.training.curriculum import Curriculum, CurriculumConfig
 from sparrow.training.data import ANSWER, EOS, IGNORED, PROMPT, Batch, BatchSource
 from sparrow.training.episodes import EpisodeBatches, MarkovEpisodes
 from sparrow.training.evaluate import EVAL_SEED, autocast, greedy_accuracy
-from sparrow.training.growth import GrowthConfig, active_layers, check_growable, grow_, shallow_layers
+from sparrow.training.growth import (GrowthConfig, active_layers, check_growable, grow_, model_width, narrow_,
+                                     shallow_layers, widen_)
 from sparrow.training.tasks import TaskFamily
 
 PROMPT_TOKENS = ("prompt", "sequence")
@@ -154,7 +155,8 @@ class TrainConfig:
         seed: the curriculum's draws (the recipe also seeds the initialisation with it).
         device: where the model trains.
         log_every_s: seconds between progress lines.
-        growth: trains on a subset of the layers first (:class:`~sparrow.training.growth.GrowthConfig`).
+        growth: trains on a subset of the layers, or a narrower model, first
+            (:class:`~sparrow.training.growth.GrowthConfig`).
 
     Raises:
         ValueError: neither ``steps`` nor ``minutes``, or a non-positive one.
@@ -253,7 +255,7 @@ class _Run:
     progress: list = field(default_factory=list)
     curve: list = field(default_factory=list)
     resumed_at: list = field(default_factory=list)  # the steps a run continued from
-    grown_at: dict | None = None  # when the run grew to every layer (growth on): step, elapsed_s, max_context
+    grown_at: dict | None = None  # when the run grew to the whole model (growth on): step, elapsed_s, max_context
 
 
 class Trainer:
@@ -270,7 +272,8 @@ class Trainer:
     Raises:
         ValueError: the model is too short for the source's sequences at the curriculum's longest context,
             ``config.eval.tasks`` names a task ``eval_tasks`` does not hold, or ``config.growth`` asks for more
-            starting layers than the model has or a model whose layers cannot grow.
+            starting layers than the model has, a starting width wider than the model or not a multiple of its
+            key-value heads, or a model whose layers cannot grow (nothing changed then).
     """
 
     def __init__(self, model: torch.nn.Module, config: TrainConfig, source: BatchSource, *,
@@ -285,10 +288,14 @@ class Trainer:
             if missing:
                 raise ValueError(f"eval.tasks names {missing}, not among the evaluation tasks {sorted(eval_tasks)}")
             self.eval_tasks = {t: eval_tasks[t] for t in config.eval.tasks}
-        self._shallow = None  # the layers trained before the growth (growth on)
+        self._shallow = None  # the layers trained before the growth (growth.start_layers)
+        self._narrowed = None  # the full-size initial tensors while the model runs narrow (growth.start_* widths)
         if config.growth.enabled:
             check_growable(model)
-            self._shallow = shallow_layers(len(model.layers), config.growth.start_layers)
+            if config.growth.start_layers:
+                self._shallow = shallow_layers(len(model.layers), config.growth.start_layers)
+            if config.growth.narrow:
+                self._narrowed = narrow_(model, config.growth.start_width(model))
         self.model, self.config, self.source, self.log = model, config, source, log
         self.device = torch.device(config.device)
         opt = config.optimizer
@@ -356,11 +363,25 @@ class Trainer:
         return min(1.0, (self.step - self.run.grown_at["step"] + 1) / max(1, self.config.growth.warmup_steps))
 
     def _grow(self, elapsed_s: float) -> None:
-        """Every layer from now on; the layers that sat out start as the identity (:func:`grow_`)."""
-        added = grow_(self.model, self._shallow)
+        """The whole width (:func:`widen_`) and every layer from now on; the layers that sat out start as the
+        identity (:func:`grow_`)."""
+        parts = []
+        if self._narrowed is not None:
+            narrow = widen_(self.model, self._narrowed, self.optimizer)
+            full, self._narrowed = model_width(self.model), None
+            parts.append(f"width {narrow.embed_dim} -> {full.embed_dim}, query heads {narrow.num_heads} -> "
+                         f"{full.num_heads}, MLP {narrow.intermediate_dim} -> {full.intermediate_dim}")
+        if self._shallow is not None:
+            added = grow_(self.model, self._shallow)
+            parts.append(f"{len(self._shallow)} -> {len(self.model.layers)} layers ({len(added)} start as the "
+                         "identity)")
         self.run.grown_at = {"step": self.step, "elapsed_s": round(elapsed_s, 1), "max_context": self.curriculum.top}
-        self.log(f"growth: {len(self._shallow)} -> {len(self.model.layers)} layers at step {self.step} "
-                 f"(longest context {self.curriculum.top}; {len(added)} layers start as the identity)")
+        self.log(f"growth: {'; '.join(parts)} at step {self.step} (longest context {self.curriculum.top})")
+
+    @property
+    def _growing(self) -> bool:
+        """Whether the run is still to grow."""
+        return self.config.growth.enabled and self.run.grown_at is None
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run continues from, besides the model and the optimizer (JSON-able): the step, the run's
@@ -375,8 +396,10 @@ class Trainer:
                 "source": self.source.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s ``state`` (restore the model and the optimizer beside it): a run of
-        ``steps`` steps (no ``minutes``) then ends with the same weights, bit for bit, as one never stopped.
+        """Continue from :meth:`state_dict`'s ``state``, then restore the model and the optimizer (in that order:
+        a run that started narrow and grew before the state was saved is widened here, to the shapes the saved
+        tensors have): a run of ``steps`` steps (no ``minutes``) then ends with the same weights, bit for bit, as
+        one never stopped.
 
         Raises:
             TypeError: the source has no ``load_state_dict``.
@@ -390,6 +413,9 @@ class Trainer:
         self.source.load_state_dict(state["source"])
         self.curriculum, self.run, self.step = probe, run, int(state["step"])
         run.resumed_at.append(self.step)
+        if run.grown_at is not None and self._narrowed is not None:  # the saved tensors are full size
+            widen_(self.model, self._narrowed, self.optimizer)
+            self._narrowed = None
 
     def train(self, *, checkpoint: Callable[[], None] | None = None, checkpoint_every_s: float = 0.0) -> dict[str, Any]:
         """Run to the end (from where :meth:`load_state_dict` left it); returns what the run did (steps, tokens,
@@ -414,7 +440,7 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 if cur.update(frac, elapsed_s=elapsed):
                     self.log(f"curriculum: longest context -> {cur.top} ({cfg.curriculum.mode} schedule)")
-                if self.active_layers is not None and cfg.growth.due(cur.top, frac):
+                if self._growing and cfg.growth.due(cur.top, frac):
                     self._grow(elapsed)
                 tw = time.perf_counter()
                 batch = self.source.next(cur.sample())
@@ -454,7 +480,7 @@ class Trainer:
                     run.elapsed_s = time.perf_counter() - t0
                     checkpoint()
                     t0 = time.perf_counter() - run.elapsed_s
-            elif self.active_layers is not None:  # a run that ended before its growth still ends whole
+            elif self._growing:  # a run that ended before its growth still ends whole
                 self._grow(time.perf_counter() - t0)
         finally:
             run.elapsed_s = time.perf_counter() - t0
