@@ -8,12 +8,14 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparrow.models import tiny_qwen2
 from sparrow.rl import KVRetrieval, hidden_states
 from sparrow.training import (
     ANSWER, EOS, FAMILIES, IGNORED, PROMPT, CurriculumConfig, EvalConfig, LossConfig, OptimizerConfig, TaskMixStream,
-    TrainConfig, Trainer, init_weights, teacher_forced_loss,
+    TrainConfig, Trainer, draw_prompt_positions, init_weights, teacher_forced_loss,
 )
 from tests.helpers import train_and_stop
 
@@ -90,6 +92,9 @@ def test_schedule_warms_up_then_decays_or_stays():
     pytest.param(lambda: OptimizerConfig(schedule="linear"), "schedule must be one of", id="schedule"),
     pytest.param(lambda: LossConfig(prompt_weight=-1.0), "prompt_weight must be >= 0, got -1.0", id="weight"),
     pytest.param(lambda: LossConfig(answer_mean="row"), "answer_mean one of", id="mean"),
+    pytest.param(lambda: LossConfig(prompt_fraction=0.0), r"prompt_fraction must be in \(0, 1\].* got 0.0", id="fraction"),
+    pytest.param(lambda: LossConfig(prompt_fraction=0.5, prompt_tokens="sequence"), "1 unless prompt_tokens is",
+                 id="fraction-sequence"),
     pytest.param(lambda: EvalConfig(tasks=()), "at least one task", id="eval-tasks"),
     pytest.param(lambda: EvalConfig(examples=0), "examples=0", id="eval-examples"),
 ])
@@ -194,6 +199,66 @@ def test_chunked_loss_equals_the_whole_logits_loss(chunk, cfg):
         LossConfig(logits_chunk=-1)
 
 
+# -- the prompt term from a share of its positions ---------------------------------------------------------------
+def _draw_invariants(draw) -> None:
+    """What a prompt-position draw must keep, for any roles, fraction and seed: only prompt positions change, and only
+    to IGNORED; the same seed draws the same; fraction 1 changes nothing."""
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.integers(1, 5), st.integers(1, 40), st.floats(0.01, 1.0), st.integers(0, 2**31), st.integers(0, 2**31))
+    def check(rows, cols, fraction, seed, roles_seed):
+        g = torch.Generator().manual_seed(roles_seed)
+        roles = torch.tensor([PROMPT, ANSWER, EOS, IGNORED], dtype=torch.int8)[torch.randint(0, 4, (rows, cols),
+                                                                                              generator=g)]
+        out = draw(roles, fraction, seed)
+        changed = out != roles
+        assert out.dtype == roles.dtype and out.shape == roles.shape
+        assert bool((roles[changed] == PROMPT).all()) and bool((out[changed] == IGNORED).all())
+        assert torch.equal(out, draw(roles, fraction, seed))
+        assert torch.equal(draw(roles, 1.0, seed), roles)
+
+    check()
+
+
+def test_a_prompt_draw_changes_only_prompt_positions():
+    _draw_invariants(draw_prompt_positions)
+    roles = torch.full((64, 512), PROMPT, dtype=torch.int8)
+    for fraction in (0.1, 0.25, 0.5):  # the kept share is the fraction, and other seeds draw other positions
+        kept = draw_prompt_positions(roles, fraction, 7) == PROMPT
+        assert abs(kept.float().mean().item() - fraction) < 0.01
+        assert not torch.equal(kept, draw_prompt_positions(roles, fraction, 8) == PROMPT)
+
+
+def test_a_draw_that_drops_answers_is_caught():
+    """Negative control: a draw over every position (answers too) breaks the invariants."""
+    def careless(roles, fraction, seed):
+        drop = torch.rand(roles.shape, generator=torch.Generator().manual_seed(seed)) >= fraction
+        return roles.masked_fill(drop, IGNORED)
+
+    with pytest.raises(AssertionError):
+        _draw_invariants(careless)
+
+
+def test_a_step_with_a_prompt_fraction_computes_only_the_drawn_logits(monkeypatch):
+    """With logits_chunk, the output projection sees the answer positions and the drawn quarter of the prompt."""
+    from sparrow.training import trainer as trainer_module
+
+    model, trainer = _resumable(0)
+    cfg = dataclasses.replace(trainer.config, loss=LossConfig(logits_chunk=64, prompt_fraction=0.25))
+    trainer.config = cfg
+    seen = []
+    nll = trainer_module._position_nll
+    monkeypatch.setattr(trainer_module, "_position_nll", lambda m, h, t: seen.append(len(t)) or nll(m, h, t))
+    batch = trainer.source.next(32)
+    trainer.train_step(batch, 1e-3)
+    roles = draw_prompt_positions(batch.roles, 0.25, cfg.seed * 1_000_003 + 0)  # step 0's draw
+    read = int(((roles == PROMPT) | (roles == ANSWER) | (roles == EOS)).sum())
+    assert sum(seen) == 2 * read  # each chunk in the forward pass and again in the backward's recomputation
+    prompt, answer = int((batch.roles == PROMPT).sum()), int(((batch.roles == ANSWER) | (batch.roles == EOS)).sum())
+    assert answer < read < 0.5 * prompt + answer
+    trainer.source.close()
+
+
 # -- resuming: the same bits as a run never stopped ----------------------------------------------------------------
 def _resumable(workers: int):
     torch.manual_seed(0)
@@ -204,7 +269,8 @@ def _resumable(workers: int):
     source = TaskMixStream(families, {"kv": 2.0, "kv1": 1.0}, seed=1, batch_size=6, workers=workers, prefetch=2)
     cfg = TrainConfig(steps=8, log_every_s=1e9, eval=EvalConfig(tasks=("kv",), every_s=0),
                       curriculum=CurriculumConfig(min_context=32, max_context=64, mode="time", ramp=0.5),
-                      optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2))
+                      optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2),
+                      loss=LossConfig(prompt_fraction=0.5))  # a resumed run draws the prompt positions the same
     return model, Trainer(model, cfg, source, log=lambda _: None)
 
 

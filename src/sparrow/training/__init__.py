@@ -69,6 +69,7 @@ from sparrow.training.trainer import (
     TrainConfig,
     Trainer,
     chunked_teacher_forced_loss,
+    draw_prompt_positions,
     teacher_forced_loss,
     train_on_episodes,
 )
@@ -80,6 +81,6 @@ __all__ = [
     "TaskMixStream", "TrainConfig", "TrainExample", "Trainer", "Answers", "accuracy_table", "answers_with_fallback", "best_of_seeds", "binomial_se",
     "build_model", "encode_text", "engine_answers", "greedy_accuracy", "handled_context", "init_weights", "load_trained_model", "longest_handled",
     "longest_sequence", "model_score", "paired", "paired_accuracy", "paired_delta_se", "accuracy_summary", "active_layers", "grow_", "pick", "read_report", "sampled_accuracy", "save_trained_model",
-    "seed_devices", "sequence_ids", "shallow_layers", "Width", "model_width", "narrow_", "widen_", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "train_tokens", "write_report", "train_on_episodes",
+    "seed_devices", "sequence_ids", "shallow_layers", "Width", "model_width", "narrow_", "widen_", "teacher_forced_hits", "teacher_forced_loss", "chunked_teacher_forced_loss", "draw_prompt_positions", "train_tokens", "write_report", "train_on_episodes",
     "load_recipe_model",
 ]
