@@ -126,6 +126,14 @@ def _run(growth: GrowthConfig, *, steps: int = 8, layers: int = 4, workers: int 
     return model, Trainer(model, cfg, source, eval_tasks=families, log=lambda _: None)
 
 
+def _never_stopped(growth: GrowthConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """What a run of ``growth`` returns and ends with when nothing stops it."""
+    model, trainer = _run(growth)
+    stats = trainer.train()
+    trainer.source.close()
+    return stats, _snapshot(model)
+
+
 def test_a_growing_run_trains_the_subset_then_every_layer():
     model, trainer = _run(GrowthConfig(start_layers=2, at_progress=0.5, warmup_steps=3))
     assert trainer.active_layers == [0, 2]
@@ -196,10 +204,7 @@ def test_a_run_resumed_across_its_growth_ends_with_the_same_bits(tmp_path, stop_
     from sparrow.rl import latest_checkpoint, load_checkpoint
 
     growth = GrowthConfig(start_layers=2, at_progress=0.5)
-    model, trainer = _run(growth)
-    trainer.train()
-    trainer.source.close()
-    whole = _snapshot(model)
+    _, whole = _never_stopped(growth)
 
     model, trainer = _run(growth)
 
@@ -231,10 +236,7 @@ def test_a_stop_request_ends_the_step_saves_the_state_and_the_run_resumes_to_the
     from sparrow.rl import latest_checkpoint, load_checkpoint, save_checkpoint
 
     growth = GrowthConfig(start_layers=2, at_progress=0.5)
-    model, trainer = _run(growth)
-    trainer.train()
-    trainer.source.close()
-    whole = _snapshot(model)
+    _, whole = _never_stopped(growth)
 
     model, trainer = _run(growth)
     step, saved = trainer.train_step, []
@@ -385,10 +387,8 @@ def test_a_run_that_starts_narrow_and_shallow_grows_and_resumes_to_the_same_bits
                           at_progress=0.5)
     model, trainer = _run(growth)
     assert model_width(model) == Width(32, 2, 48) and trainer.active_layers == [0, 2]
-    stats = trainer.train()
-    trainer.source.close()
-    assert stats["grown_at"]["step"] == 4 and model_width(model) == Width(64, 4, 128)
-    whole = _snapshot(model)
+    stats, whole = _never_stopped(growth)
+    assert stats["grown_at"]["step"] == 4 and whole["layers.0.mlp.w1.weight"].shape == (128, 64)
     for stop_at in (3, 6):
         model, trainer = _run(growth)
         train_and_stop(trainer, model, tmp_path / str(stop_at), stop_at)
