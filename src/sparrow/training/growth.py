@@ -1,4 +1,5 @@
-"""Depth growth: train a deep decoder first on an evenly spread subset of its layers, then on all of them.
+"""Depth and width growth: train a decoder first on an evenly spread subset of its layers, or on a narrower slice
+of itself, or both, then on the whole model.
 
 A 24-layer model trained from scratch on the retrieval mix sits for hundreds of steps on the plateau of
 copying *some* value of the context, and a learning rate high enough to leave it faster keeps the deep model at
@@ -33,7 +34,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -43,7 +44,7 @@ from sparrow.attention.dense import DenseAttention
 
 @dataclass(frozen=True)
 class GrowthConfig:
-    """When and from how many layers a run grows (off by default).
+    """When, and from how many layers and what width, a run grows (off by default).
 
     Attributes:
         start_layers: layers trained before the growth (0: every layer from the start).
