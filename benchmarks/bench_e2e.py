@@ -70,15 +70,16 @@ def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: 
                          **keyword_args(configuration, args, draft_lengths=lengths))
 
 
-def run_recipe(cfg_dict: dict, fixed_length: int = 0) -> dict:
-    """setup -> train -> cleanup of one recipe config (:func:`~sparrow.rl.launch.run_in_process`). With
+def run_recipe(cfg_dict: dict, fixed_length: int = 0, stop_at: float | None = None) -> dict:
+    """setup -> train -> cleanup of one recipe config (:func:`~sparrow.rl.launch.run_in_process`; ``stop_at``: no
+    step starts that would end after that ``time.perf_counter()`` moment). With
     ``fixed_length``, after training: the next step's prompts decoded to exactly that many tokens (no stop token)
     twice, the second timed (``fixed_rollout_s``): equal work whatever lengths the configuration samples."""
     sys.path.insert(0, str(REPO / "recipes"))  # the recipe file itself when it is not installed
     from sparrow_grpo import GRPORecipe
 
     return run_in_process(GRPORecipe, cfg_dict, functools.partial(fixed_rollout, length=fixed_length)
-                          if fixed_length else None)
+                          if fixed_length else None, stop_at=stop_at)
 
 
 def build_parser():
@@ -101,7 +102,10 @@ def build_parser():
         *calibration_options(200),
         ("--indexer-refresh-every", int, 0, "RTPurbo indexer refresh every N steps (0: off)"),
         ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
-        ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start"),
+        ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start, "
+         "and end a run's steps early where the next would"),
+        ("--run-reserve-s", float, 60.0, "with --deadline-minutes: seconds kept after a run's last step for its "
+         "fixed-length rollout and clean-up"),
         ("--overprovision", int, None, "partial rollout: groups in flight beyond a step's (default: a step's)"),
         ("--max-staleness", int, 1, "partial rollout: policy versions a group may span"),
         ("--partial", dict(action="store_true", help="add each configuration's partial-rollout twin (all_off, all_on); "
@@ -190,12 +194,13 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     rows: list[dict] = []
     steps: list[dict] = []
     skipped: list[str] = []
+    cut: list[str] = []  # runs the deadline ended before --steps
     failed: list[dict] = []
     durations: list[float] = []
 
     def save(final: bool) -> Path:
         add_speedups(rows)
-        extra = {"summary": compare(rows, steps), "steps": steps, "calibration": calibration, "skipped": skipped, "failed": failed, "train_s": round(train_s, 1),
+        extra = {"summary": compare(rows, steps), "steps": steps, "calibration": calibration, "skipped": skipped, "cut": cut, "failed": failed, "train_s": round(train_s, 1),
                  "seconds": round(time.perf_counter() - t_start, 1), "complete": final}
         return write_json("partial_rollout" if args.partial else NAME, config_doc, rows, out_dir=out_dir, extra=extra)
 
@@ -209,7 +214,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             log(f"{tag}: start")
             t = time.perf_counter()
             try:
-                out = run_recipe(run_config(base, name, seed, args, rtpurbo_dir, work), args.fixed_length)
+                stop_at = None if deadline is None else deadline - args.run_reserve_s
+                out = run_recipe(run_config(base, name, seed, args, rtpurbo_dir, work), args.fixed_length, stop_at)
             except Exception as e:  # one failing configuration must not lose the others
                 failed.append({"run": tag, "error": f"{type(e).__name__}: {str(e)[:1000]}",
                                "traceback": traceback.format_exc()[-4000:]})
@@ -219,6 +225,10 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
             durations.append(time.perf_counter() - t)
             st = step_rows(name, seed, out["records"], args.warmup_steps)
             steps.extend(st)
+            done = sum("time/step_s" in r for r in out["records"])
+            if done < args.steps:
+                cut.append(f"{tag}: {done} of {args.steps} steps")
+                log(f"{tag}: the deadline ended it after {done} of {args.steps} steps")
             on = CONFIGS[name]
             rows.append(run_summary(name, seed, st, out["records"], rtpurbo=on["rtpurbo"], speculative=on["spec"],
                                     sparse_sync=on["sparse_sync"], setup_s=out["setup_s"], run_s=out["run_s"],
@@ -244,9 +254,12 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
     print_table(summary, SUMMARY_COLUMNS + (("wall_s", "stale_token_frac") if args.partial else ()))
     if skipped:
         print(f"skipped at the deadline: {skipped}")
+    if cut:
+        print(f"cut short by the deadline: {cut}")
     if failed:
         print(f"failed: {[f['run'] for f in failed]}")
-    return {"rows": rows, "summary": summary, "steps": steps, "out": out_dir, "skipped": skipped, "failed": failed}
+    return {"rows": rows, "summary": summary, "steps": steps, "out": out_dir, "skipped": skipped, "cut": cut,
+            "failed": failed}
 
 
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:

@@ -670,14 +670,25 @@ class GRPORecipe:
                 for s, (_, a) in zip(out.samples, self.eval_set)]
         return sum(hits) / len(hits)
 
-    def train(self) -> None:
+    def train(self, stop_at: float | None = None) -> None:
+        """GRPO steps until ``total_steps``. ``stop_at`` (a ``time.perf_counter()`` moment; one process only): no
+        step starts that the last step's duration says would end after it, so a time-limited run ends on a whole
+        step (the first step always runs). ``ValueError`` for ``stop_at`` in a run of several ranks (they would
+        disagree on when to stop)."""
         cfg = self.cfg
+        if stop_at is not None and self.world != 1:
+            raise ValueError(f"train(stop_at=...) runs in one process only, not {self.world} ranks")
         bar = tqdm(total=cfg.total_steps, initial=self.step, disable=not self.is_main, dynamic_ncols=True,
                    desc="grpo")
         if self.step == 0 and cfg.eval.every:
             self._log_eval()
+        last_s = None
         while self.step < cfg.total_steps:
             t_step = time.perf_counter()
+            if stop_at is not None and last_s is not None and t_step + last_s > stop_at:
+                tqdm.write(f"stopping before step {self.step + 1}: the last one took {last_s:.1f} s and the run "
+                           f"must end within {max(0.0, stop_at - t_step):.1f} s")
+                break
             partial = self.partial_cfg.enabled  # the rollout ranks draw their prompts themselves
             batch = None if partial else next(self.data_iter)
             metrics: dict[str, float] = {}
@@ -718,6 +729,7 @@ class GRPORecipe:
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
             _maybe_inject_fault(self.rank, self.step)
+            last_s = time.perf_counter() - t_step
         bar.close()
 
     def _follow_sync(self, metrics: dict[str, float], local) -> dict[str, float]:

@@ -344,3 +344,22 @@ def test_activation_checkpointing_reaches_the_trainers_layers(tmp_path, monkeypa
     micro_batches = 2 * math.ceil(recipe.prompts_per_step * recipe.group // 2 / 16)  # two updates' micro-batches
     assert len(layers) == (micro_batches * len(recipe.model.layers) if on else 0)
     recipe.cleanup()
+
+
+def test_stop_at_ends_on_a_whole_step(tmp_path, monkeypatch):
+    """``train(stop_at=...)``: the first step always runs, and no step starts that the last step's duration says
+    would end after ``stop_at``; far enough ahead, every step runs; several ranks are refused before any step."""
+    import time
+
+    _, recipe = in_process(tmp_path / "now", monkeypatch, "total_steps=3")
+    recipe.train(stop_at=time.perf_counter())
+    assert recipe.step == 1
+    recipe.cleanup()
+    _, recipe = in_process(tmp_path / "later", monkeypatch, "total_steps=3")
+    recipe.train(stop_at=time.perf_counter() + 3600)
+    assert recipe.step == 3
+    recipe.world = 2
+    with pytest.raises(ValueError, match="one process only"):
+        recipe.train(stop_at=time.perf_counter() + 3600)
+    assert recipe.step == 3
+    recipe.cleanup()

@@ -190,11 +190,12 @@ def launch_recipe(config: Path | str, overrides: Sequence[str], *, out: Path | s
     return Launch(argv, proc.returncode, wall, first, records, output)
 
 
-def run_in_process(recipe_cls: type, config: dict[str, Any], after: Callable[[Any], dict] | None = None
-                   ) -> dict[str, Any]:
+def run_in_process(recipe_cls: type, config: dict[str, Any], after: Callable[[Any], dict] | None = None,
+                   stop_at: float | None = None) -> dict[str, Any]:
     """``setup -> train -> cleanup`` of one recipe (``recipe_cls(cfg)``, e.g. ``sparrow_grpo.GRPORecipe``) on the
     config ``config`` (a plain dict, made an OmegaConf config), in this process, compiled code dropped first (each
-    run compiles its own steps and never meets the recompile limit). ``after(recipe)``, when given, runs between
+    run compiles its own steps and never meets the recompile limit). ``stop_at`` (a ``time.perf_counter()``
+    moment) goes to ``train``: no step starts that would end after it. ``after(recipe)``, when given, runs between
     training and cleanup; its dict joins the result. Returns ``{"records": every logged metrics dict, "setup_s",
     "run_s", **after(recipe)}``; the metric logger is closed and memory freed whatever happens."""
     import torch
@@ -208,7 +209,7 @@ def run_in_process(recipe_cls: type, config: dict[str, Any], after: Callable[[An
     try:
         recipe.setup(cfg)
         setup_s = time.perf_counter() - t0
-        recipe.train()
+        recipe.train(**({} if stop_at is None else {"stop_at": stop_at}))
         extra = after(recipe) if after is not None else {}
         recipe.cleanup()
         records = list(recipe.metric_logger.records)
