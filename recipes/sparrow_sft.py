@@ -132,7 +132,7 @@ class SFTRecipe:
         start = [f"layers {first} of {len(self.model.layers)}"] if first is not None else []
         if growth.narrow and self.trainer.run.grown_at is None:
             w = model_width(self.model)
-            start.append(f"width {w.embed_dim}, {w.num_heads} query heads, MLP {w.intermediate_dim}")
+            start.append(f"width {w.embed_dim}, {w.num_heads} query heads, MLP {w.intermediate_dim}, {w.vocab} ids")
         self.log(f"model: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M parameters, device "
                  f"{self.device}, mix {self.mix}" + (f"; {', '.join(start)} until the growth" if start else ""))
         every = float(self.cfg.get("checkpoint_every_s") or 0)

@@ -116,8 +116,9 @@ def test_unknown_key_fails_before_training(tmp_path):
                  id="growth-too-deep"),
     pytest.param(["growth.at_progress=0"], "0 < at_progress <= 1, got {'at_progress': 0}", id="growth-progress"),
     pytest.param(["growth.start_num_heads=3"], "growth: cannot start at Width(embed_dim=128, num_heads=3, "
-                 "intermediate_dim=384) in a model of Width(embed_dim=128, num_heads=4, intermediate_dim=384) with 4 "
-                 "key-value heads", id="growth-heads"),
+                 "intermediate_dim=384, vocab=48) in a model of Width(embed_dim=128, num_heads=4, intermediate_dim=384, "
+                 "vocab=48) with 4 key-value heads", id="growth-heads"),
+    pytest.param(["growth.start_vocab=40"], "growth.start_vocab=40: the data's ids reach 48", id="growth-vocab"),
 ])
 def test_config_errors_fail_in_setup(tmp_path, overrides, message):
     sys.path.insert(0, str(REPO / "recipes"))
@@ -134,18 +135,20 @@ def test_config_errors_fail_in_setup(tmp_path, overrides, message):
 
 @pytest.mark.parametrize("narrow", [pytest.param(False, id="depth"), pytest.param(True, id="depth-and-width")])
 def test_a_growing_run_saves_the_whole_model(tmp_path, narrow):
-    width = ["growth.start_embed_dim=16", "growth.start_num_heads=1", "growth.start_intermediate_dim=24"]
+    width = ["growth.start_embed_dim=16", "growth.start_num_heads=1", "growth.start_intermediate_dim=24",
+             "model.vocab_size=64", "growth.start_vocab=48"]
     r = run(tmp_path / "g", *TINY, "steps=4", "model.num_layers=3", "growth.start_layers=1", "growth.at_progress=0.5",
             *(width if narrow else []))
     assert r.returncode == 0, r.stderr[-3000:]
     report = read_report(tmp_path / "g")
-    wider = "width 16 -> 32, query heads 1 -> 2, MLP 24 -> 64; " if narrow else ""
+    wider = "width 16 -> 32, query heads 1 -> 2, MLP 24 -> 64, ids 48 -> 64; " if narrow else ""
     assert report["train"]["grown_at"]["step"] == 2
     assert f"growth: {wider}1 -> 3 layers (2 start as the identity) at step 2" in r.stdout
-    start = ", width 16, 1 query heads, MLP 24" if narrow else ""
+    start = ", width 16, 1 query heads, MLP 24, 48 ids" if narrow else ""
     assert f"layers [0] of 3{start} until the growth" in r.stdout
     weights = load_file(str(tmp_path / "g/model.safetensors"))
-    assert weights["layers.0.mlp.w1.weight"].shape == (64, 32) and weights["tok_embeddings.weight"].shape == (48, 32)
+    ids = 64 if narrow else 48
+    assert weights["layers.0.mlp.w1.weight"].shape == (64, 32) and weights["tok_embeddings.weight"].shape == (ids, 32)
     for i in (1, 2):  # grown from zero output projections, then trained for two steps
         assert weights[f"layers.{i}.mlp.w2.weight"].any() and weights[f"layers.{i}.attn.output_proj.weight"].any()
     assert len(load_trained_model(tmp_path / "g").layers) == 3

@@ -270,11 +270,13 @@ def test_a_stop_request_ends_the_step_saves_the_state_and_the_run_resumes_to_the
 
 
 # -- width ---------------------------------------------------------------------------------------------------------
-WIDTHS = [  # (model: embed, heads, kv heads, MLP, tied; head_dim 8 in each), start width
-    pytest.param((48, 6, 2, 96, True), Width(24, 4, 40), id="gqa-tied"),
-    pytest.param((40, 5, 5, 72, False), Width(17, 5, 31), id="mha-untied-odd"),
-    pytest.param((64, 8, 2, 128, True), Width(64, 2, 128), id="heads-only"),
-    pytest.param((48, 6, 3, 96, False), Width(48, 6, 23), id="mlp-only"),
+WIDTHS = [  # (model: embed, heads, kv heads, MLP, tied; head_dim 8 in each; 48 ids), start width
+    pytest.param((48, 6, 2, 96, True), Width(24, 4, 40, 48), id="gqa-tied"),
+    pytest.param((40, 5, 5, 72, False), Width(17, 5, 31, 48), id="mha-untied-odd"),
+    pytest.param((64, 8, 2, 128, True), Width(64, 2, 128, 48), id="heads-only"),
+    pytest.param((48, 6, 3, 96, False), Width(48, 6, 23, 48), id="mlp-only"),
+    pytest.param((48, 6, 2, 96, True), Width(24, 4, 40, 29), id="gqa-tied-vocab"),
+    pytest.param((40, 5, 5, 72, False), Width(40, 5, 72, 13), id="vocab-only-untied"),
 ]
 
 
@@ -298,7 +300,7 @@ def _trained_narrow(shape, width: Width, steps: int = 4):
     model = _wide(shape)
     narrowed = narrow_(model, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = torch.randint(0, 48, (3, 21), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, width.vocab, (3, 21), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         opt.zero_grad()
         model(x).logsumexp(-1).mean().backward()
@@ -309,8 +311,8 @@ def _trained_narrow(shape, width: Width, steps: int = 4):
 def test_narrow_keeps_the_first_heads_of_each_key_value_group():
     model = _wide((48, 6, 2, 96, True))
     full = _snapshot(model)
-    narrow_(model, Width(24, 4, 40))
-    assert model_width(model) == Width(24, 4, 40) and model.layers[0].attn.backend.shape.num_heads == 4
+    narrow_(model, Width(24, 4, 40, 48))
+    assert model_width(model) == Width(24, 4, 40, 48) and model.layers[0].attn.backend.shape.num_heads == 4
     q = full["layers.0.attn.q_proj.weight"].view(6, 8, 48)  # heads 0 1 2 | 3 4 5 share kv heads 0 | 1
     assert bits_equal(model.layers[0].attn.q_proj.weight, q[[0, 1, 3, 4], :, :24].reshape(32, 24))
     assert bits_equal(model.layers[0].attn.k_proj.weight, full["layers.0.attn.k_proj.weight"][:, :24])
@@ -325,12 +327,15 @@ def test_the_widened_model_computes_what_the_narrow_one_did(shape, width):
         before = model(x)
     widen_(model, narrowed, opt)
     embed, heads, _, mlp, _ = shape
-    assert model_width(model) == Width(embed, heads, mlp) and model.norm.eps == 1e-6
+    assert model_width(model) == Width(embed, heads, mlp, 48) and model.norm.eps == 1e-6
     fresh = _wide(shape)
     assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in fresh.state_dict().items()}
     with torch.no_grad():
         after = model(x)
-    assert _same_function(before, after)
+    assert before.shape[-1] == width.vocab and after.shape[-1] == 48
+    assert _same_function(before, after[..., :width.vocab])  # the narrow vocabulary's logits are kept
+    # the ids outside the narrow vocabulary come back at their initial rows
+    assert bits_equal(model.tok_embeddings.weight[width.vocab:], fresh.tok_embeddings.weight[width.vocab:])
     # the optimizer holds the new parameters, its moments widened with zeros outside the narrow slice
     held = [p for g in opt.param_groups for p in g["params"]]
     assert len(held) == len(list(model.parameters())) and all(a is b for a, b in zip(held, model.parameters()))
@@ -347,7 +352,7 @@ def test_the_widened_model_computes_what_the_narrow_one_did(shape, width):
     pytest.param("eps", id="eps-kept-narrow")])
 def test_a_broken_widening_changes_the_function(sabotage, monkeypatch):
     """Negative controls: each part of the function-preserving widening, left out, is caught."""
-    shape, width = (48, 6, 2, 96, True), Width(24, 4, 40)
+    shape, width = (48, 6, 2, 96, True), Width(24, 4, 40, 48)
     model, narrowed, opt, x = _trained_narrow(shape, width)
     with torch.no_grad():
         before = model(x)
@@ -364,17 +369,19 @@ def test_a_broken_widening_changes_the_function(sabotage, monkeypatch):
 
 
 @pytest.mark.parametrize("width, message", [
-    pytest.param(Width(96, 4, 40), "cannot start at", id="wider"),
-    pytest.param(Width(24, 3, 40), "cannot start at", id="heads-not-a-multiple"),
-    pytest.param(Width(24, 1, 40), "cannot start at", id="fewer-than-kv-heads"),
-    pytest.param(Width(0, 4, 40), "cannot start at", id="zero"),
+    pytest.param(Width(96, 4, 40, 48), "cannot start at", id="wider"),
+    pytest.param(Width(24, 3, 40, 48), "cannot start at", id="heads-not-a-multiple"),
+    pytest.param(Width(24, 1, 40, 48), "cannot start at", id="fewer-than-kv-heads"),
+    pytest.param(Width(0, 4, 40, 48), "cannot start at", id="zero"),
+    pytest.param(Width(24, 4, 40, 49), "cannot start at", id="more-ids-than-the-vocabulary"),
+    pytest.param(Width(24, 4, 40, 0), "cannot start at", id="no-ids"),
 ])
 def test_narrow_refuses_a_width_the_model_cannot_start_at_and_changes_nothing(width, message):
     model = _wide((48, 6, 2, 96, True))
     before = _snapshot(model)
     with pytest.raises(ValueError, match=message):
         narrow_(model, width)
-    assert model_width(model) == Width(48, 6, 96)
+    assert model_width(model) == Width(48, 6, 96, 48)
     assert all(bits_equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -386,7 +393,7 @@ def test_a_run_that_starts_narrow_and_shallow_grows_and_resumes_to_the_same_bits
     growth = GrowthConfig(start_layers=2, start_embed_dim=32, start_num_heads=2, start_intermediate_dim=48,
                           at_progress=0.5)
     model, trainer = _run(growth)
-    assert model_width(model) == Width(32, 2, 48) and trainer.active_layers == [0, 2]
+    assert model_width(model) == Width(32, 2, 48, model.tok_embeddings.weight.shape[0]) and trainer.active_layers == [0, 2]
     stats, whole = _never_stopped(growth)
     assert stats["grown_at"]["step"] == 4 and whole["layers.0.mlp.w1.weight"].shape == (128, 64)
     for stop_at in (3, 6):

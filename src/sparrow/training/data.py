@@ -184,6 +184,11 @@ class TaskMixStream:
     def longest_sequence(self, context: int) -> int:
         return longest_sequence(self.tasks(context))
 
+    @property
+    def vocab_size(self) -> int:
+        """Every id of the batches is below this (:class:`~sparrow.rl.CharTokenizer`'s)."""
+        return TOKENIZER.vocab_size
+
     def examples_per_step(self, context: int) -> int:
         if self.batch_size is not None:
             return self.batch_size

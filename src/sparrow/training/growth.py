@@ -16,17 +16,25 @@ whose learning rate warms up over ``warmup_steps`` from there. The model object,
 and the optimizer stay the same throughout; only the list of layers the forward pass walks changes
 (:func:`active_layers`).
 
-Width growth (``start_embed_dim``, ``start_num_heads``, ``start_intermediate_dim``) also starts narrower: every
+Width growth (``start_embed_dim``, ``start_num_heads``, ``start_intermediate_dim``, ``start_vocab``) also starts
+narrower: every
 step of a narrow model costs a fraction of the whole one's, so it reaches the plateau's way out in fewer
 seconds. :func:`narrow_` shrinks the initialised model in place to a slice of itself (the first ``E0`` residual
-dimensions, the first query heads of each key-value group, the first hidden units; the head size and the
-key-value heads stay) and returns the full-size initial tensors; at the growth :func:`widen_` puts the trained
-slice back into them. The parts that write into the residual stream (the embedding, attention ``output_proj``,
+dimensions, the first query heads of each key-value group, the first hidden units, the first ids of the
+vocabulary; the head size and the key-value heads stay) and returns the full-size initial tensors; at the growth
+:func:`widen_` puts the trained slice back into them. The parts that write into the residual stream (the embedding, attention ``output_proj``,
 MLP ``w2``) are 0 outside the slice and the norm scales absorb the longer RMS, so the new residual dimensions
 start at 0 and the widened model computes what the narrow one did (up to rounding; the narrow model's norms
 use ``eps * E / E0`` for that); the new heads and units read the stream through their fresh weights, so they
 learn from the first step after. The resized parameters are new objects (autograd keeps a parameter's shape),
 put in the optimizer's groups in place of the old ones; its moments are widened with zeros.
+
+A narrow vocabulary (``start_vocab``: the ids the data uses, e.g. the synthetic tasks' 48 in a model of the real
+151,936) leaves the rest out of the softmax until the growth: with a large vocabulary the start's first hundreds
+of steps otherwise go to pushing down the logits of ids the data never holds (docs/benchmarks.md). At the growth
+the other rows come back at their initial values; every logit of the narrow vocabulary is kept, and the new ids
+join the softmax with their initial logits, so the loss rises once there and the whole model learns to suppress
+them.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ class GrowthConfig:
         start_layers: layers trained before the growth (0: every layer from the start).
         start_embed_dim, start_num_heads, start_intermediate_dim: the width trained before the growth (0: the
             model's): residual dimensions, query heads (a multiple of the key-value heads), MLP hidden units.
+        start_vocab: the ids in the softmax before the growth, the first ``start_vocab`` of the vocabulary (0: all);
+            the data must hold no other id.
         at_context: grow when the curriculum's longest context first reaches this many tokens (0: by progress
             only).
         at_progress: grow, at the latest, once this fraction of the run is done.
@@ -64,6 +74,7 @@ class GrowthConfig:
     start_embed_dim: int = 0
     start_num_heads: int = 0
     start_intermediate_dim: int = 0
+    start_vocab: int = 0
     at_context: int = 0
     at_progress: float = 0.3
     warmup_steps: int = 100
@@ -71,7 +82,7 @@ class GrowthConfig:
     def __post_init__(self) -> None:
         counts = {"start_layers": self.start_layers, "start_embed_dim": self.start_embed_dim,
                   "start_num_heads": self.start_num_heads, "start_intermediate_dim": self.start_intermediate_dim,
-                  "at_context": self.at_context, "warmup_steps": self.warmup_steps}
+                  "start_vocab": self.start_vocab, "at_context": self.at_context, "warmup_steps": self.warmup_steps}
         bad = {k: v for k, v in counts.items() if v < 0}
         if not 0 < self.at_progress <= 1:
             bad["at_progress"] = self.at_progress
@@ -81,7 +92,7 @@ class GrowthConfig:
     @property
     def narrow(self) -> bool:
         """Whether the run starts narrower than the model."""
-        return bool(self.start_embed_dim or self.start_num_heads or self.start_intermediate_dim)
+        return bool(self.start_embed_dim or self.start_num_heads or self.start_intermediate_dim or self.start_vocab)
 
     @property
     def enabled(self) -> bool:
@@ -91,7 +102,7 @@ class GrowthConfig:
         """The width the run starts at: the model's where a ``start_*`` is 0."""
         full = model_width(model)
         return Width(self.start_embed_dim or full.embed_dim, self.start_num_heads or full.num_heads,
-                     self.start_intermediate_dim or full.intermediate_dim)
+                     self.start_intermediate_dim or full.intermediate_dim, self.start_vocab or full.vocab)
 
     def due(self, top_context: int, progress: float) -> bool:
         """Whether a run at longest context ``top_context`` and ``progress`` of its length grows now."""
@@ -165,11 +176,12 @@ def grow_(model: torch.nn.Module, trained: Sequence[int]) -> list[int]:
 # -- width ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Width:
-    """A decoder's width: residual dimensions, query heads, MLP hidden units."""
+    """A decoder's width: residual dimensions, query heads, MLP hidden units, vocabulary ids."""
 
     embed_dim: int
     num_heads: int
     intermediate_dim: int
+    vocab: int
 
 
 @dataclass
@@ -182,10 +194,11 @@ class Narrowed:
 
 
 # how each parameter's dimensions widen, by the name's last components: "E" the residual stream, "Q" the
-# query heads' rows, "I" the MLP's hidden units, None unchanged; writers (True) put into the residual stream and are
-# 0 outside the narrow slice, readers keep their initial values there
+# query heads' rows, "I" the MLP's hidden units, "V" the vocabulary, None unchanged; writers (True) put into the
+# residual stream and are 0 outside the narrow slice, readers keep their initial values there; rows of ids outside
+# the narrow vocabulary take their initial values in both
 _RULES: dict[str, tuple[tuple[str | None, ...], bool]] = {
-    "tok_embeddings.weight": ((None, "E"), True), "output.weight": ((None, "E"), False),
+    "tok_embeddings.weight": (("V", "E"), True), "output.weight": (("V", "E"), False),
     "norm.scale": (("E",), False), "sa_norm.scale": (("E",), False), "mlp_norm.scale": (("E",), False),
     "q_norm.scale": ((None,), False), "k_norm.scale": ((None,), False),
     "attn.q_proj.weight": (("Q", "E"), False), "attn.q_proj.bias": (("Q",), False),
@@ -208,7 +221,8 @@ def _rule(name: str) -> tuple[tuple[str | None, ...], bool]:
 def model_width(model: torch.nn.Module) -> Width:
     """The width of a torchtune-style decoder (``tok_embeddings``, ``layers[i].attn`` and ``.mlp.w1``)."""
     layer = model.layers[0]
-    return Width(model.tok_embeddings.weight.shape[1], layer.attn.num_heads, layer.mlp.w1.weight.shape[0])
+    emb = model.tok_embeddings.weight
+    return Width(emb.shape[1], layer.attn.num_heads, layer.mlp.w1.weight.shape[0], emb.shape[0])
 
 
 def check_widenable(model: torch.nn.Module, width: Width) -> None:
@@ -219,7 +233,8 @@ def check_widenable(model: torch.nn.Module, width: Width) -> None:
     full = model_width(model)
     kv = model.layers[0].attn.num_kv_heads
     if not (1 <= width.embed_dim <= full.embed_dim and 1 <= width.intermediate_dim <= full.intermediate_dim
-            and kv <= width.num_heads <= full.num_heads and width.num_heads % kv == 0):
+            and kv <= width.num_heads <= full.num_heads and width.num_heads % kv == 0
+            and 1 <= width.vocab <= full.vocab):
         raise ValueError(f"growth: cannot start at {width} in a model of {full} with {kv} key-value heads (each at "
                          "most the model's; query heads a multiple of the key-value heads)")
     for i, layer in enumerate(model.layers):
@@ -243,6 +258,8 @@ def _kept(kind: str | None, size: int, narrow: Width, full: Width, head_dim: int
         return torch.arange(narrow.embed_dim)
     if kind == "I":
         return torch.arange(narrow.intermediate_dim)
+    if kind == "V":
+        return torch.arange(narrow.vocab)
     if kind == "Q":  # the first heads of each key-value group, so every query head keeps its key-value head
         per, full_per = narrow.num_heads // kv, full.num_heads // kv
         heads = torch.tensor([g * full_per + i for g in range(kv) for i in range(per)])
@@ -288,6 +305,10 @@ def _set_width(model: torch.nn.Module, width: Width) -> None:
     for _, m in _norms(model):
         m.normalized_shape = (width.embed_dim,)
     model.tok_embeddings.embedding_dim = width.embed_dim
+    model.tok_embeddings.num_embeddings = width.vocab
+    output = getattr(model, "output", None)
+    if isinstance(output, torch.nn.Linear):
+        output.out_features, output.in_features = output.weight.shape
     if hasattr(model, "num_heads"):
         model.num_heads = width.num_heads
 
@@ -296,7 +317,8 @@ def _set_width(model: torch.nn.Module, width: Width) -> None:
 def narrow_(model: torch.nn.Module, width: Width) -> Narrowed:
     """Shrink ``model`` in place to ``width`` (before an optimizer holds its parameters): each parameter becomes
     the slice of itself the narrow model keeps (a new parameter object), the norms' ``eps`` becomes
-    ``eps * E / E0``. Returns the full-size tensors for :func:`widen_`.
+    ``eps * E / E0``. Returns the full-size tensors for :func:`widen_`. A narrow vocabulary is the first
+    ``width.vocab`` ids: the model's logits hold only those, and an id past them fails the embedding lookup.
 
     Raises:
         ValueError: as :func:`check_widenable` (nothing changed then).
@@ -320,19 +342,23 @@ def narrow_(model: torch.nn.Module, width: Width) -> Narrowed:
 def widen_(model: torch.nn.Module, narrowed: Narrowed, optimizer: torch.optim.Optimizer | None = None) -> Width:
     """Grow ``model`` (made narrow by :func:`narrow_`) back to its full size in place: the trained slices go back
     into the full-size initial tensors, the writers into the residual stream are 0 outside them and the norm
-    scales are multiplied by ``sqrt(E0 / E)``, so the model computes what it computed narrow. The parameters are
+    scales are multiplied by ``sqrt(E0 / E)``, so the model computes what it computed narrow (the logits of the
+    narrow vocabulary; the rows of the other ids take their initial values). The parameters are
     new objects, put in ``optimizer``'s groups in place of the old ones; its moments (every state tensor of a
     parameter's shape) are widened with zeros. Returns the narrow width."""
     narrow, full_e = model_width(model), narrowed.params["tok_embeddings.weight"].shape[1]
     layer = model.layers[0]
     head_dim, kv = layer.attn.head_dim, layer.attn.num_kv_heads
     q_rows = narrowed.params["layers.0.attn.q_proj.weight"].shape[0]
-    full = Width(full_e, q_rows // head_dim, narrowed.params["layers.0.mlp.w1.weight"].shape[0])
+    full = Width(full_e, q_rows // head_dim, narrowed.params["layers.0.mlp.w1.weight"].shape[0],
+                 narrowed.params["tok_embeddings.weight"].shape[0])
     scale = math.sqrt(narrow.embed_dim / full.embed_dim)
     for name, p in list(model.named_parameters()):
         init = narrowed.params[name]
         ix, writer, dims = _index(name, init.shape, narrow, full, head_dim, kv, p.device)
         grown = torch.zeros_like(init) if writer else init.clone()
+        if dims[0] == "V":  # the ids outside the narrow vocabulary: their initial rows
+            grown[narrow.vocab:] = init[narrow.vocab:]
         grown[ix] = p.detach() * scale if dims == ("E",) and not writer else p.detach()  # norm scales
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
         for key, t in state.items():

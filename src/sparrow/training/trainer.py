@@ -315,6 +315,10 @@ class Trainer:
             check_growable(model)
             if config.growth.start_layers:
                 self._shallow = shallow_layers(len(model.layers), config.growth.start_layers)
+            ids, start_vocab = getattr(source, "vocab_size", None), config.growth.start_vocab
+            if start_vocab and (ids is None or ids > start_vocab):
+                raise ValueError(f"growth.start_vocab={start_vocab}: the data's ids reach "
+                                 f"{'an unknown bound' if ids is None else ids} (its source's vocab_size)")
             if config.growth.narrow:
                 self._narrowed = narrow_(model, config.growth.start_width(model))
         self.model, self.config, self.source, self.log = model, config, source, log
@@ -393,7 +397,8 @@ class Trainer:
             narrow = widen_(self.model, self._narrowed, self.optimizer)
             full, self._narrowed = model_width(self.model), None
             parts.append(f"width {narrow.embed_dim} -> {full.embed_dim}, query heads {narrow.num_heads} -> "
-                         f"{full.num_heads}, MLP {narrow.intermediate_dim} -> {full.intermediate_dim}")
+                         f"{full.num_heads}, MLP {narrow.intermediate_dim} -> {full.intermediate_dim}"
+                         + (f", ids {narrow.vocab} -> {full.vocab}" if narrow.vocab != full.vocab else ""))
         if self._shallow is not None:
             added = grow_(self.model, self._shallow)
             parts.append(f"{len(self._shallow)} -> {len(self.model.layers)} layers ({len(added)} start as the "
