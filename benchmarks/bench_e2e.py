@@ -263,14 +263,17 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
 
 
 def merge(paths: list[Path], out_dir: Path | None = None) -> Path:
-    """One result from complete runs of this script with the same settings and other seeds (each seed's speedup
-    still compares runs of one process, so each part holds all_off for its seeds)."""
+    """One result from complete runs of this script with the same settings and other seeds or configurations: each
+    seed's speedups compare its runs against its all_off, so a part holds all_off for its seeds, or the
+    configurations of a seed ran one after another on one machine with one ``--work-dir`` (the same model; the
+    calibration is the first part's that has one). The runs the deadline cut are listed from every part."""
     try:
         config, rows, extra = merge_files(paths, NAME, free=("configs", "seeds", "switches", "work_dir", "recipe_base"),
                                           keep=("calibration",))
     except ValueError as e:
         raise SystemExit(f"{[str(p) for p in paths]}: {e}") from None
     config["switches"] = {n: CONFIGS[n] for n in config["configs"]}
+    extra["cut"] = [c for p in paths for c in json.loads(Path(p).read_text()).get("cut", [])]
     return write_json(NAME, config, rows, out_dir=out_dir, extra=extra)
 
 

@@ -131,3 +131,7 @@ def test_merge_files_reads_joins_and_keeps(tmp_path):
     assert on["seeds"] == 2 and on["speedup"] == pytest.approx(2.0)
     with pytest.raises(ValueError):  # work_dir differs and is not free
         merge_files(paths, "e2e")
+    # a kept key comes from the first document that holds it (an all-off part has no calibration)
+    _, _, extra = merge_files([write(2, calibration=None), write(3)], "e2e", free=("configs", "seeds", "work_dir"),
+                              keep=("calibration",))
+    assert extra["calibration"] == {"seed": 3}

@@ -215,12 +215,13 @@ def merge_files(paths: Sequence[Path | str], benchmark: str, free: Iterable[str]
     """The JSON results at ``paths`` (complete runs of the comparison benchmark ``benchmark`` with other seeds)
     joined by :func:`merge_results` (``free``: its config keys that may differ): ``(config, rows, extra)``, where
     ``extra`` is the rest of the merged result: the :func:`compare` ``summary``, the ``steps``, the first
-    document's value of each key in ``keep`` (None where it has none), ``complete``, the summed ``seconds`` and
+    value of each key in ``keep`` that a document holds (None where none does), ``complete``, the summed ``seconds`` and
     the ``sources`` (each file's name and git revision). ``ValueError`` from :func:`merge_results`; ``OSError`` and
     ``json.JSONDecodeError`` for a file that cannot be read."""
     docs = [json.loads(Path(p).read_text()) for p in paths]
     config, rows, steps = merge_results(docs, benchmark, free=free)
-    extra = {"summary": compare(rows, steps), "steps": steps, **{k: docs[0].get(k) for k in keep}, "complete": True,
+    extra = {"summary": compare(rows, steps), "steps": steps,
+             **{k: next((d[k] for d in docs if d.get(k) is not None), None) for k in keep}, "complete": True,
              "seconds": round(sum(d.get("seconds") or 0.0 for d in docs), 1),
              "sources": [{"file": Path(p).name, "git_revision": d["environment"].get("git_revision")}
                          for p, d in zip(paths, docs)]}
