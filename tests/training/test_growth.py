@@ -24,7 +24,7 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _model(layers: int = 4, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = tiny_qwen2(vocab_size=48, num_layers=layers, max_seq_len=80)
+    model = tiny_qwen2(vocab_size=64, num_layers=layers, max_seq_len=80)  # 16 ids more than the data holds
     init_weights(model, 0.02)  # random biases too (q / k / v): nothing about the test rests on zeros
     return model
 
@@ -386,16 +386,18 @@ def test_narrow_refuses_a_width_the_model_cannot_start_at_and_changes_nothing(wi
 
 
 def test_a_run_that_starts_narrow_and_shallow_grows_and_resumes_to_the_same_bits(tmp_path):
-    """Width and depth together (the 0.5B config's way): narrow, 2 of 4 layers until step 4, then the whole model;
-    stopped before and after the growth, the resumed runs end with the bits of the run never stopped."""
+    """Width, vocabulary and depth together (the 0.5B config's way): narrow, the data's 48 of 64 ids, 2 of 4 layers
+    until step 4, then the whole model; stopped before and after the growth, the resumed runs end with the bits of
+    the run never stopped."""
     from sparrow.rl import latest_checkpoint, load_checkpoint
 
     growth = GrowthConfig(start_layers=2, start_embed_dim=32, start_num_heads=2, start_intermediate_dim=48,
-                          at_progress=0.5)
+                          start_vocab=48, at_progress=0.5)
     model, trainer = _run(growth)
-    assert model_width(model) == Width(32, 2, 48, model.tok_embeddings.weight.shape[0]) and trainer.active_layers == [0, 2]
+    assert model_width(model) == Width(32, 2, 48, 48) and trainer.active_layers == [0, 2]
     stats, whole = _never_stopped(growth)
     assert stats["grown_at"]["step"] == 4 and whole["layers.0.mlp.w1.weight"].shape == (128, 64)
+    assert whole["tok_embeddings.weight"].shape == (64, 64)
     for stop_at in (3, 6):
         model, trainer = _run(growth)
         train_and_stop(trainer, model, tmp_path / str(stop_at), stop_at)
