@@ -102,6 +102,8 @@ def build_parser():
         *calibration_options(200),
         ("--indexer-refresh-every", int, 0, "RTPurbo indexer refresh every N steps (0: off)"),
         ("--fixed-length", int, 0, "after training, time a rollout of this many tokens per row (no stop token)"),
+        ("--profile-step", int, 0, "run this step of every run under the PyTorch profiler (its op table in the run's "
+         "folder, profile/; the step is left out of the timed ones); 0: none"),
         ("--deadline-minutes", float, None, "skip runs that would end past this many minutes after the start, "
          "and end a run's steps early where the next would"),
         ("--run-reserve-s", float, 60.0, "with --deadline-minutes: seconds kept after a run's last step for its "
@@ -135,6 +137,8 @@ def main(argv=None) -> dict:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if args.warmup_steps >= args.steps:
         raise SystemExit(f"--warmup-steps ({args.warmup_steps}) leaves no timed step of --steps {args.steps}")
+    if not 0 <= args.profile_step <= args.steps:
+        raise SystemExit(f"--profile-step {args.profile_step} is not a step of --steps {args.steps} (0: none)")
     return run(args, names, seeds, device)
 
 
@@ -173,6 +177,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         log(f"RTPurbo calibrated in {calibration['seconds']} s: retrieval kv heads {calibration['retrieval_heads']}, "
             f"indexer recall {calibration['indexer']['recall']:.3f}, density {calibration['indexer']['density']:.3f}")
     base = grpo_base_config(report["model"], checkpoint, str(device), **keyword_args(grpo_base_config, args))
+    if args.profile_step:
+        base["profile_steps"] = [args.profile_step]
     for seed in seeds:  # every run's config is valid before any run starts
         for name in names:
             check_config(OmegaConf.create(run_config(base, name, seed, args, rtpurbo_dir, work)), RECIPE_KEYS)
@@ -184,7 +190,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
         spec_toggle=args.spec_toggle, draft_lengths=args.draft_lengths, draft_weight=args.draft_weight,
         draft_window=args.draft_window, indexer_refresh_every=args.indexer_refresh_every, reward=args.reward,
         recipe_base=base, work_dir=str(work), partial=args.partial, overprovision=args.overprovision,
-        max_staleness=args.max_staleness,
+        max_staleness=args.max_staleness, profile_step=args.profile_step,
         note="times in seconds: medians over the timed steps (after the warm-up steps, which compile); wall_s sums "
              "the timed steps, wall_s_all every step; evaluation (start and end) is outside the step times; "
              "attention density is recorded only with compile off; single process: sync goes "
@@ -235,6 +241,9 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                                     partial=bool(on.get("partial")), **partial_costs(st),
                                     **{k: v for k, v in out.items() if k.startswith("fixed_")}))
             r = rows[-1]
+            table = work / f"{name}_seed{seed}" / "profile" / f"step{args.profile_step}_rank0.txt"
+            if args.profile_step and table.is_file():  # the op table travels with the results
+                r["profile"] = table.read_text()
             log(f"{tag}: {run_line(r)}")
             if r["compiled_timed_steps"]:
                 log(f"{tag}: WARNING {r['compiled_timed_steps']} timed step(s) compiled or captured graphs "

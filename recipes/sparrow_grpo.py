@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 import sparrow.sync as ssync
 from sparrow.models import load_model_state, policy_parameters, use_attention
+from sparrow.profiling import start_step_profile, write_step_profile
 from sparrow.rl import (
     GRPOConfig,
     ListSource,
@@ -141,6 +142,7 @@ class GRPORecipe:
                              f"divide evenly over the {self.trainers} trainer ranks")
         self.shared_prefix = bool(cfg.get("shared_prefix", False))
         self.checkpoint_layers = bool(cfg.get("enable_activation_checkpointing", False))
+        self.profile_steps = set(cfg.get("profile_steps") or ())  # steps run under the profiler (1-based)
         share = self.prompts_per_step * self.group // cfg.minibatches // self.trainers
         if self.shared_prefix and (share % self.group or cfg.micro_batch_size % self.group):
             raise ValueError(f"shared_prefix packs whole groups: a trainer's share of a minibatch ({share} samples) "
@@ -689,6 +691,7 @@ class GRPORecipe:
                 tqdm.write(f"stopping before step {self.step + 1}: the last one took {last_s:.1f} s and the run "
                            f"must end within {max(0.0, stop_at - t_step):.1f} s")
                 break
+            prof = start_step_profile(self.device) if self.step + 1 in self.profile_steps else None
             partial = self.partial_cfg.enabled  # the rollout ranks draw their prompts themselves
             batch = None if partial else next(self.data_iter)
             metrics: dict[str, float] = {}
@@ -718,6 +721,9 @@ class GRPORecipe:
             metrics.update(self._follow_sync(metrics, local))
             self._wait_device()
             metrics["time/step_s"] = time.perf_counter() - t_step
+            if prof is not None:  # the profiler's overhead is in this step's times: marked, left out of timings
+                write_step_profile(prof, Path(cfg.output_dir) / "profile" / f"step{self.step}_rank{self.rank}.txt")
+                metrics["profiled"] = 1.0
             # compilation inside the step shows as growth of these counts (the recipe prepares the engine)
             metrics["compile/graphs"] = float(dynamo_counters["stats"]["unique_graphs"])
             if self.is_rollout:

@@ -80,6 +80,7 @@ BAD_INPUT = [
     (["total_steps=1", "resume_from_checkpoint=true"], "no checkpoint to resume from"),
     (["total_steps=1", "trainer_ranks=2"], "trainer_ranks=2 with 1 ranks"),
     (["total_steps=1", "shared_prefix=true", "micro_batch_size=6"], "multiples of group_size"),
+    (["total_steps=1", "profile_steps=[0]"], "profile_steps must be a list of step numbers >= 1"),
 ]
 
 
@@ -363,3 +364,20 @@ def test_stop_at_ends_on_a_whole_step(tmp_path, monkeypatch):
         recipe.train(stop_at=time.perf_counter() + 3600)
     assert recipe.step == 3
     recipe.cleanup()
+
+
+def test_profile_steps_write_the_op_table_and_mark_the_step(tmp_path, monkeypatch):
+    """``profile_steps``: the listed step runs under the profiler, its op table lands in ``output_dir/profile`` and
+    its metrics say ``profiled`` (benchmarks leave it out of the timed steps); the other steps are untouched."""
+    from sparrow.rl.runs import step_rows
+
+    _, recipe = in_process(tmp_path, monkeypatch, "total_steps=3", "profile_steps=[2]")
+    seen = []
+    recipe._log_step = lambda metrics, bar: seen.append(dict(metrics, step=recipe.step))
+    recipe.train()
+    recipe.cleanup()
+    assert [m.get("profiled") for m in seen] == [None, 1.0, None]
+    assert [p.name for p in (tmp_path / "profile").iterdir()] == ["step2_rank0.txt"]
+    table = (tmp_path / "profile" / "step2_rank0.txt").read_text()
+    assert "aten::" in table and "Self CPU" in table
+    assert [r["timed"] for r in step_rows("c", 0, seen, warmup=0)] == [True, False, True]

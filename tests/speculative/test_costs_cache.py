@@ -71,3 +71,28 @@ def test_cost_key_follows_the_engine_drafter_and_processing(model):
                                     drafter=QuantizedSelfDrafter(model, DrafterConfig(weight="int8", window=4))),
                       PARAMS)]
     assert len({base, *other}) == len(other) + 1
+
+
+@pytest.mark.parametrize("lengths, timed", [
+    pytest.param([3], {3}, id="one-length"),
+    pytest.param([3, 1, 3], {1, 3}, id="shortest-and-longest"),
+    pytest.param([], {2, 3}, id="default-ladder"),
+])
+def test_the_cost_model_toggle_times_only_the_draft_lengths_it_was_given(model, tmp_path, monkeypatch, lengths, timed):
+    """A recipe's ``draft_lengths: [4]`` made the engine compile cycles of 4 drafts ahead, and the calibration then
+    timed cycles of 2 as well: a fresh verify-step compile (~70 s on an H100) per batch specialisation."""
+    from sparrow.speculative.toggle import cost_model
+
+    cycles = set()
+    real = RolloutEngine.time_step
+
+    def recording(self, kind, *a, **kw):
+        if kind == "cycle":
+            cycles.add(kw["k"])
+        return real(self, kind, *a, **kw)
+
+    monkeypatch.setattr(RolloutEngine, "time_step", recording)
+    toggle = cost_model(_engine(model, compile_cache=str(tmp_path), max_draft=3), PARAMS, draft_lengths=lengths)
+    assert cycles == timed
+    if lengths:  # and the toggle asks only for those lengths (what the engine compiled ahead)
+        assert toggle.draft_lengths() == tuple(sorted(set(lengths)))

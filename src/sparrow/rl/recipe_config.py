@@ -56,7 +56,7 @@ def _recipe_keys() -> dict[str, Any]:
         "group_size": None, "prompts_per_step": None, "ppo_epochs": None, "minibatches": None,
         "micro_batch_size": None, "max_grad_norm": None, "logprob_chunk": None, "shared_prefix": None,
         "enable_activation_checkpointing": None, "total_steps": None, "checkpoint_every": None,
-        "resume_from_checkpoint": None, "plot": None,
+        "resume_from_checkpoint": None, "plot": None, "profile_steps": None,
         "init_std": None, "trainer_ranks": None, "speculative": SPECULATIVE_KEYS,
         "indexer_refresh": INDEXER_REFRESH_KEYS, "rtpurbo_schedule": COMPONENT,
         "partial_rollout": {f.name for f in dataclasses.fields(PartialRolloutConfig)},
@@ -66,7 +66,7 @@ def _recipe_keys() -> dict[str, Any]:
 RECIPE_KEYS: dict[str, Any] = _recipe_keys()
 OPTIONAL = {"name", "model_dir", "task", "dataset", "prompt", "checkpoint", "init_std", "speculative",
             "indexer_refresh", "trainer_ranks", "shared_prefix", "enable_activation_checkpointing", "rtpurbo_schedule",
-            "partial_rollout"}
+            "partial_rollout", "profile_steps"}
 
 
 def check_config(cfg: DictConfig, spec: Mapping[str, Any] = RECIPE_KEYS,
@@ -112,6 +112,10 @@ def check_values(cfg: DictConfig) -> None:
                      ("micro_batch_size", 1), ("logprob_chunk", 1), ("total_steps", 0), ("checkpoint_every", 0),
                      ("dist_timeout_s", 1)):
         _int_at_least(cfg[key], low, key)
+    steps = cfg.get("profile_steps")
+    if steps is not None and (isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__")
+                              or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps)):
+        raise ValueError(f"profile_steps must be a list of step numbers >= 1, got {steps!r}")
     for key in ("shared_prefix", "enable_activation_checkpointing"):
         if cfg.get(key) is not None and not isinstance(cfg[key], bool):
             raise ValueError(f"{key} must be true or false, got {cfg[key]!r}")

@@ -55,7 +55,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def step_rows(name: str, seed: int, records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
     """One row per training step of a run: its record plus ``config``, ``seed``, ``timed`` (after the first
-    ``warmup`` steps), cumulative ``wall_s`` over every step and ``timed_wall_s`` over the timed ones, and
+    ``warmup`` steps and not ``profiled``: a step run under the profiler carries its overhead), cumulative
+    ``wall_s`` over every step and ``timed_wall_s`` over the timed ones, and
     ``compiled``: whether a count of :data:`COMPILE_COUNTS` grew over the step (None for the first step, or when
     the recipe logged no counts). Records without ``time/step_s`` (evaluations before the first step) are
     skipped."""
@@ -63,7 +64,7 @@ def step_rows(name: str, seed: int, records: list[dict[str, Any]], warmup: int) 
     for r in records:
         if "time/step_s" not in r:
             continue
-        timed = r["step"] > warmup
+        timed = r["step"] > warmup and not r.get("profiled")
         wall += r["time/step_s"]
         timed_wall += r["time/step_s"] if timed else 0.0
         counts = tuple(r.get(k) for k in COMPILE_COUNTS)

@@ -317,8 +317,12 @@ def cost_model(engine: StepTimer, params: SamplingParams, *, draft_lengths: Sequ
                correct_costs: bool = True) -> CostModelToggle:
     """Speculate where the cost model, measured now on ``engine`` (or loaded from its cache), predicts a speedup
     (:class:`CostModelToggle`), at the draft length of :class:`AdaptiveDraft` over ``draft_lengths`` (default:
-    its own ladder, clamped to the engine's ``max_draft``)."""
+    its own ladder, clamped to the engine's ``max_draft``). Given ``draft_lengths``, the calibration times cycles
+    of the shortest and longest of them only: the engine compiled those lengths ahead, and a cycle of any other
+    length would compile a verify step of its own in the middle of the measurement."""
     lengths = tuple(draft_lengths)
     adaptive = AdaptiveDraft(lengths=lengths) if lengths else AdaptiveDraft()
-    return CostModelToggle(CostModel.calibrate(engine, params), margin=margin, hysteresis=hysteresis,
-                           adaptive=adaptive, probe_every=probe_every, correct_costs=correct_costs)
+    measured = (min(lengths), max(lengths)) if lengths else None
+    return CostModelToggle(CostModel.calibrate(engine, params, draft_lengths=measured), margin=margin,
+                           hysteresis=hysteresis, adaptive=adaptive, probe_every=probe_every,
+                           correct_costs=correct_costs)
