@@ -39,6 +39,7 @@ triton_interpreter_without_cuda()  # the CPU smoke runs: Triton through its inte
 
 from sparrow.attention.rtpurbo import RTPurboConfig
 from sparrow.calibrate.variants import CALIBRATION_DEFAULTS, calibrate_and_save, calibration_options
+from sparrow.profiling import profile_path
 from sparrow.rl import KVListRetrieval
 from sparrow.rl.recipe_config import RECIPE_KEYS, check_config
 from sparrow.rl.launch import (CONFIGS, GRPO_DEFAULTS, configuration, configuration_names, fixed_rollout,
@@ -63,10 +64,15 @@ def calibrate_rtpurbo(model_dir: str, args, device: torch.device, out: Path) -> 
                               fit_steps=args.fit_steps, queries_per_seq=args.queries_per_seq, lr=args.fit_lr)
 
 
+def run_dir(work: Path, name: str, seed: int) -> Path:
+    """The recipe output folder of configuration ``name``'s run for ``seed``."""
+    return work / f"{name}_seed{seed}"
+
+
 def run_config(base: dict, name: str, seed: int, args, rtpurbo_dir: Path, work: Path) -> dict:
     """``base`` with configuration ``name``'s techniques switched on, for ``seed`` (``sparrow.rl.launch``)."""
     lengths = [int(x) for x in args.draft_lengths.split(",") if x]
-    return configuration(base, name, work / f"{name}_seed{seed}", seed=seed, rtpurbo=rtpurbo_dir,
+    return configuration(base, name, run_dir(work, name, seed), seed=seed, rtpurbo=rtpurbo_dir,
                          **keyword_args(configuration, args, draft_lengths=lengths))
 
 
@@ -241,7 +247,7 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                                     partial=bool(on.get("partial")), **partial_costs(st),
                                     **{k: v for k, v in out.items() if k.startswith("fixed_")}))
             r = rows[-1]
-            table = work / f"{name}_seed{seed}" / "profile" / f"step{args.profile_step}_rank0.txt"
+            table = profile_path(run_dir(work, name, seed), args.profile_step)
             if args.profile_step and table.is_file():  # the op table travels with the results
                 r["profile"] = table.read_text()
             log(f"{tag}: {run_line(r)}")

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 import sparrow.sync as ssync
 from sparrow.models import load_model_state, policy_parameters, use_attention
-from sparrow.profiling import start_step_profile, write_step_profile
+from sparrow.profiling import profile_path, start_step_profile, write_step_profile
 from sparrow.rl import (
     GRPOConfig,
     ListSource,
@@ -722,7 +722,7 @@ class GRPORecipe:
             self._wait_device()
             metrics["time/step_s"] = time.perf_counter() - t_step
             if prof is not None:  # the profiler's overhead is in this step's times: marked, left out of timings
-                write_step_profile(prof, Path(cfg.output_dir) / "profile" / f"step{self.step}_rank{self.rank}.txt")
+                write_step_profile(prof, profile_path(self.output_dir, self.step, self.rank))
                 metrics["profiled"] = 1.0
             # compilation inside the step shows as growth of these counts (the recipe prepares the engine)
             metrics["compile/graphs"] = float(dynamo_counters["stats"]["unique_graphs"])

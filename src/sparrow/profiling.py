@@ -7,7 +7,7 @@ otherwise) as text. The profiler's own overhead inflates the profiled step: reci
 
     prof = start_step_profile(torch.device("cuda"))
     ...                                             # one step
-    write_step_profile(prof, Path("out/profile/step3.txt"))
+    write_step_profile(prof, profile_path("out", step=3))
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+def profile_path(output_dir: Path | str, step: int, rank: int = 0) -> Path:
+    """Where a recipe run writing into ``output_dir`` puts the op table of ``step`` on ``rank``."""
+    return Path(output_dir) / "profile" / f"step{step}_rank{rank}.txt"
 
 
 def start_step_profile(device: torch.device) -> profile:

@@ -19,7 +19,7 @@ import functools
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -113,7 +113,7 @@ def check_values(cfg: DictConfig) -> None:
                      ("dist_timeout_s", 1)):
         _int_at_least(cfg[key], low, key)
     steps = cfg.get("profile_steps")
-    if steps is not None and (isinstance(steps, (str, bytes)) or not hasattr(steps, "__iter__")
+    if steps is not None and (not isinstance(steps, Sequence) or isinstance(steps, str)
                               or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in steps)):
         raise ValueError(f"profile_steps must be a list of step numbers >= 1, got {steps!r}")
     for key in ("shared_prefix", "enable_activation_checkpointing"):
