@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 from sparrow._checkout import REPO
 from sparrow._device import free_memory
+from sparrow.rollout.compiler import smallest_bucket
 from sparrow.rollout.config import batch_buckets
 
 
@@ -273,7 +274,8 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
     ``task`` / ``reward`` are keys of :data:`TASKS` / :data:`REWARDS` (``max_asked`` goes to the task); prompts of
     ``context`` tokens, ``prompts_per_step`` x ``group`` rows a step, ``max_new`` new tokens, ``steps`` steps, held-out
     accuracy on ``eval_prompts`` prompts at the start and end (0: none); AdamW at ``lr`` (fused on CUDA), bf16 mixed
-    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``;
+    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``
+    (from :func:`~sparrow.rollout.compiler.smallest_bucket`);
     ``shared_prefix`` / ``activation_checkpointing``: the trainer's packed groups and per-layer recomputation.
     ``output_dir`` and the metric logger's ``log_dir`` are left ``None``. ``ValueError`` for an unknown task or
     reward."""
@@ -294,7 +296,7 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
                    "max_prompt_len": context + 1, "max_new_tokens": max_new, "block_steps": block_steps,
                    "compile": compile, "cuda_graphs": compile and cuda,
                    # speculation captures a draft and a verify graph per bucket and draft length
-                   "batch_buckets": batch_buckets(rows, bucket_growth)},
+                   "batch_buckets": batch_buckets(rows, bucket_growth, smallest=smallest_bucket(compile))},
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": max_new},
         "group_size": group, "prompts_per_step": prompts_per_step, "ppo_epochs": 1,
         "minibatches": minibatches, "micro_batch_size": micro_batch, "logprob_chunk": 4096,
@@ -372,7 +374,8 @@ def technique_config(base: dict[str, Any], output_dir: Path | str, *, seed: int 
         per_step = cfg["prompts_per_step"] + overprovision
         rows = cfg["group_size"] * per_step
         cfg["engine"].update(max_rows=rows, max_prompts=max(cfg["engine"]["max_prompts"], per_step),
-                             batch_buckets=batch_buckets(rows, bucket_growth))
+                             batch_buckets=batch_buckets(rows, bucket_growth,
+                                                         smallest=smallest_bucket(cfg["engine"]["compile"])))
     return cfg
 
 
