@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch._dynamo.utils import counters
 
-from sparrow.rollout.compiler import _bounded_unbacked
+from sparrow.rollout.config import bounded_unbacked_sizes
 from tests.recipes.test_grpo_recipe import in_process
 
 STARTUP = ["engine.compile=true", "engine.compile_backend=eager", "engine.max_rows=4", "total_steps=2",
@@ -35,7 +35,7 @@ def test_setup_phases_are_logged_once_and_steps_compile_nothing(tmp_path, monkey
     for key in ("setup/compile_decode_s", "setup/compile_draft_s", "setup/compile_verify_s", "setup/calibrate_s",
                 "setup/rollout_s"):
         assert first[key] > 0, key
-    one = 1 if _bounded_unbacked() else 2  # backed sizes (torch without bounded unbacked ones): bucket 1 apart
+    one = 1 if bounded_unbacked_sizes() else 2  # backed sizes (torch without bounded unbacked ones): bucket 1 apart
     assert (first["setup/graphs_decode"], first["setup/graphs_draft"], first["setup/graphs_verify"]) == (one,) * 3
     assert not any(k.startswith("setup/") for k in second)  # logged once
     assert first["compile/graphs"] == second["compile/graphs"] == after_setup  # the steps compiled nothing

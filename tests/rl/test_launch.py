@@ -183,10 +183,10 @@ def test_grpo_base_config_and_technique_config_are_valid_recipe_configs(tmp_path
 def test_compiled_engines_skip_bucket_1_only_where_it_would_compile_graphs_of_its_own(tmp_path, monkeypatch, bounded):
     """Where this torch specialises size 1 (backed dynamic sizes), the benchmark's compiled engines start their
     buckets above 1 (one compile of every step kind less); with unbacked sizes, or uncompiled, bucket 1 stays."""
-    import sparrow.rollout.compiler as compiler
+    import sparrow.rollout.config as engine_config
     from sparrow.rl.launch import grpo_base_config, technique_config
 
-    monkeypatch.setattr(compiler, "_bounded_unbacked", lambda: bounded)
+    monkeypatch.setattr(engine_config, "bounded_unbacked_sizes", lambda: bounded)
     model = {"_component_": "sparrow.models.tiny_qwen2", "vocab_size": 64}
     kw = dict(context=64, group=8, prompts_per_step=8, eval_prompts=0)
     compiled = grpo_base_config(model, tmp_path / "m", "cuda", **kw)
@@ -195,7 +195,7 @@ def test_compiled_engines_skip_bucket_1_only_where_it_would_compile_graphs_of_it
     assert partial["engine"]["batch_buckets"] == ([1, 4, 16, 64, 80] if bounded else [4, 16, 64, 80])
     eager = grpo_base_config(model, tmp_path / "m", "cuda", compile=False, **kw)
     assert eager["engine"]["batch_buckets"] == [1, 4, 16, 64]
-    assert compiler.smallest_bucket(True, dynamic_batch=False) == 1  # static steps: one per bucket in any case
+    assert engine_config.smallest_bucket(True, dynamic_batch=False) == 1  # static steps: one per bucket in any case
 
 
 def test_configuration_names():

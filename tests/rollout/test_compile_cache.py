@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import sparrow
 import sparrow.rollout.compiler as compiler_module
+import sparrow.rollout.config as config_module
 import sparrow.rollout.steps as steps_module
 from sparrow.compile_cache import CompileCache, digest, module_signature
 from sparrow.rollout import EngineConfig, RolloutEngine, SamplingParams
@@ -66,7 +67,7 @@ def _spec_engine(model, **kw) -> RolloutEngine:
 
 
 # ------------------------------------------------------------------------------------------ compile counts
-UNBACKED = pytest.mark.skipif(not compiler_module._bounded_unbacked(),
+UNBACKED = pytest.mark.skipif(not compiler_module.bounded_unbacked_sizes(),
                               reason="this torch's mark_unbacked takes no bounds (min/max/shape_id, torch >= 2.13): "
                                      "the steps compile with backed dynamic sizes")
 
@@ -89,15 +90,44 @@ def test_backed_sizes_specialise_bucket_one_and_generate_what_the_eager_engine_d
     """Negative control of the test above, and what a torch without bounded unbacked sizes gets: backed dynamic
     sizes specialise bucket 1 (0/1) and compile a graph of its own."""
     model = random_tiny("qwen2", num_layers=1, std=0.1)
-    monkeypatch.setattr(compiler_module, "_bounded_unbacked", lambda: False)
+    monkeypatch.setattr(compiler_module, "bounded_unbacked_sizes", lambda: False)
     backed = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=16, max_new_tokens=8, compile=True,
-                                               compile_backend="eager"))
+                                               compile_backend="eager", batch_buckets=(1, 2, 4)))
     backed.prepare(PARAMS)
     assert backed.compiled_graphs == {"decode": 2}  # bucket 1, then one graph for 2 and 4
     got = backed.generate(PROMPTS, 2, PARAMS).samples
     ref = RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=16, max_new_tokens=8, compile=False)).generate(
         PROMPTS, 2, PARAMS).samples
     assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in ref]
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["unbacked-sizes", "backed-sizes"])
+def test_default_buckets_leave_out_1_only_where_it_would_compile_a_graph_of_its_own(monkeypatch, bounded):
+    """With backed dynamic sizes (a torch without bounded unbacked ones) a compiled engine's default buckets start at
+    2: one decode graph instead of two, a lone row padded with the scratch row, sampling what an eager engine with
+    the same buckets does. Uncompiled, static or explicit buckets keep 1. Negative control: the bucket-1 engine of
+    the backed case compiles 2 graphs."""
+    monkeypatch.setattr(config_module, "bounded_unbacked_sizes", lambda: bounded)
+    monkeypatch.setattr(compiler_module, "bounded_unbacked_sizes", lambda: bounded)
+    assert EngineConfig(max_rows=8).buckets == ((1, 2, 4, 8) if bounded else (2, 4, 8))
+    for kw in ({"compile": False}, {"dynamic_batch": False}, {"batch_buckets": (1, 8)}):
+        assert EngineConfig(max_rows=8, **kw).buckets[0] == 1, kw
+    assert EngineConfig(max_rows=1).buckets == (1,)
+    model = random_tiny("qwen2", num_layers=1, std=0.1)  # flat distributions: rows stop at different steps
+    kw = dict(max_rows=4, max_prompt_len=16, max_new_tokens=8, compile_backend="eager")
+    eng = RolloutEngine(model, EngineConfig(compile=True, **kw))
+    eng.prepare(PARAMS)
+    assert eng.compiled_graphs == {"decode": 1}
+    ref = RolloutEngine(model, EngineConfig(compile=False, batch_buckets=eng.config.buckets, **kw))
+    for prompts, n in ((PROMPTS, 1), (PROMPTS[:1], 1)):  # a full batch, and a lone row (padded up to bucket 2)
+        got = eng.generate(prompts, n, PARAMS)
+        assert [s.tokens.tolist() for s in got] == [s.tokens.tolist() for s in ref.generate(prompts, n, PARAMS)]
+    assert eng.compiled_graphs == {"decode": 1}
+    if not bounded:
+        torch._dynamo.reset()  # engines of one shape share compiled graphs: count this one's from nothing
+        with_one = RolloutEngine(model, EngineConfig(compile=True, batch_buckets=(1, 2, 4), **kw))
+        with_one.prepare(PARAMS)
+        assert with_one.compiled_graphs == {"decode": 2}
 
 
 @UNBACKED
@@ -147,7 +177,7 @@ def test_a_second_process_loads_compiled_code_and_static_compiles_give_the_same_
     cold = _worker(cache, "dynamic,static", tmp_path / "cold.json")
     dyn, static = cold["dynamic"], cold["static"]
     assert dyn["buckets"] == [1, 2] and static["buckets"] == [1, 2]  # both buckets ran
-    one = 1 if compiler_module._bounded_unbacked() else 2  # backed sizes: bucket 1 specialises
+    one = 1 if compiler_module.bounded_unbacked_sizes() else 2  # backed sizes: bucket 1 specialises
     assert dyn["compiled_graphs"] == {"decode": one} and static["compiled_graphs"] == {"decode": 2}
     for r in (dyn, static):
         assert r["lookups"]["fxgraph_cache_miss"] >= 1 and r["lookups"]["fxgraph_cache_hit"] == 0
@@ -297,12 +327,12 @@ def test_engines_of_other_shapes_in_one_process_compile_past_dynamos_default_lim
     engine's limit covers them: here two engines of 2 decode graphs each (backed sizes) under a default of 2, each
     sampling what its eager twin does. Negative control: with the engine's limit at 2 the second engine fails."""
     model = random_tiny("qwen2", num_layers=1)
-    monkeypatch.setattr(compiler_module, "_bounded_unbacked", lambda: False)  # 2 graphs: bucket 1, buckets 2 and 4
+    monkeypatch.setattr(compiler_module, "bounded_unbacked_sizes", lambda: False)  # 2 graphs: bucket 1, buckets 2 and 4
     monkeypatch.setattr(compiler_module, "RECOMPILE_LIMIT", compiler_module.RECOMPILE_LIMIT)  # restored after
 
     def engine(prompt_len: int, compile: bool = True) -> RolloutEngine:
         return RolloutEngine(model, EngineConfig(max_rows=4, max_prompt_len=prompt_len, max_new_tokens=8,
-                                                 compile=compile, compile_backend="eager"))
+                                                 compile=compile, compile_backend="eager", batch_buckets=(1, 2, 4)))
 
     with torch._dynamo.config.patch(recompile_limit=2):  # (a monkeypatch's undo deletes a config entry)
         for prompt_len in (16, 24):  # other cache shapes: graphs of their own

@@ -40,8 +40,7 @@ from typing import Any, Callable, Sequence
 
 from sparrow._checkout import REPO
 from sparrow._device import free_memory
-from sparrow.rollout.compiler import smallest_bucket
-from sparrow.rollout.config import batch_buckets
+from sparrow.rollout.config import batch_buckets, smallest_bucket
 
 
 TOGGLES = ("always_on", "threshold", "cost_model")
@@ -275,7 +274,7 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
     ``context`` tokens, ``prompts_per_step`` x ``group`` rows a step, ``max_new`` new tokens, ``steps`` steps, held-out
     accuracy on ``eval_prompts`` prompts at the start and end (0: none); AdamW at ``lr`` (fused on CUDA), bf16 mixed
     precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``
-    (from :func:`~sparrow.rollout.compiler.smallest_bucket`);
+    (from :func:`~sparrow.rollout.config.smallest_bucket`);
     ``shared_prefix`` / ``activation_checkpointing``: the trainer's packed groups and per-layer recomputation.
     ``output_dir`` and the metric logger's ``log_dir`` are left ``None``. ``ValueError`` for an unknown task or
     reward."""

@@ -35,7 +35,7 @@ from sparrow.attention.common import decode_impl
 from sparrow.compile_cache import CompileCache, cache_counters, module_signature
 from sparrow.kernels.decode_attention import CASCADE_MIN_ROWS, per_row_decode, shares_enough
 from sparrow.models.attention import attention_modules
-from sparrow.rollout.config import EngineConfig
+from sparrow.rollout.config import EngineConfig, bounded_unbacked_sizes
 from sparrow.rollout.steps import STEPS, ProgramKind, StepName, StepState, program
 from sparrow.speculative.base import Drafter
 
@@ -215,7 +215,7 @@ class StepCompiler:
         if not (self.config.compile and self.config.dynamic_batch):
             return args
         slots, *drafts = (t.view(t.shape) for t in args)
-        if _bounded_unbacked() and name not in self._backed:
+        if bounded_unbacked_sizes() and name not in self._backed:
             torch._dynamo.decorators.mark_unbacked(slots, 0, min=1, max=self.config.max_rows, shape_id="rows")
             for t in drafts:
                 torch._dynamo.decorators.mark_unbacked(t, 1, min=1, max=self.config.max_draft, shape_id="drafts")
@@ -379,19 +379,3 @@ def _trace_errors() -> tuple[type[BaseException], ...]:
 
 
 _TRACE_ERRORS = _trace_errors()
-
-
-def smallest_bucket(compile: bool, dynamic_batch: bool = True) -> int:
-    """The smallest batch bucket worth giving an engine built with ``compile`` / ``dynamic_batch``: 1 where one
-    compiled step serves it (no compilation, or unbacked sizes: this torch bounds them), else 2. With backed
-    dynamic sizes (torch < 2.13) size 1 is specialised, so bucket 1 compiles every step kind a second time (about a
-    minute each for the 0.5B shape on an H100) for rows that the next bucket holds: decode is memory-bound, its
-    weights read once a step whatever the rows, so a lone row padded with scratch rows costs little more."""
-    return 2 if compile and dynamic_batch and not _bounded_unbacked() else 1
-
-
-@functools.cache
-def _bounded_unbacked() -> bool:
-    """Whether this torch bounds unbacked sizes (``mark_unbacked`` takes ``min``, ``max`` and ``shape_id``)."""
-    params = inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
-    return {"min", "max", "shape_id"} <= set(params)

@@ -4,6 +4,8 @@ ladder of its batch buckets) and what a request to it must satisfy (:func:`valid
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -34,6 +36,23 @@ def batch_buckets(rows: int, growth: int, smallest: int = 1) -> list[int]:
     return out + [rows]
 
 
+@functools.cache
+def bounded_unbacked_sizes() -> bool:
+    """Whether this torch bounds unbacked sizes (``mark_unbacked`` takes ``min``, ``max`` and ``shape_id``, torch
+    >= 2.13): then one compiled step serves every batch bucket, 1 included (``docs/rollout.md``)."""
+    params = inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
+    return {"min", "max", "shape_id"} <= set(params)
+
+
+def smallest_bucket(compile: bool, dynamic_batch: bool = True) -> int:
+    """The smallest batch bucket worth giving an engine built with ``compile`` / ``dynamic_batch``: 1 where one
+    compiled step serves it (no compilation, or :func:`bounded_unbacked_sizes`), else 2. With backed dynamic sizes
+    (torch < 2.13) size 1 is specialised, so bucket 1 compiles every kind of step a second time (about a minute each
+    for the 0.5B shape on an H100) for rows the next bucket holds: decode is memory-bound, its weights read once a
+    step whatever the rows, so a lone row padded with the scratch row costs little more."""
+    return 2 if compile and dynamic_batch and not bounded_unbacked_sizes() else 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity and execution options of a :class:`RolloutEngine`.
@@ -46,7 +65,8 @@ class EngineConfig:
         compile: compile the decode step with ``torch.compile(fullgraph=True)``.
         cuda_graphs: replay the compiled decode step as CUDA graphs, one per batch bucket (CUDA only).
         batch_buckets: active-row counts the decode step is specialised for (default: powers of two up to
-            ``max_rows``, plus ``max_rows``). The active set is padded up to the next bucket.
+            ``max_rows``, plus ``max_rows``, from :func:`smallest_bucket`). The active set is padded up to the next
+            bucket.
         block_steps: decode steps per block: the host checks for finished rows (and the toggle decides) once
             per block.
         prefill_tokens: token budget of one prefill micro-batch (prompts padded to the longest in it).
@@ -130,11 +150,11 @@ class EngineConfig:
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        """The batch buckets, ascending: ``batch_buckets`` (with ``max_rows``), or the powers of two below
-        ``max_rows`` and ``max_rows``."""
+        """The batch buckets, ascending: ``batch_buckets`` (with ``max_rows``), or the powers of two from
+        :func:`smallest_bucket` below ``max_rows`` and ``max_rows``."""
         if self.batch_buckets is not None:
             return self.batch_buckets
-        return tuple(batch_buckets(self.max_rows, 2))
+        return tuple(batch_buckets(self.max_rows, 2, smallest=smallest_bucket(self.compile, self.dynamic_batch)))
 
     @property
     def num_prefixes(self) -> int:
