@@ -35,6 +35,28 @@ def check_minimal_topp(scores: torch.Tensor, valid: torch.Tensor, keep: torch.Te
         assert kept_mass - smallest < p + tol, f"row {n}: removing the smallest kept entry still reaches {p}"
 
 
+def check_same_selection(scores: torch.Tensor, valid: torch.Tensor, a: torch.Tensor, b: torch.Tensor, p: float,
+                         margin: float = 1e-6):
+    """Assert two top-p selections are equal, except in a row where they differ only in where the boundary falls
+    and that boundary lies within float32 rounding of ``p``: one set is the other plus its highest-scoring
+    dropped entries, and the smaller one's exact (float64) mass is within ``margin`` of ``p`` (two float32 sums in
+    other orders may put that set on either side of ``p``)."""
+    x = torch.where(valid, scores.double(), float("-inf"))
+    mass = torch.softmax(x, -1).nan_to_num(0.0)
+    for n in range(scores.shape[0]):
+        if torch.equal(a[n], b[n]):
+            continue
+        small, big = (a[n], b[n]) if a[n].sum() < b[n].sum() else (b[n], a[n])
+        assert not (small & ~big).any(), f"row {n}: the selections are not nested"
+        extra = big & ~small
+        rest = x[n][valid[n] & ~big]
+        assert not rest.numel() or float(x[n][extra].min()) >= float(rest.max()), \
+            f"row {n}: the larger selection adds entries that are not the next by score"
+        small_mass = float(mass[n][small].sum())
+        assert abs(small_mass - p) < margin, f"row {n}: selections differ away from the boundary " \
+                                             f"(smaller set's mass {small_mass}, p {p})"
+
+
 rows = st.integers(1, 5)
 cols = st.integers(1, 40)
 
@@ -51,6 +73,7 @@ def test_reference_selection_is_minimal(n, nb, p, scale, seed):
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=rows, nb=st.integers(1, 130), p=st.floats(0.05, 1.0), scale=st.floats(0.1, 8.0), seed=st.integers(0, 10_000))
 @example(n=3, nb=15, p=0.9999999999999999, scale=4.0, seed=0)  # float32 stores p as 1: both keep every block
+@example(n=2, nb=116, p=0.99999, scale=7.69140625, seed=355)  # a row's top 8 hold p + 2e-8: float32 sums disagree
 def test_triton_selection_is_minimal_and_matches_reference(n, nb, p, scale, seed):
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(n, nb, generator=g) * scale
@@ -61,7 +84,7 @@ def test_triton_selection_is_minimal_and_matches_reference(n, nb, p, scale, seed
     tri = topp_select_dense(*to_device((s, q_hi, q_hi)), p, impl="triton", **kw).cpu()
     check_minimal_topp(s, valid, tri, p)
     ref = topp_select_dense(s, q_hi, q_hi, p, impl="reference", **kw)
-    assert torch.equal(tri, ref)  # continuous random scores: no ties
+    check_same_selection(s, valid, tri, ref, p)  # continuous random scores: no ties, only boundaries at rounding
 
 
 @pytest.mark.parametrize("nb", [20, 70, 200])
@@ -111,6 +134,34 @@ def test_minimality_check_rejects_broken_selections(broken):
         bad = topp_mask_reference(-s, valid, p)
     with pytest.raises(AssertionError):
         check_minimal_topp(s, valid, bad, p)
+
+
+@pytest.mark.parametrize("broken", ["boundary-far-from-p", "not-nested", "skips-the-next"])
+def test_same_selection_check_rejects_real_differences(broken):
+    """Negative control of ``check_same_selection``: selections that differ anywhere but at a boundary within
+    rounding of ``p`` fail it, and the rounding case of the Triton test passes it."""
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(1, 30, generator=g) * 3
+    valid = torch.ones(1, 30, dtype=torch.bool)
+    order = s[0].argsort(descending=True)
+    mass = torch.softmax(s[0].double(), -1)[order].cumsum(0)
+    k = int((mass < 0.9).sum()) + 1  # the top k hold >= 0.9
+    top = torch.zeros(1, 30, dtype=torch.bool)
+    top[0, order[:k]] = True
+    check_same_selection(s, valid, top, top.clone(), 0.9)
+    bad = top.clone()
+    if broken == "boundary-far-from-p":  # one more entry where the top k are well above p
+        bad[0, order[k]] = True
+    elif broken == "not-nested":  # the k-th swapped for the (k+1)-th
+        bad[0, order[k - 1]], bad[0, order[k]] = False, True
+    else:  # the (k+2)-th added instead of the (k+1)-th
+        bad[0, order[k + 1]] = True
+    p = float(mass[k - 1]) if broken == "skips-the-next" else 0.9  # a boundary exactly at p: only the order is wrong
+    with pytest.raises(AssertionError):
+        check_same_selection(s, valid, top, bad, p)
+    near = top.clone()
+    near[0, order[k]] = True
+    check_same_selection(s, valid, top, near, float(mass[k - 1]) - 1e-8)  # top k hold p + 1e-8: either side
 
 
 @pytest.mark.parametrize("impl", ["reference", "triton"])

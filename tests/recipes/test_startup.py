@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from torch._dynamo.utils import counters
 
-from sparrow.rollout.config import bounded_unbacked_sizes
+import sparrow.rollout.config as engine_config
 from tests.recipes.test_grpo_recipe import in_process
 
 STARTUP = ["engine.compile=true", "engine.compile_backend=eager", "engine.max_rows=4", "total_steps=2",
@@ -22,7 +22,7 @@ def test_setup_phases_are_logged_once_and_steps_compile_nothing(tmp_path, monkey
     real = CostModel.calibrate.__func__
 
     def quick(cls, engine, params=None, **kw):  # the real measurement, at two buckets and one run a point
-        return real(cls, engine, params, steps=1, buckets=(1, 4), **kw)
+        return real(cls, engine, params, steps=1, buckets=(engine.config.buckets[0], 4), **kw)
 
     monkeypatch.setattr(CostModel, "calibrate", classmethod(quick))
     _, recipe = in_process(tmp_path, monkeypatch, *STARTUP, f"metric_logger.log_dir={tmp_path / 'logs'}")
@@ -35,8 +35,10 @@ def test_setup_phases_are_logged_once_and_steps_compile_nothing(tmp_path, monkey
     for key in ("setup/compile_decode_s", "setup/compile_draft_s", "setup/compile_verify_s", "setup/calibrate_s",
                 "setup/rollout_s"):
         assert first[key] > 0, key
-    one = 1 if bounded_unbacked_sizes() else 2  # backed sizes (torch without bounded unbacked ones): bucket 1 apart
-    assert (first["setup/graphs_decode"], first["setup/graphs_draft"], first["setup/graphs_verify"]) == (one,) * 3
+    # one graph of each kind: one symbolic step serves every bucket (unbacked sizes), or the default buckets leave
+    # out the bucket 1 that backed sizes would specialise (smallest_bucket)
+    assert engine_config.smallest_bucket(True) == (1 if engine_config.bounded_unbacked_sizes() else 2)
+    assert (first["setup/graphs_decode"], first["setup/graphs_draft"], first["setup/graphs_verify"]) == (1, 1, 1)
     assert not any(k.startswith("setup/") for k in second)  # logged once
     assert first["compile/graphs"] == second["compile/graphs"] == after_setup  # the steps compiled nothing
     assert list((tmp_path / "compile_cache" / "costs").glob("*.json"))  # the calibration, for the next run

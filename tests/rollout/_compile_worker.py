@@ -35,8 +35,9 @@ def model() -> torch.nn.Module:
 
 def run(cache_dir: str | None, dynamic: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = RolloutEngine(model().to(device), EngineConfig(max_rows=2, max_prompt_len=8, max_new_tokens=10, block_steps=1,
-                                                 compile=True, dynamic_batch=dynamic, compile_cache=cache_dir))
+    cfg = EngineConfig(max_rows=2, max_prompt_len=8, max_new_tokens=10, block_steps=1, batch_buckets=(1, 2),
+                       compile=True, dynamic_batch=dynamic, compile_cache=cache_dir)  # bucket 1 whatever the torch
+    engine = RolloutEngine(model().to(device), cfg)
     before = cache_counters()
     engine.prepare(PARAMS)
     lookups = {k: v - before[k] for k, v in cache_counters().items()}

@@ -98,6 +98,38 @@ def test_worker_processes_make_the_same_batches():
     assert pool.pool is None
 
 
+def test_rows_a_worker_never_returns_raise_instead_of_hanging(monkeypatch):
+    """A chunk of rows lost with its worker (a Pool never hands it to another) is an error after
+    ``WORKER_TIMEOUT_S``, not a wait without end; the timeout reaches the Pool's ``get``."""
+    import multiprocessing as mp
+
+    import sparrow.training.data as data
+
+    asked = []
+
+    class Lost:
+        def get(self, timeout=None):
+            asked.append(timeout)
+            raise mp.TimeoutError
+
+    class LostPool:
+        def apply_async(self, fn, args):
+            return Lost()
+
+        def terminate(self):
+            pass
+
+        def join(self):
+            pass
+
+    stream = TaskMixStream(FAMILIES, {"kv_mq": 1.0}, seed=1, tokens_per_step=2048)
+    stream.pool = LostPool()
+    monkeypatch.setattr(data, "WORKER_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match="no rows in 0 s"):
+        stream.next(128)
+    assert asked == [0.5]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     pytest.param({"mix": {"nope": 1.0}}, r"unknown families \['nope'\]", id="unknown"),
     pytest.param({"mix": {"kv": 0.0}}, "one of them > 0", id="no-share"),

@@ -11,6 +11,7 @@ indices are consecutive per family: no example is seen twice. A trainer reads an
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
@@ -24,6 +25,7 @@ from sparrow.training.tasks import MultiQuery, Task, TaskFamily
 
 PROMPT, ANSWER, IGNORED, EOS = 0, 1, 2, 3  # the loss role of a target token
 TOKENIZER = CharTokenizer()
+WORKER_TIMEOUT_S = 600.0  # the longest wait for one chunk of rows from the workers (seconds at 32K, normally)
 _LUT = np.full(256, 255, dtype=np.uint8)
 for _c, _i in zip(CHARS, TOKENIZER.encode(CHARS, add_bos=False)):
     _LUT[ord(_c)] = _i
@@ -171,11 +173,14 @@ class TaskMixStream:
         self.pending: deque = deque()
         self.pool = None
         if workers:
-            import multiprocessing as mp
-
-            # workers run pure Python / numpy: fork is safe and fast (no re-import)
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            self.pool = mp.get_context(method).Pool(workers)
+            # Workers start from a fork server (a clean process that imported this module once), never as forks of
+            # this process: a fork of a process whose threads (OpenMP, compile workers) hold locks can die or hang,
+            # and a Pool then waits for its rows forever.
+            method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+            ctx = mp.get_context(method)
+            if method == "forkserver":
+                ctx.set_forkserver_preload([__name__])
+            self.pool = ctx.Pool(workers)
 
     def tasks(self, context: int) -> dict[str, Task]:
         """The mix's tasks at ``context`` (building them checks their knobs)."""
@@ -221,7 +226,11 @@ class TaskMixStream:
             self._submit(context)
         ctx, _, parts = self.pending.popleft()
         if self.pool is not None:
-            parts = [p.get() for p in parts]
+            try:
+                parts = [p.get(timeout=WORKER_TIMEOUT_S) for p in parts]
+            except mp.TimeoutError:
+                raise RuntimeError(f"the data workers made no rows in {WORKER_TIMEOUT_S:.0f} s "
+                                   "(a worker died?)") from None
         return assemble(parts, ctx)
 
     def state_dict(self) -> dict[str, Any]:
