@@ -247,8 +247,8 @@ def run(args, names: list[str], seeds: list[int], device: torch.device) -> dict:
                                     partial=bool(on.get("partial")), **partial_costs(st),
                                     **{k: v for k, v in out.items() if k.startswith("fixed_")}))
             r = rows[-1]
-            table = profile_path(run_dir(work, name, seed), args.profile_step)
-            if args.profile_step and table.is_file():  # the op table travels with the results
+            table = profile_path(run_dir(work, name, seed), args.profile_step) if args.profile_step else None
+            if table is not None and table.is_file():  # the op table travels with the results
                 r["profile"] = table.read_text()
             log(f"{tag}: {run_line(r)}")
             if r["compiled_timed_steps"]:

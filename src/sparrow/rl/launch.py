@@ -260,6 +260,12 @@ TASKS = {"kv_retrieval": "sparrow.rl.KVRetrieval", "variable_tracking": "sparrow
 REWARDS = {"exact_match": "sparrow.rl.ExactMatch", "char_accuracy": "sparrow.rl.CharAccuracy"}
 
 
+def engine_buckets(rows: int, growth: int, compile: bool) -> list[int]:
+    """A benchmark engine's batch buckets: the powers of ``growth`` below ``rows`` from the smallest bucket worth
+    compiling (:func:`~sparrow.rollout.config.smallest_bucket`), then ``rows``."""
+    return batch_buckets(rows, growth, smallest=smallest_bucket(compile))
+
+
 def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str, *, task: str = "kv_retrieval",
                      context: int = 8192, max_asked: int | None = None, reward: str = "exact_match", group: int = 8,
                      prompts_per_step: int = 8, max_new: int = 8, steps: int = 8, eval_prompts: int = 64,
@@ -273,8 +279,8 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
     ``task`` / ``reward`` are keys of :data:`TASKS` / :data:`REWARDS` (``max_asked`` goes to the task); prompts of
     ``context`` tokens, ``prompts_per_step`` x ``group`` rows a step, ``max_new`` new tokens, ``steps`` steps, held-out
     accuracy on ``eval_prompts`` prompts at the start and end (0: none); AdamW at ``lr`` (fused on CUDA), bf16 mixed
-    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: powers of ``bucket_growth``
-    (from :func:`~sparrow.rollout.config.smallest_bucket`);
+    precision on CUDA, the bit-exact sync check at the last step; engine batch buckets: :func:`engine_buckets` of
+    ``bucket_growth``;
     ``shared_prefix`` / ``activation_checkpointing``: the trainer's packed groups and per-layer recomputation.
     ``output_dir`` and the metric logger's ``log_dir`` are left ``None``. ``ValueError`` for an unknown task or
     reward."""
@@ -295,7 +301,7 @@ def grpo_base_config(model: dict[str, Any], checkpoint: Path | str, device: str,
                    "max_prompt_len": context + 1, "max_new_tokens": max_new, "block_steps": block_steps,
                    "compile": compile, "cuda_graphs": compile and cuda,
                    # speculation captures a draft and a verify graph per bucket and draft length
-                   "batch_buckets": batch_buckets(rows, bucket_growth, smallest=smallest_bucket(compile))},
+                   "batch_buckets": engine_buckets(rows, bucket_growth, compile)},
         "sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": max_new},
         "group_size": group, "prompts_per_step": prompts_per_step, "ppo_epochs": 1,
         "minibatches": minibatches, "micro_batch_size": micro_batch, "logprob_chunk": 4096,
@@ -373,8 +379,7 @@ def technique_config(base: dict[str, Any], output_dir: Path | str, *, seed: int 
         per_step = cfg["prompts_per_step"] + overprovision
         rows = cfg["group_size"] * per_step
         cfg["engine"].update(max_rows=rows, max_prompts=max(cfg["engine"]["max_prompts"], per_step),
-                             batch_buckets=batch_buckets(rows, bucket_growth,
-                                                         smallest=smallest_bucket(cfg["engine"]["compile"])))
+                             batch_buckets=engine_buckets(rows, bucket_growth, cfg["engine"]["compile"]))
     return cfg
 
 
